@@ -1,0 +1,282 @@
+"""The datamodule base: prepared-data layout, manifests, padding collate and resumable, epoch-seeded loaders.
+
+`prepare_data()` runs on rank 0 behind a file lock and writes `<data_dir>/<name>/` with a `manifest.json`;
+`setup()` only reads and raises `DatasetNotPreparedError` naming the command that prepares the data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from filelock import FileLock
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+class DatasetNotPreparedError(RuntimeError):
+    """The prepared data is missing or incomplete; the message names the command that prepares it."""
+
+
+def default_data_dir() -> Path:
+    """`$LONGMIXER_DATA` if set, else `./data`."""
+    return Path(os.environ.get("LONGMIXER_DATA", "data"))
+
+
+def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(root: Path, splits: Mapping[str, Mapping[str, Any]], meta: Mapping[str, Any]) -> dict:
+    """Write `root/manifest.json`: per split counts and label balance, the config that made the data, and a
+    sha256 of every file in `root` (the manifest itself excluded). Written last and atomically, so a manifest
+    means the data is complete."""
+    files = {p.name: sha256_of(p) for p in sorted(root.iterdir()) if p.is_file() and p.name not in (MANIFEST, ".lock")}
+    manifest = {"version": MANIFEST_VERSION, "splits": dict(splits), "meta": dict(meta), "files": files}
+    tmp = root / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    os.replace(tmp, root / MANIFEST)
+    return manifest
+
+
+def read_manifest(root: Path, prepare_hint: str) -> dict:
+    path = root / MANIFEST
+    if not path.exists():
+        raise DatasetNotPreparedError(f"no prepared data at {root} (missing {MANIFEST}); prepare it with "
+                                      f"`{prepare_hint}`")
+    manifest = json.loads(path.read_text())
+    missing = [name for name in manifest["files"] if not (root / name).exists()]
+    if missing:
+        raise DatasetNotPreparedError(f"prepared data at {root} is incomplete (missing {missing[:3]}); re-run "
+                                      f"`{prepare_hint}`")
+    return manifest
+
+
+def label_counts(labels: Sequence[int] | np.ndarray) -> dict[str, int]:
+    values, counts = np.unique(np.asarray(labels), return_counts=True)
+    return {str(int(v)): int(c) for v, c in zip(values, counts)}
+
+
+# --- prepared storage: ragged token sequences (concatenated + offsets) and fixed-size arrays, both memory-mapped ---
+
+def save_ragged(root: Path, split: str, sequences: Sequence[np.ndarray], labels: Sequence[int] | None,
+                dtype=np.int32) -> None:
+    lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    flat = np.concatenate([np.asarray(s, dtype=dtype) for s in sequences]) if sequences else np.zeros(0, dtype)
+    np.save(root / f"{split}.tokens.npy", flat)
+    np.save(root / f"{split}.offsets.npy", offsets)
+    if labels is not None:
+        np.save(root / f"{split}.labels.npy", np.asarray(labels, dtype=np.int64))
+
+
+class RaggedDataset(Dataset):
+    """Memory-mapped variable-length token sequences with labels; items are `{"inputs", "labels"}`."""
+
+    def __init__(self, root: Path, split: str, max_len: int | None = None):
+        self.tokens = np.load(root / f"{split}.tokens.npy", mmap_mode="r")
+        self.offsets = np.load(root / f"{split}.offsets.npy")
+        self.labels = np.load(root / f"{split}.labels.npy")
+        self.max_len = max_len
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        seq = np.asarray(self.tokens[self.offsets[i]:self.offsets[i + 1]], dtype=np.int64)
+        if self.max_len is not None:
+            seq = seq[:self.max_len]
+        return {"inputs": torch.from_numpy(seq), "labels": torch.tensor(int(self.labels[i]))}
+
+
+def pad_collate(items: list[dict[str, torch.Tensor]], pad_value: float = 0, pad_to: int | None = None
+                ) -> dict[str, torch.Tensor]:
+    """Stack items, right-padding every sequence key (`inputs`, `inputs2`, `targets`) to the batch maximum (or
+    `pad_to`) and adding `mask` / `mask2` (True = real token)."""
+    batch: dict[str, torch.Tensor] = {}
+    for key in items[0]:
+        values = [item[key] for item in items]
+        if key in ("inputs", "inputs2", "targets"):
+            length = pad_to or max(v.shape[0] for v in values)
+            fill = -100 if key == "targets" else pad_value
+            out = torch.full((len(values), length, *values[0].shape[1:]), fill, dtype=values[0].dtype)
+            mask = torch.zeros(len(values), length, dtype=torch.bool)
+            for i, v in enumerate(values):
+                n = min(v.shape[0], length)
+                out[i, :n] = v[:n]
+                mask[i, :n] = True
+            batch[key] = out
+            if key != "targets":
+                batch["mask" if key == "inputs" else "mask2"] = mask
+        else:
+            batch[key] = torch.stack(values)
+    return batch
+
+
+# --- resumable, epoch-seeded loading -----------------------------------------------------------------------------
+
+class EpochSampler(Sampler[int]):
+    """Shuffles with a generator seeded by (seed, epoch) so the order of an epoch never depends on what ran
+    before it, shards by DDP rank, and can skip the indices of batches already consumed (mid-epoch resume)."""
+
+    def __init__(self, size: int, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1):
+        self.size, self.seed, self.shuffle, self.rank, self.world_size = size, seed, shuffle, rank, world_size
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _indices(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+            order = torch.randperm(self.size, generator=g).tolist()
+        else:
+            order = list(range(self.size))
+        if self.world_size > 1:
+            per_rank = -(-self.size // self.world_size)
+            order = (order + order[:per_rank * self.world_size - self.size])[self.rank::self.world_size]
+        return order
+
+    def __iter__(self) -> Iterator[int]:
+        order, self.skip = self._indices()[self.skip:], 0
+        return iter(order)
+
+    def __len__(self) -> int:
+        return -(-self.size // self.world_size) if self.world_size > 1 else self.size
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader whose position inside an epoch is saved in checkpoints (Lightning's `state_dict` protocol),
+    so a run killed mid-epoch resumes on the next unseen batch."""
+
+    def __init__(self, dataset: Dataset, sampler: EpochSampler, **kwargs):
+        super().__init__(dataset, sampler=sampler, **kwargs)
+        self._consumed = 0
+
+    def __iter__(self):
+        self._consumed = self.sampler.skip // self.batch_size
+        for batch in super().__iter__():
+            self._consumed += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.sampler.epoch, "consumed": self._consumed}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.sampler.set_epoch(int(state["epoch"]))
+        self.sampler.skip = int(state["consumed"]) * self.batch_size
+
+
+class SequenceDataModule(pl.LightningDataModule):
+    """Base of every task's datamodule.
+
+    Subclasses set `name`, implement `_prepare(root)` (download or generate into `root`, return
+    `(splits, meta)` for the manifest) and `_load(root, manifest)` (return a dict split -> Dataset), and may
+    override `collate`.
+
+    Args:
+        data_dir: where prepared data lives (`${paths.data_dir}`: `$LONGMIXER_DATA` or `./data`).
+        batch_size: per-device training batch size; evaluation uses `eval_batch_size` (default the same).
+        num_workers: DataLoader workers.
+        seed: shuffling seed (the run's `seed`); `split_seed` freezes train/val splits where the task makes them.
+    """
+
+    name = "base"
+
+    def __init__(self, data_dir: str | Path | None = None, batch_size: int = 32, eval_batch_size: int | None = None,
+                 num_workers: int = 0, seed: int = 0, split_seed: int = 0, pin_memory: bool = False):
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size={batch_size} must be >= 1")
+        self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
+        self.num_workers, self.seed, self.split_seed, self.pin_memory = num_workers, seed, split_seed, pin_memory
+        self.datasets: dict[str, Dataset] = {}
+        self.manifest: dict | None = None
+
+    @property
+    def root(self) -> Path:
+        return self.data_dir / self.name
+
+    @property
+    def prepare_hint(self) -> str:
+        return f"python scripts/prepare_data.py {self.name} paths.data_dir={self.data_dir}"
+
+    def prepare_fingerprint(self) -> dict[str, Any]:
+        """The config values that determine the prepared files; a manifest made with others is rebuilt."""
+        return {}
+
+    def prepare_data(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.root / ".lock")):
+            manifest_path = self.root / MANIFEST
+            if manifest_path.exists():
+                meta = json.loads(manifest_path.read_text()).get("meta", {})
+                if all(meta.get(k) == v for k, v in self.prepare_fingerprint().items()):
+                    return
+                log.info("prepared data at %s was made with other settings; rebuilding", self.root)
+                manifest_path.unlink()
+            splits, meta = self._prepare(self.root)
+            write_manifest(self.root, splits, {**meta, **self.prepare_fingerprint()})
+            log.info("prepared %s at %s: %s", self.name, self.root,
+                     {k: v.get("count") for k, v in splits.items()})
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        self.manifest = read_manifest(self.root, self.prepare_hint)
+        meta = self.manifest.get("meta", {})
+        stale = {k: (meta.get(k), v) for k, v in self.prepare_fingerprint().items() if meta.get(k) != v}
+        if stale:
+            raise DatasetNotPreparedError(f"prepared data at {self.root} was made with other settings "
+                                          f"(key: (prepared, requested) = {stale}); re-run `{self.prepare_hint}`")
+        self.datasets = self._load(self.root, self.manifest)
+
+    def _prepare(self, root: Path) -> tuple[dict, dict]:
+        raise TypeError(f"{type(self).__name__} must implement _prepare(root)")
+
+    def _load(self, root: Path, manifest: dict) -> dict[str, Dataset]:
+        raise TypeError(f"{type(self).__name__} must implement _load(root, manifest)")
+
+    def collate(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return pad_collate(items)
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        if split not in self.datasets:
+            raise KeyError(f"{self.name} has no {split!r} split (has {sorted(self.datasets)})")
+        dataset = self.datasets[split]
+        rank, world = 0, 1
+        if self.trainer is not None and train:
+            rank, world = self.trainer.global_rank, self.trainer.world_size
+        sampler = EpochSampler(len(dataset), self.seed, shuffle=train, rank=rank, world_size=world)
+        kwargs = dict(batch_size=self.batch_size if train else self.eval_batch_size, collate_fn=self.collate,
+                      num_workers=self.num_workers, pin_memory=self.pin_memory, drop_last=False,
+                      persistent_workers=self.num_workers > 0)
+        if train:
+            return ResumableLoader(dataset, sampler, **kwargs)
+        return DataLoader(dataset, sampler=sampler, **kwargs)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", train=False)

@@ -1,0 +1,72 @@
+"""enwik8, byte level (frameworks.md section 2.10; CHELA table 5, LongVQ table 4, SeqBoat table 3).
+
+The first 100,000,000 bytes of English Wikipedia, split first 90M train / next 5M valid / last 5M test (awd-lstm-lm
+`prep_enwik8.py`, used by Transformer-XL and MEGA). Every byte is one token, newline bytes included: MEGA's fairseq
+binarization turns each newline into an end-of-line token, which keeps them in the stream and in the count, whereas
+Transformer-XL's loader drops them - we follow MEGA, whose data split CHELA and LongVQ reuse (CHELA appendix A.2).
+Token id = byte value + 1, so id 0 stays the framework's padding id and never occurs; vocab_size = 257. The loss
+per token is the loss per byte, and the task reports it in bits (`metric: bpc`).
+
+Source: `enwik8.zip` (the file `enwik8`). Prepared: `{train,val,test}.npy` uint8 byte streams + 1, stored as int16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from longmixer.data.lm_stream import LMDataModule
+from longmixer.data.scifar import download, extract
+
+ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
+ENWIK8_BYTES = 100_000_000
+SPLIT_BYTES = 5_000_000
+
+
+def split_bytes(data: np.ndarray, eval_bytes: int) -> dict[str, np.ndarray]:
+    """First len - 2 * eval_bytes to train, the next eval_bytes to val, the last eval_bytes to test."""
+    if data.size <= 2 * eval_bytes:
+        raise ValueError(f"the byte file has {data.size} bytes, too few for two evaluation splits of "
+                         f"data.eval_bytes={eval_bytes}")
+    n_train = data.size - 2 * eval_bytes
+    return {"train": data[:n_train], "val": data[n_train:n_train + eval_bytes], "test": data[n_train + eval_bytes:]}
+
+
+class Enwik8(LMDataModule):
+    """enwik8 byte-level LM: training segments and evaluation windows of byte ids (byte + 1); see `LMDataModule`.
+
+    Args:
+        eval_bytes: bytes in each of valid and test (5,000,000; train is the rest, 90M of the 100M).
+        source_dir: a folder holding the file `enwik8` (skips the download); None: download into `<data_dir>/enwik8/raw`.
+        seq_len, vocab_size, k_min, k_max, eval_window, eval_context, metric, roll, data_dir, batch_size,
+            eval_batch_size, num_workers, seed, split_seed, pin_memory: see `LMDataModule`.
+    """
+
+    name = "enwik8"
+
+    def __init__(self, eval_bytes: int = SPLIT_BYTES, seq_len: int = 2048, vocab_size: int = 257, k_min: int = 1,
+                 k_max: int = 1, eval_window: int | None = None, eval_context: int = 0, metric: str = "bpc",
+                 roll: bool = True, source_dir: str | Path | None = None, data_dir: str | Path | None = None, batch_size: int = 8,
+                 eval_batch_size: int | None = None, num_workers: int = 0, seed: int = 0, split_seed: int = 0,
+                 pin_memory: bool = False):
+        super().__init__(seq_len=seq_len, vocab_size=vocab_size, k_min=k_min, k_max=k_max, eval_window=eval_window,
+                         eval_context=eval_context, metric=metric, roll=roll, data_dir=data_dir,
+                         batch_size=batch_size, eval_batch_size=eval_batch_size, num_workers=num_workers, seed=seed,
+                         split_seed=split_seed, pin_memory=pin_memory)
+        self.eval_bytes = eval_bytes
+        self.source_dir = None if source_dir is None else Path(source_dir)
+
+    def prepare_fingerprint(self) -> dict:
+        return {"eval_bytes": self.eval_bytes}
+
+    def _prepare(self, root: Path) -> tuple[dict, dict]:
+        raw = (self.source_dir or root / "raw") / "enwik8"
+        if self.source_dir is None and not raw.exists():
+            extract(download(ENWIK8_URL, root / "raw" / "enwik8.zip"), root / "raw")
+        data = np.fromfile(raw, dtype=np.uint8)
+        splits = {}
+        for split, part in split_bytes(data, self.eval_bytes).items():
+            np.save(root / f"{split}.npy", part.astype(np.int16) + 1)
+            splits[split] = {"count": int(part.size)}
+        return splits, {"vocab_size": 257, "tokenizer": "bytes+1", "total_bytes": int(data.size)}

@@ -1,0 +1,1 @@
+"""Seeded, faithful generators for the synthetic LRA tasks."""

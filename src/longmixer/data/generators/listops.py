@@ -1,0 +1,115 @@
+"""A seeded reimplementation of the LRA ListOps generator (Tay et al. 2021, arXiv:2011.04006; the logic of
+`lra_benchmarks/data/listops.py` as described in shared/research/frameworks.md section 3.1).
+
+Differences from the original, all deliberate: the RNG is seeded (`random.Random(seed)`), and deduplication keeps
+first-generation order instead of Python set order, so the same seed gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")  # [FIRST and [LAST are defined but disabled in LRA
+END = "]"
+VALUE_P = 0.25  # a node becomes a leaf when r > VALUE_P: leaf probability 0.75
+
+
+@dataclass(frozen=True)
+class ListOpsSpec:
+    """Generator settings; the defaults are LRA's (`basic` task)."""
+
+    num_train: int = 96_000
+    num_val: int = 2_000
+    num_test: int = 2_000
+    max_depth: int = 10
+    max_args: int = 10
+    min_length: int = 500   # exclusive: LRA keeps min_length < length < max_length
+    max_length: int = 2_000
+
+    def __post_init__(self):
+        if not 0 <= self.min_length < self.max_length:
+            raise ValueError(f"ListOps min_length={self.min_length} must be >= 0 and < max_length={self.max_length}")
+        if self.max_args < 2 or self.max_depth < 2:
+            raise ValueError(f"ListOps max_args={self.max_args} and max_depth={self.max_depth} must be >= 2")
+
+
+def sample_tree(rng: random.Random, depth: int, spec: ListOpsSpec):
+    """A leaf digit, or a left-nested binary tuple `((((op, c1), c2), ..., cn), "]")`."""
+    r = rng.random() if depth < spec.max_depth else 1.0
+    if r > VALUE_P:
+        return rng.randint(0, 9)
+    n_args = rng.randint(2, spec.max_args)
+    op = rng.choice(OPERATORS)
+    node = op
+    for _ in range(n_args):
+        node = (node, sample_tree(rng, depth + 1, spec))
+    return (node, END)
+
+
+def tree_length(tree) -> int:
+    """Tokens without parentheses: a leaf is 1, an operator node 2 (op and `]`) plus its children."""
+    if isinstance(tree, tuple):
+        return tree_length(tree[0]) + tree_length(tree[1])
+    return 1
+
+
+def to_string(tree) -> str:
+    """LRA's rendering: every binary pair wrapped as `( left right )`."""
+    if isinstance(tree, tuple):
+        return f"( {to_string(tree[0])} {to_string(tree[1])} )"
+    return str(tree)
+
+
+def evaluate(tree) -> int:
+    """The answer 0-9: MIN, MAX, MED = int(median) (even counts average then truncate), SM = sum mod 10."""
+    if not isinstance(tree, tuple):
+        return int(tree)
+    args, node = [], tree[0]
+    while isinstance(node, tuple):
+        args.append(evaluate(node[1]))
+        node = node[0]
+    args.reverse()
+    op: Callable = {"[MIN": min, "[MAX": max, "[MED": lambda a: int(np.median(a)),
+                    "[SM": lambda a: sum(a) % 10}[node]
+    return int(op(args))
+
+
+def generate(spec: ListOpsSpec, seed: int, progress: Callable[[int], None] | None = None
+             ) -> Iterator[tuple[str, int]]:
+    """Unique (source, target) pairs with min_length < length < max_length, in generation order."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    total = spec.num_train + spec.num_val + spec.num_test
+    while len(seen) < total:
+        tree = sample_tree(rng, 1, spec)
+        if not spec.min_length < tree_length(tree) < spec.max_length:
+            continue
+        source = to_string(tree)
+        if source in seen:
+            continue
+        seen.add(source)
+        if progress is not None:
+            progress(1)
+        yield source, evaluate(tree)
+
+
+def write_tsv_splits(out_dir: Path, spec: ListOpsSpec, seed: int, task: str = "basic",
+                     progress: Callable[[int], None] | None = None) -> dict[str, Path]:
+    """Write `{task}_{train,val,test}.tsv` in the LRA format (header `Source\\tTarget`), train first."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    samples = generate(spec, seed, progress)
+    paths = {}
+    for split, count in (("train", spec.num_train), ("val", spec.num_val), ("test", spec.num_test)):
+        paths[split] = out_dir / f"{task}_{split}.tsv"
+        with open(paths[split], "w", newline="") as f:
+            writer = csv.writer(f, delimiter="\t")
+            writer.writerow(["Source", "Target"])
+            for _ in range(count):
+                writer.writerow(next(samples))
+    return paths

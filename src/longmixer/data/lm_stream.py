@@ -1,0 +1,293 @@
+"""Contiguous-stream batching for language modeling (WikiText-103, enwik8).
+
+Training follows Transformer-XL's ordered iterator (frameworks.md section 2.9): the corpus, one long token stream,
+is laid out as `global_batch` rows read left to right; each DDP rank reads its own `batch_size` rows (so Lightning's
+distributed sampler is not used), and every epoch each row is rolled by its own random offset so that segment
+boundaries move. A training batch is a segment of K chunks, K drawn uniformly from [k_min, k_max] per batch (MEGA's
+`--variant-block-multiple-min/max`, models.md section 1.5; CHELA appendix A.2 "each segment contains m consecutive
+chunks").
+
+Evaluation scores every token of the stream exactly once, each with at least `context` tokens of left context
+(except the first `context` tokens of the stream, which have all there is): windows of `window` tokens slide by
+`window - context` and only the tokens past the overlap are scored (SeqBoat section 4.4: windows of 8,192 with at
+least 7,000 tokens of context). `context = 0` gives disjoint segments (MEGA / CHELA / LongVQ "segment the test data
+and process each segment sequentially"). The last window is aligned to end at the stream's end, so all windows
+have the same length and none is padded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from longmixer.data.base import SequenceDataModule
+
+IGNORE_INDEX = -100
+
+
+def _mine_in_worker(i: int) -> bool:
+    """DataLoader workers each yield every num_workers-th batch, so a stream is not duplicated across workers."""
+    info = torch.utils.data.get_worker_info()
+    return info is None or i % info.num_workers == info.id
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class LMTrainStream(IterableDataset):
+    """Ordered training batches `{"inputs", "targets", "mask"}` of shape [batch_size, K * chunk] from one stream.
+
+    Use it through `LMStreamLoader` (or `DataLoader(stream, batch_size=None)` and `set_epoch`): it batches itself.
+
+    Args:
+        tokens: [N] the training stream (any integer dtype; batches are int64).
+        batch_size: rows per rank (the global batch is `batch_size * world_size`).
+        chunk: C, the chunk length; segments are K * C tokens.
+        k_min, k_max: K is drawn uniformly from [k_min, k_max] for each batch (k_min = k_max: fixed length).
+        seed: the roll offsets and the K draws depend on (seed, epoch) only, so every rank agrees on K.
+        roll: roll each row by a random offset every epoch (Transformer-XL / s4 `roll_seed`).
+        rank, world_size: the DDP shard; None reads them from torch.distributed at iteration time.
+    """
+
+    def __init__(self, tokens: torch.Tensor, batch_size: int, chunk: int, k_min: int = 1, k_max: int = 1,
+                 seed: int = 0, roll: bool = True, rank: int | None = None, world_size: int | None = None):
+        super().__init__()
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be a 1-D stream, got shape {tuple(tokens.shape)}")
+        if batch_size < 1 or chunk < 1:
+            raise ValueError(f"data.batch_size={batch_size} and data.chunk={chunk} must be >= 1")
+        if not 1 <= k_min <= k_max:
+            raise ValueError(f"data.k_min={k_min}, data.k_max={k_max}: need 1 <= k_min <= k_max")
+        self.tokens, self.batch_size, self.chunk = tokens, batch_size, chunk
+        self.k_min, self.k_max, self.seed, self.roll = k_min, k_max, seed, roll
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.skip = 0, 0  # skip: batches of this epoch already consumed (mid-epoch resume)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose roll offsets and K draws the next iteration uses."""
+        self.epoch = epoch
+
+    def _shard(self) -> tuple[int, int]:
+        rank, world_size = _rank_and_world_size()
+        rank = rank if self.rank is None else self.rank
+        world_size = world_size if self.world_size is None else self.world_size
+        return rank, world_size
+
+    def rows(self) -> torch.Tensor:
+        """[batch_size, T] this rank's rows for the current epoch (rolled if `roll`)."""
+        rank, world_size = self._shard()
+        global_batch = self.batch_size * world_size
+        row_len = self.tokens.numel() // global_batch  # the tail that does not fill a row is dropped (TXL)
+        if row_len < self.k_min * self.chunk + 1:
+            raise ValueError(f"the training stream ({self.tokens.numel()} tokens) is too short for a global batch of "
+                             f"{global_batch} rows of >= {self.k_min * self.chunk + 1} tokens; lower data.batch_size "
+                             "or data.chunk")
+        data = self.tokens[: row_len * global_batch].view(global_batch, row_len)
+        data = data[rank * self.batch_size:(rank + 1) * self.batch_size]
+        if self.roll:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            offsets = torch.randint(0, row_len, (global_batch,), generator=g)[
+                rank * self.batch_size:(rank + 1) * self.batch_size]
+            data = torch.stack([torch.roll(row, -int(o)) for row, o in zip(data, offsets)])
+        return data
+
+    def segment_lengths(self, row_len: int) -> list[int]:
+        """The segment lengths K * C of one epoch, K drawn from (seed, epoch); near the end of the rows K is cut to
+        the whole chunks left, and a rest shorter than k_min chunks is dropped, so every length is a multiple of C
+        (chunked mixers need L % C == 0)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch + 7)
+        lengths, pos = [], 0
+        while True:
+            k_fit = (row_len - 1 - pos) // self.chunk
+            if k_fit < self.k_min:
+                return lengths
+            k = min(int(torch.randint(self.k_min, self.k_max + 1, (1,), generator=g)), k_fit)
+            lengths.append(k * self.chunk)
+            pos += k * self.chunk
+
+    def __len__(self) -> int:
+        rank, world_size = self._shard()
+        row_len = self.tokens.numel() // (self.batch_size * world_size)
+        return len(self.segment_lengths(row_len))
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        data = self.rows()
+        starts = [0]
+        for length in self.segment_lengths(data.shape[1]):
+            starts.append(starts[-1] + length)
+        skip, self.skip = self.skip, 0
+        for i, (pos, end) in enumerate(zip(starts[:-1], starts[1:])):
+            if i < skip or not _mine_in_worker(i):
+                continue
+            inputs = data[:, pos:end]
+            yield {"inputs": inputs.long(), "targets": data[:, pos + 1:end + 1].long(),
+                   "mask": torch.ones_like(inputs, dtype=torch.bool)}
+
+
+def eval_windows(num_tokens: int, window: int, context: int) -> list[tuple[int, int, int]]:
+    """Windows over a stream of `num_tokens` tokens (num_tokens - 1 predictions).
+
+    Input position i predicts token i + 1. Returns (start, end, first_scored): the window feeds inputs
+    [start, end) and scores the predictions at [first_scored, end). Every position in [0, num_tokens - 1) is scored
+    exactly once, with at least `context` inputs before it inside its window unless it lies in the first window.
+    """
+    if window < 1:
+        raise ValueError(f"data.eval_window={window} must be >= 1")
+    if not 0 <= context < window:
+        raise ValueError(f"data.eval_context={context} must be in [0, data.eval_window={window}); it is the minimum "
+                         "left context of a scored token, so the window must be longer")
+    n = num_tokens - 1  # predictions
+    if n < 1:
+        raise ValueError(f"an evaluation stream needs at least 2 tokens, got {num_tokens}")
+    if n <= window:
+        return [(0, n, 0)]
+    stride = window - context
+    windows, start, scored_to = [], 0, 0
+    while scored_to < n:
+        start = min(start, n - window)  # the last window ends at the stream's end
+        end = start + window
+        windows.append((start, end, scored_to))
+        scored_to = end
+        start += stride
+    return windows
+
+
+class LMEvalStream(IterableDataset):
+    """Evaluation batches of windows from one stream; targets are -100 outside each window's scored part.
+
+    Args:
+        tokens: [N] the validation or test stream.
+        window: window length (e.g. 8192).
+        context: the minimum left context of a scored token (e.g. 7000); 0 gives disjoint segments.
+        batch_size: windows per batch (the last batch may be smaller; nothing is dropped).
+        rank, world_size: windows are dealt round-robin to DDP ranks; None reads torch.distributed.
+    """
+
+    def __init__(self, tokens: torch.Tensor, window: int, context: int, batch_size: int, rank: int | None = None,
+                 world_size: int | None = None):
+        super().__init__()
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be a 1-D stream, got shape {tuple(tokens.shape)}")
+        if batch_size < 1:
+            raise ValueError(f"data.eval_batch_size={batch_size} must be >= 1")
+        self.tokens, self.batch_size = tokens, batch_size
+        self.windows = eval_windows(tokens.numel(), window, context)
+        self.rank, self.world_size = rank, world_size
+
+    def _my_windows(self) -> list[tuple[int, int, int]]:
+        rank, world_size = _rank_and_world_size()
+        rank = rank if self.rank is None else self.rank
+        world_size = world_size if self.world_size is None else self.world_size
+        return self.windows[rank::world_size]
+
+    def __len__(self) -> int:
+        return math.ceil(len(self._my_windows()) / self.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        mine = self._my_windows()
+        for b, i in enumerate(range(0, len(mine), self.batch_size)):
+            if not _mine_in_worker(b):
+                continue
+            group = mine[i:i + self.batch_size]
+            inputs = torch.stack([self.tokens[s:e].long() for s, e, _ in group])  # same length by construction
+            targets = torch.stack([self.tokens[s + 1:e + 1].long() for s, e, _ in group])
+            for row, (s, _, first) in enumerate(group):
+                targets[row, :first - s] = IGNORE_INDEX
+            yield {"inputs": inputs, "targets": targets, "mask": torch.ones_like(inputs, dtype=torch.bool)}
+
+
+class LMStreamLoader(DataLoader):
+    """The training loader of an `LMTrainStream`: sets the stream's epoch on every pass (so rolls and K draws change
+    per epoch even with worker processes) and saves its position in checkpoints (Lightning's `state_dict`
+    protocol), so a run killed mid-epoch resumes on the next unseen batch."""
+
+    def __init__(self, stream: LMTrainStream, **kwargs):
+        super().__init__(stream, batch_size=None, **kwargs)
+        self._epoch, self._consumed, self._resume = -1, 0, None
+
+    def __iter__(self):
+        if self._resume is not None:
+            self._epoch, self._consumed = self._resume
+            self._resume = None
+        else:
+            self._epoch, self._consumed = self._epoch + 1, 0
+        self.dataset.set_epoch(self._epoch)
+        self.dataset.skip = self._consumed
+        for batch in super().__iter__():
+            self._consumed += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "consumed": self._consumed}
+
+    def load_state_dict(self, state) -> None:
+        self._resume = (int(state["epoch"]), int(state["consumed"]))
+
+
+LM_METRICS = ("ppl", "bpc")
+
+
+class LMDataModule(SequenceDataModule):
+    """Base of the language-model datamodules: prepared token streams `{train,val,test}.npy` (1-D), served as
+    ordered training segments and evaluation windows. Subclasses set `name` and implement `_prepare`.
+
+    Args:
+        seq_len: C, the chunk length; training segments are K * C tokens (MEGA: 1024 on WikiText-103, 2048 on
+            enwik8; a model's chunk or learned positions interpolate it).
+        vocab_size: checked against the prepared vocabulary.
+        k_min, k_max: K is uniform in [k_min, k_max] per batch (MEGA: 2..6 on WikiText-103, 2..4 on enwik8).
+        eval_window: evaluation window length (None: k_max * seq_len).
+        eval_context: minimum left context of each scored evaluation token (0: disjoint segments).
+        metric: what the task reports besides the loss: "ppl" (word level) | "bpc" (bits per byte / character).
+        roll: roll each training row by a random offset every epoch.
+        data_dir, batch_size (rows per device), eval_batch_size (windows per batch), num_workers, seed, split_seed,
+            pin_memory: see `SequenceDataModule`.
+    """
+
+    name = "lm"
+
+    def __init__(self, seq_len: int, vocab_size: int, k_min: int = 1, k_max: int = 1, eval_window: int | None = None,
+                 eval_context: int = 0, metric: str = "ppl", roll: bool = True, data_dir: str | Path | None = None,
+                 batch_size: int = 8, eval_batch_size: int | None = None, num_workers: int = 0, seed: int = 0,
+                 split_seed: int = 0, pin_memory: bool = False):
+        super().__init__(data_dir=data_dir, batch_size=batch_size, eval_batch_size=eval_batch_size,
+                         num_workers=num_workers, seed=seed, split_seed=split_seed, pin_memory=pin_memory)
+        if metric not in LM_METRICS:
+            raise ValueError(f"data.metric={metric!r} is not one of {LM_METRICS}")
+        if not 1 <= k_min <= k_max:
+            raise ValueError(f"data.k_min={k_min}, data.k_max={k_max}: need 1 <= k_min <= k_max")
+        self.seq_len, self.vocab_size, self.k_min, self.k_max = seq_len, vocab_size, k_min, k_max
+        self.eval_window = k_max * seq_len if eval_window is None else eval_window
+        if not 0 <= eval_context < self.eval_window:
+            raise ValueError(f"data.eval_context={eval_context} must be in [0, data.eval_window={self.eval_window})")
+        self.eval_context, self.metric, self.roll = eval_context, metric, roll
+
+    def _load(self, root: Path, manifest: dict) -> dict[str, IterableDataset]:
+        meta = manifest.get("meta", {})
+        if meta.get("vocab_size") != self.vocab_size:
+            raise ValueError(f"data.vocab_size={self.vocab_size} does not match the prepared {self.name} vocabulary "
+                             f"({meta.get('vocab_size')}); set data.vocab_size={meta.get('vocab_size')}")
+        tokens = {split: torch.from_numpy(np.load(root / f"{split}.npy")) for split in ("train", "val", "test")}
+        return {
+            "train": LMTrainStream(tokens["train"], self.batch_size, self.seq_len, self.k_min, self.k_max,
+                                   seed=self.seed, roll=self.roll),
+            **{split: LMEvalStream(tokens[split], self.eval_window, self.eval_context, self.eval_batch_size)
+               for split in ("val", "test")},
+        }
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        if split not in self.datasets:
+            raise KeyError(f"{self.name} has no {split!r} split (has {sorted(self.datasets)})")
+        kwargs = dict(num_workers=self.num_workers, pin_memory=self.pin_memory,
+                      persistent_workers=self.num_workers > 0)
+        if train:
+            return LMStreamLoader(self.datasets[split], **kwargs)
+        return DataLoader(self.datasets[split], batch_size=None, **kwargs)

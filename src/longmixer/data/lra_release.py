@@ -1,0 +1,163 @@
+"""The official Long Range Arena release (Tay et al. 2021, arXiv 2011.04006): resumable download, extraction, and
+where each task's files sit inside it.
+
+`lra_release.gz` is a gzipped tar of about 8 GB (18.6 GB unpacked, LRA issue #12) that holds, under one or two
+`lra_release/` levels, `listops-1000/`, `tsv_data/` (AAN retrieval), and `pathfinder{32,64,128,256}/` with
+`curv_baseline/`, `curv_contour_length_9/` and `curv_contour_length_14/` (frameworks.md section 2). No checksum is
+published; the download is checked against the server's Content-Length and its sha256 is recorded beside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tarfile
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LRA_URL = "https://storage.googleapis.com/long-range-arena/lra_release.gz"
+ARCHIVE_NAME = "lra_release.gz"
+PARTS = ("listops-1000", "tsv_data", "pathfinder32", "pathfinder64", "pathfinder128", "pathfinder256")
+
+
+def _progress(description: str, total: int | None):
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, \
+        TransferSpeedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn(), transient=True)
+    return bar, bar.add_task(description, total=total)
+
+
+def download(url: str, dest: Path, expected_size: int | None = None, chunk: int = 1 << 20) -> Path:
+    """Download `url` to `dest`, resuming a partial `dest.part` with an HTTP Range request.
+
+    The file keeps its final name only once its size equals the server's Content-Length (or `expected_size`);
+    a server that ignores the Range header makes the download restart from zero.
+
+    Raises:
+        OSError: the transfer ended short of the announced size (re-run to resume).
+    """
+    dest = Path(dest)
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    have = part.stat().st_size if part.exists() else 0
+    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+    try:
+        response = urllib.request.urlopen(request)
+    except urllib.error.HTTPError as err:
+        if err.code != 416:  # 416: the partial file is already complete
+            raise
+        response = None
+    if response is None:
+        total = have
+    else:
+        with response:
+            resumed = response.status == 206
+            if have and not resumed:
+                log.info("server ignored the Range request; restarting %s", dest.name)
+                have = 0
+            length = int(response.headers.get("Content-Length") or 0)
+            total = have + length if length else expected_size
+            log.info("downloading %s -> %s (%s bytes, resuming at %d)", url, dest, total, have)
+            bar, task = _progress(dest.name, total)
+            with bar, open(part, "ab" if resumed else "wb") as f:
+                bar.update(task, completed=have)
+                while block := response.read(chunk):
+                    f.write(block)
+                    bar.advance(task, len(block))
+    size = part.stat().st_size
+    expected = expected_size or total
+    if expected is not None and size != expected:
+        raise OSError(f"download of {url} stopped at {size} of {expected} bytes; re-run the same command to resume "
+                      f"(the partial file is {part})")
+    os.replace(part, dest)
+    digest = hashlib.sha256()
+    with open(dest, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    dest.with_name(dest.name + ".sha256").write_text(f"{digest.hexdigest()}  {dest.name}\n")
+    return dest
+
+
+def find_release_dir(root: Path) -> Path | None:
+    """The folder under `root` (up to three levels down) that directly holds any of `PARTS`, or None."""
+    root = Path(root)
+    frontier = [root]
+    for _ in range(4):
+        for folder in frontier:
+            if any((folder / name).is_dir() for name in PARTS):
+                return folder
+        frontier = [child for folder in frontier if folder.is_dir() for child in sorted(folder.iterdir())
+                    if child.is_dir()]
+    return None
+
+
+def extract(archive: Path, dest: Path, parts: Sequence[str] | None = None) -> None:
+    """Stream the tar.gz into `dest`, keeping only members under the top-level `parts` (all when None); a marker
+    `.extracted-<part>` per part is written once its members are out."""
+    wanted = tuple(parts) if parts else PARTS
+    unknown = [p for p in wanted if p not in PARTS]
+    if unknown:
+        raise ValueError(f"parts={unknown} are not in the LRA release; choose from {PARTS}")
+    bar, task = _progress(f"extracting {archive.name}", archive.stat().st_size)
+    with bar, open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r|gz") as tar:
+        for member in tar:
+            if any(part in Path(member.name).parts for part in wanted):
+                tar.extract(member, dest, filter="data")
+            bar.update(task, completed=raw.tell())
+    for part in wanted:
+        (Path(dest) / f".extracted-{part}").touch()
+
+
+def ensure_lra_release(root: Path, parts: Sequence[str] | None = None, url: str = LRA_URL) -> Path:
+    """Make the LRA release available under `root` and return the folder holding `listops-1000/`, `tsv_data/`,
+    `pathfinder*/`.
+
+    A release already extracted under `root` (by this function, or by hand: `tar xzf lra_release.gz -C root`) is
+    used as it is. Otherwise `root/lra_release.gz` is downloaded (resumable) and the requested `parts` extracted.
+
+    Raises:
+        FileNotFoundError: the archive holds none of the requested parts.
+    """
+    root = Path(root)
+    wanted = tuple(parts) if parts else PARTS
+    found = find_release_dir(root)
+    done = all((root / f".extracted-{p}").exists() for p in wanted)
+    if found is not None and (done or all((found / p).is_dir() for p in wanted)):
+        return found
+    archive = download(url, root / ARCHIVE_NAME)
+    extract(archive, root, wanted)
+    found = find_release_dir(root)
+    if found is None:
+        raise FileNotFoundError(f"{archive} held none of {wanted}; delete it and re-run to download it again")
+    return found
+
+
+def listops_dir(release: Path) -> Path:
+    """`basic_{train,val,test}.tsv` of ListOps."""
+    return _existing(Path(release) / "listops-1000")
+
+
+def aan_dir(release: Path) -> Path:
+    """`new_aan_pairs.{train,eval,test}.tsv` of the AAN retrieval task."""
+    return _existing(Path(release) / "tsv_data")
+
+
+def pathfinder_dir(release: Path, resolution: int, difficulty_folder: str) -> Path:
+    """`<release>/pathfinder<resolution>/<difficulty_folder>` (e.g. `curv_contour_length_14`)."""
+    return _existing(Path(release) / f"pathfinder{resolution}" / difficulty_folder)
+
+
+def _existing(path: Path) -> Path:
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is missing from the LRA release; re-extract it with "
+                                "`python scripts/prepare_data.py <task>` or point data.source_dir at a copy")
+    return path

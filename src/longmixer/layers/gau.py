@@ -1,0 +1,130 @@
+"""Gated-attention-unit parts shared by MEGA and its descendants (MEGA, arXiv:2209.10655, section 3; FLASH, Hua
+et al. 2022): per-dimension scale-and-offset Q/K from one shared z, the gate projection, and the relative-position
+biases (simple and rotary) as vectors b[(C-1) + j - i] for `longmixer.ops.local_attention`. Details follow the
+official code (facebookresearch/mega, `fairseq/modules/{moving_average_gated_attention,relative_positional_bias}.py`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+_GATE_ACTIVATIONS = {"sigmoid": torch.sigmoid, "silu": F.silu, "none": lambda t: t}
+
+
+class ScaleOffset(nn.Module):
+    """n heads from one z by a per-dimension affine map: out_h = z * gamma[h] + beta[h] (MEGA eq. 13, FLASH).
+
+    Init as the official code: gamma ~ N(0, 0.02), beta = 0.
+
+    Args:
+        dim: S, the width of z.
+        heads: how many outputs (2 for MEGA's q and k).
+    """
+
+    def __init__(self, dim: int, heads: int = 2):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.empty(heads, dim))
+        self.beta = nn.Parameter(torch.zeros(heads, dim))
+        nn.init.normal_(self.gamma, mean=0.0, std=0.02)
+
+    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """z [..., S] -> heads tensors [..., S]."""
+        out = z.unsqueeze(-2) * self.gamma + self.beta  # [..., heads, S]
+        return out.unbind(-2)
+
+
+class GateProjection(nn.Module):
+    """One Linear split into named pieces, each with its own activation (MEGA's mx_proj: u, zr, hx, eq. 10-12).
+
+    Init as MEGA: weight ~ N(0, 0.02), bias 0.
+
+    Args:
+        d_in: input width.
+        sizes: output widths, in order.
+        activations: one of sigmoid | silu | none per piece.
+    """
+
+    def __init__(self, d_in: int, sizes: list[int], activations: list[str]):
+        super().__init__()
+        if len(sizes) != len(activations) or any(a not in _GATE_ACTIVATIONS for a in activations):
+            raise ValueError(f"GateProjection wants one activation in {sorted(_GATE_ACTIVATIONS)} per size; got "
+                             f"sizes={sizes}, activations={activations}")
+        self.sizes, self.activations = list(sizes), list(activations)
+        self.proj = nn.Linear(d_in, sum(sizes))
+        nn.init.normal_(self.proj.weight, mean=0.0, std=0.02)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        pieces = torch.split(self.proj(x), self.sizes, dim=-1)
+        return [_GATE_ACTIVATIONS[a](p) for a, p in zip(self.activations, pieces)]
+
+
+class SimpleRelativePositionalBias(nn.Module):
+    """A learned scalar per offset: bias[i, j] = w[(M-1) + j - i] (MEGA's `SimpleRelativePositionalBias`).
+
+    Args:
+        max_positions: M, the longest sequence (or chunk) it serves; w has 2M-1 entries, init N(0, 0.02).
+    """
+
+    def __init__(self, max_positions: int):
+        super().__init__()
+        self.max_positions = max_positions
+        self.weight = nn.Parameter(torch.empty(2 * max_positions - 1))
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+    def forward(self, length: int) -> torch.Tensor:
+        """The bias vector for sequences of `length` C: [2C-1], entry (C-1) + j - i.
+
+        Raises:
+            ValueError: length > max_positions (the official code raises too).
+        """
+        M = self.max_positions
+        if length > M:
+            raise ValueError(f"sequence (or chunk) length {length} exceeds the relative-position bias size "
+                             f"max_positions={M}; raise max_positions (it is the mixer's max_positions)")
+        return self.weight[M - length:M + length - 1]
+
+
+class RotaryRelativePositionalBias(nn.Module):
+    """MEGA's rotary bias: bias[i, j] = rot_i(a) . rot_j(b) with learned a, b [S] (RoPE rotation, base 10000,
+    half-split). Rotations compose, so it equals a . rot_{j-i}(b), a function of j - i only: we return it as the
+    same [2C-1] vector as the simple bias, which lets the chunked kernel take either.
+
+    Args:
+        dim: S (even).
+        max_positions: M, the longest sequence (or chunk) it serves.
+    """
+
+    def __init__(self, dim: int, max_positions: int):
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"RotaryRelativePositionalBias dim={dim} must be even")
+        self.dim, self.max_positions = dim, max_positions
+        self.alpha = nn.Parameter(torch.empty(dim))
+        self.beta = nn.Parameter(torch.empty(dim))
+        nn.init.normal_(self.alpha, mean=0.0, std=0.02)
+        nn.init.normal_(self.beta, mean=0.0, std=0.02)
+
+    def forward(self, length: int) -> torch.Tensor:
+        """[2C-1] vector, entry (C-1) + r = a . rot_r(b) for r = j - i in [-(C-1), C-1]."""
+        if length > self.max_positions:
+            raise ValueError(f"sequence (or chunk) length {length} exceeds the rotary bias size "
+                             f"max_positions={self.max_positions}; raise max_positions")
+        half = self.dim // 2
+        freq = torch.exp(torch.arange(half, device=self.alpha.device, dtype=torch.float32)
+                         * (-math.log(10000.0) / half))
+        r = torch.arange(-(length - 1), length, device=self.alpha.device, dtype=torch.float32)
+        angle = r[:, None] * freq  # [2C-1, S/2]
+        sin, cos = torch.sin(angle).to(self.alpha.dtype), torch.cos(angle).to(self.alpha.dtype)
+        b1, b2 = self.beta[:half], self.beta[half:]
+        rot_b = torch.cat([b1 * cos - b2 * sin, b2 * cos + b1 * sin], dim=-1)  # [2C-1, S]
+        return rot_b @ self.alpha
+
+
+def bias_matrix(bias: torch.Tensor, length: int) -> torch.Tensor:
+    """Expand a [2C-1] relative bias into the [C, C] matrix bias[i, j] = b[(C-1) + j - i] (tests, small C)."""
+    pos = torch.arange(length, device=bias.device)
+    return bias[(length - 1) + pos[None, :] - pos[:, None]]

@@ -1,0 +1,93 @@
+"""Sequence norms over [B, L, D]: LayerNorm, ScaleNorm, RMSNorm and a padding-aware BatchNorm (eps 1e-5 for all,
+as MEGA's `SequenceNorm`, models.md section 1.6)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+NORMS = ("layernorm", "scalenorm", "rmsnorm", "batchnorm", "syncbatchnorm")
+EPS = 1e-5
+
+
+class LayerNorm(nn.LayerNorm):
+    def __init__(self, d_model: int, eps: float = EPS):
+        super().__init__(d_model, eps=eps)
+
+    def forward(self, x, mask=None):
+        return super().forward(x)
+
+
+class ScaleNorm(nn.Module):
+    """x * g / ||x|| with one learned scalar g (Nguyen & Salazar 2019; MEGA's scalenorm)."""
+
+    def __init__(self, d_model: int, eps: float = EPS):
+        super().__init__()
+        self.eps = eps
+        self.scalar = nn.Parameter(torch.ones(1))
+
+    def forward(self, x, mask=None):
+        mean_square = x.float().pow(2).mean(dim=-1, keepdim=True)
+        return (x.float() * torch.rsqrt(mean_square + self.eps)).type_as(x) * self.scalar
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d_model: int, eps: float = EPS):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x, mask=None):
+        mean_square = x.float().pow(2).mean(dim=-1, keepdim=True)
+        return (x.float() * torch.rsqrt(mean_square + self.eps)).type_as(x) * self.weight
+
+
+class MaskedBatchNorm(nn.Module):
+    """BatchNorm over the (B, L) positions of each channel, ignoring padding; `sync` all-reduces the moments
+    across DDP ranks (syncbatchnorm)."""
+
+    def __init__(self, d_model: int, eps: float = EPS, momentum: float = 0.1, sync: bool = False):
+        super().__init__()
+        self.eps, self.momentum, self.sync = eps, momentum, sync
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.bias = nn.Parameter(torch.zeros(d_model))
+        self.register_buffer("running_mean", torch.zeros(d_model))
+        self.register_buffer("running_var", torch.ones(d_model))
+
+    def forward(self, x, mask=None):
+        if self.training:
+            xf = x.float()
+            w = torch.ones_like(xf[..., :1]) if mask is None else mask.unsqueeze(-1).to(xf.dtype)  # [B, L, 1]
+            stats = torch.cat([(xf * w).sum((0, 1)), (xf.pow(2) * w).sum((0, 1)), w.sum((0, 1))])  # [2D + 1]
+            if self.sync and dist.is_available() and dist.is_initialized():
+                dist.all_reduce(stats)
+            d = x.shape[-1]
+            count = stats[-1].clamp_min(1.0)
+            mean = stats[:d] / count
+            var = (stats[d:2 * d] / count - mean.pow(2)).clamp_min(0.0)
+            with torch.no_grad():
+                unbiased = var * count / (count - 1).clamp_min(1.0)
+                self.running_mean.lerp_(mean, self.momentum)
+                self.running_var.lerp_(unbiased, self.momentum)
+        else:
+            mean, var = self.running_mean, self.running_var
+        y = (x.float() - mean) * torch.rsqrt(var + self.eps)
+        return (y * self.weight + self.bias).type_as(x)
+
+
+def build_norm(kind: str, d_model: int) -> nn.Module:
+    """A norm module over [B, L, D] with `forward(x, mask=None)`.
+
+    Raises:
+        ValueError: unknown `kind`; the message lists the allowed names.
+    """
+    if kind == "layernorm":
+        return LayerNorm(d_model)
+    if kind == "scalenorm":
+        return ScaleNorm(d_model)
+    if kind == "rmsnorm":
+        return RMSNorm(d_model)
+    if kind in ("batchnorm", "syncbatchnorm"):
+        return MaskedBatchNorm(d_model, sync=kind == "syncbatchnorm")
+    raise ValueError(f"norm={kind!r} is not one of {NORMS}")

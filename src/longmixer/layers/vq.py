@@ -1,0 +1,144 @@
+"""Vector quantizer with an EMA-updated codebook and straight-through gradients (LongVQ, arXiv:2404.11163,
+eqs. 5-8, 15, 23-24; codebook statistics as VQ-VAE, van den Oord et al. 2017, and Transformer-VQ, Lingle 2023).
+
+The codebook is not a parameter: it is `sums / max(counts, clamp)`, two buffers smoothed by an exponential moving
+average (decay 0.99, LongVQ section 5) of the per-code counts and key sums of the real (unpadded) tokens.
+
+When the EMA step happens (the paper is silent; our choice): each training forward adds its statistics to pending
+buffers; they are applied once per optimizer step, when `set_progress(step, ...)` (called by the task before each
+training batch, forwarded by `SequenceModel`) reports a new step. So under gradient accumulation the statistics of
+all micro-batches of one step form one EMA step, and under DDP they are all-reduced (summed over ranks) right
+before it. A quantizer that never receives `set_progress` (used outside the task) applies its statistics after
+each training forward instead; `apply_update()` applies them by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from longmixer.ops.vq_attention import vq_search
+
+log = logging.getLogger(__name__)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class VectorQuantizer(nn.Module):
+    """Nearest-codeword quantization of keys with a straight-through estimator and an EMA codebook.
+
+    Args:
+        dim: key width E.
+        n_codes: codebook size S (LongVQ: 512; Table 6 ablates 256 / 1024).
+        decay: EMA rate eta of the counts and sums (LongVQ section 5: 0.99).
+        commit_coef: gamma of the commitment loss (LongVQ eq. 23, section 5: 1e-4).
+        count_clamp: lower bound of a code's count when forming the codeword (Transformer-VQ: 0.01).
+        backend: "auto" | "torch" | "triton" for the nearest-codeword search.
+    """
+
+    def __init__(self, dim: int, n_codes: int = 512, *, decay: float = 0.99, commit_coef: float = 1e-4,
+                 count_clamp: float = 0.01, backend: str = "auto"):
+        super().__init__()
+        if n_codes < 1:
+            raise ValueError(f"model.mixer.n_codes={n_codes} must be >= 1; LongVQ uses 512")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"model.mixer.codebook_decay={decay} must be in [0, 1); LongVQ uses 0.99")
+        self.dim, self.n_codes, self.decay = dim, n_codes, decay
+        self.commit_coef, self.count_clamp, self.backend = commit_coef, count_clamp, backend
+        self.register_buffer("counts", torch.ones(n_codes))  # [S]
+        self.register_buffer("sums", torch.randn(n_codes, dim) * dim ** -0.5)  # [S, E]
+        # False until the first training batch replaces the random codewords by real keys (our choice: the keys
+        # come from a learned projection whose scale at init is unknown, so a data init avoids dead codes).
+        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+        self.register_buffer("pending_counts", torch.zeros(n_codes), persistent=False)
+        self.register_buffer("pending_sums", torch.zeros(n_codes, dim), persistent=False)
+        self._step: int | None = None
+        self._has_pending = False
+
+    @property
+    def codebook(self) -> torch.Tensor:
+        """[S, E] codewords c_s = m_s / max(n_s, clamp)."""
+        return self.sums / self.counts.clamp_min(self.count_clamp)[:, None]
+
+    def forward(self, k: torch.Tensor, mask: torch.Tensor | None = None):
+        """Quantize keys (LongVQ eqs. 7-8, 15).
+
+        Args:
+            k: [B, L, E] keys. mask: [B, L] bool, True = real token, or None.
+
+        Returns:
+            k_hat [B, L, E] (k's dtype; value c_z, gradient of k), codes [B, L] int64, codebook [S, E] used, and
+            aux: `loss/vq_commit` (gamma * MSE(K, sg(C_z)) over real tokens, eq. 24), `stats/vq_used_codes`,
+            `stats/vq_perplexity` (of this batch's assignments).
+        """
+        B, L, E = k.shape
+        flat_mask = None if mask is None else mask.reshape(-1)
+        if self.training and not bool(self.initialized):
+            self._init_from_keys(k.detach().reshape(-1, E), flat_mask)
+        codebook = self.codebook
+        codes, counts, sums = vq_search(k.detach().reshape(-1, E), codebook, flat_mask, backend=self.backend)
+        codes = codes.view(B, L)
+        c_z = codebook[codes].to(k.dtype)  # [B, L, E]
+        k_hat = k + (c_z - k).detach()  # LongVQ eq. 8: straight-through
+        weight = torch.ones(B, L, device=k.device) if mask is None else mask.float()
+        sq_err = ((k.float() - c_z.float()) ** 2).sum(-1)  # [B, L]
+        commit = (sq_err * weight).sum() / (weight.sum().clamp_min(1.0) * E)  # eq. 24, MSE over real entries
+        if self.training:
+            self._accumulate(counts.float(), sums.float())
+        probs = counts.float() / counts.sum().clamp_min(1.0)
+        entropy = -(probs * torch.log(probs.clamp_min(1e-12))).sum()
+        aux = {"loss/vq_commit": self.commit_coef * commit,
+               "stats/vq_used_codes": (counts > 0).sum().float(),
+               "stats/vq_perplexity": torch.exp(entropy)}
+        return k_hat, codes, codebook, aux
+
+    @torch.no_grad()
+    def _init_from_keys(self, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
+        real = keys if mask is None else keys[mask]
+        if real.shape[0] > 0:
+            pick = torch.randint(real.shape[0], (self.n_codes,), device=keys.device)
+            self.sums.copy_(real[pick].float())
+            self.counts.fill_(1.0)
+            if _distributed():
+                dist.broadcast(self.sums, src=0)
+        self.initialized.fill_(True)
+
+    @torch.no_grad()
+    def _accumulate(self, counts: torch.Tensor, sums: torch.Tensor) -> None:
+        self.pending_counts += counts
+        self.pending_sums += sums
+        self._has_pending = True
+        if self._step is None:
+            self.apply_update()
+
+    @torch.no_grad()
+    def apply_update(self) -> None:
+        """One EMA step with the pending statistics (summed over DDP ranks): n <- eta n + (1 - eta) n_batch,
+        m <- eta m + (1 - eta) m_batch (VQ-VAE appendix; LongVQ section 5, eta = 0.99)."""
+        if not self._has_pending:
+            return
+        if _distributed():
+            dist.all_reduce(self.pending_counts)
+            dist.all_reduce(self.pending_sums)
+        self.counts.mul_(self.decay).add_(self.pending_counts, alpha=1.0 - self.decay)
+        self.sums.mul_(self.decay).add_(self.pending_sums, alpha=1.0 - self.decay)
+        self.pending_counts.zero_()
+        self.pending_sums.zero_()
+        self._has_pending = False
+
+    def set_progress(self, step: int, total_steps: int) -> None:
+        """Called before each training batch: a new optimizer step applies the previous step's statistics."""
+        if self._step is None:
+            log.info("VectorQuantizer: codebook EMA applied once per optimizer step (set_progress)")
+        if step != self._step:
+            self.apply_update()
+        self._step = step
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, n_codes={self.n_codes}, decay={self.decay}, commit_coef={self.commit_coef}"
+

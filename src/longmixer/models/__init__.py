@@ -1,0 +1,5 @@
+"""Backbone, blocks, embeddings and heads."""
+
+from longmixer.models.backbone import SequenceModel
+
+__all__ = ["SequenceModel"]

@@ -1,0 +1,50 @@
+"""Output heads: sequence classifier (MEGA's LRA classifier), NLI fusion for two-document retrieval, LM logits."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class ClassifierHead(nn.Module):
+    """Linear(D, H) -> GELU -> Linear(H, classes, bias=False); the hidden layer xavier-initialised as MEGA's LRA
+    classifier (models.md section 1.7)."""
+
+    def __init__(self, d_in: int, num_classes: int, d_hidden: int | None = None):
+        super().__init__()
+        d_hidden = d_hidden or d_in
+        self.hidden = nn.Linear(d_in, d_hidden)
+        self.out = nn.Linear(d_hidden, num_classes, bias=False)
+        nn.init.xavier_uniform_(self.hidden.weight)
+        nn.init.zeros_(self.hidden.bias)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.hidden(x)))
+
+
+class NLIHead(nn.Module):
+    """Two pooled documents u, v -> classifier over [u, v, u*v, u-v] (LRA retrieval, frameworks.md section 2.3)."""
+
+    def __init__(self, d_model: int, num_classes: int, d_hidden: int | None = None):
+        super().__init__()
+        self.classifier = ClassifierHead(4 * d_model, num_classes, d_hidden or d_model)
+
+    def forward(self, u, v):
+        return self.classifier(torch.cat([u, v, u * v, u - v], dim=-1))
+
+
+class LMHead(nn.Module):
+    """Per-token vocabulary logits; `tied` shares the token embedding's weight."""
+
+    def __init__(self, d_model: int, vocab_size: int, embedding: nn.Module | None = None, tied: bool = False):
+        super().__init__()
+        if tied:
+            if not isinstance(embedding, nn.Embedding):
+                raise ValueError("head=lm_tied needs a token embedding (model.embedding=token)")
+            self.weight = embedding.weight
+        else:
+            self.weight = nn.Parameter(torch.randn(vocab_size, d_model) * d_model ** -0.5)
+
+    def forward(self, h):
+        return F.linear(h, self.weight)  # [B, L, V]

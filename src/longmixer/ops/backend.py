@@ -1,0 +1,56 @@
+"""Explicit backend dispatch for the hot-path ops: `auto` picks Triton on CUDA tensors, the torch reference otherwise.
+
+No probing happens at import time; the choice is made per call from the tensors' device and logged once per op.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("longmixer.ops")
+
+BACKENDS = ("auto", "torch", "triton")
+_logged: set[tuple[str, str]] = set()
+
+
+def triton_interpreter_on() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (`TRITON_INTERPRET=1`, set by the tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(op: str, backend: str, *tensors: torch.Tensor) -> str:
+    """Return "torch" or "triton" for one call of `op`.
+
+    Args:
+        op: the op's name, for messages and the one-time log line.
+        backend: "auto" | "torch" | "triton" (the `ops.backend` config value).
+        tensors: the op's tensor inputs; their device decides `auto`.
+
+    Raises:
+        ValueError: an unknown backend name.
+        RuntimeError: "triton" requested where it cannot run (no Triton installed, or CPU tensors without the
+            interpreter); the message says how to fix it.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"ops.backend={backend!r} is not one of {BACKENDS}; set ops.backend=auto")
+    on_cuda = any(t.is_cuda for t in tensors)
+    if backend == "auto":
+        choice = "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "torch"
+    elif backend == "torch":
+        choice = "torch"
+    else:
+        if importlib.util.find_spec("triton") is None:
+            raise RuntimeError(f"ops.backend=triton for op {op!r} but Triton is not installed: "
+                               "`pip install triton==3.6.0`, or set ops.backend=torch")
+        if not on_cuda and not triton_interpreter_on():
+            raise RuntimeError(f"ops.backend=triton for op {op!r} needs CUDA tensors (or TRITON_INTERPRET=1 to run "
+                               "the kernel in Triton's CPU interpreter); set ops.backend=auto or torch on CPU")
+        choice = "triton"
+    if (op, choice) not in _logged:
+        _logged.add((op, choice))
+        log.info("op %s: backend %s (requested %s)", op, choice, backend)
+    return choice

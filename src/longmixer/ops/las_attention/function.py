@@ -1,0 +1,151 @@
+"""LaS attention (arXiv:2311.16620, section 4.1, eq. 3) with O(L) memory: autograd wrappers and the dispatching op.
+
+Two facts make it cheap. AP(A) V = A (M V): the row-wise average pooling moves onto V. And
+exp(-alpha (i - j)) = exp(-alpha i) exp(alpha j): the multiplicative decay of the logits separates into a row scale
+of q and a column scale of k. While those scales stay in floating-point range, LaS attention is causal softmax
+attention on (scaled q, scaled k, smoothed V): one fused Triton pass, then PyTorch SDPA (cuDNN / FlashAttention).
+Outside that range a flash-style Triton kernel applies the decay per tile, rebased so that nothing overflows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from longmixer.ops.backend import resolve_backend
+from longmixer.ops.las_attention.reference import las_attention_ref
+
+# Largest alpha * (L - 1) / 2 (the exponent of each centred separable factor) for which the SDPA path is used.
+# bfloat16 / float32 share float32's exponent range: factors within exp(+-30) ~ 1e13 keep q'.k' far from overflow and
+# from subnormals. float16 tops out at 65504, so its factors must stay within exp(+-3) ~ 20.
+SEPARABLE_EXPONENT_LIMIT = {torch.float16: 3.0, torch.bfloat16: 30.0, torch.float32: 30.0, torch.float64: 30.0}
+
+
+def _pool_offsets(pool_size: int, causal_pool: bool) -> tuple[int, int]:
+    """First window offset of V' = M V (forward) and of M^T (backward)."""
+    if causal_pool:  # V'[l] = mean(V[l-P+1..l]); its transpose reads forward
+        return -(pool_size - 1), 0
+    return -((pool_size - 1) // 2), -((pool_size - 1) // 2)  # centred window: M is symmetric
+
+
+class LasPrepFunction(torch.autograd.Function):
+    """(q, k, v) -> (q * f_q, k * f_k, M v) with the centred separable decay factors; one Triton pass each way."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alpha, pool_size, causal_pool):
+        from longmixer.ops.las_attention.kernel import las_prep
+
+        fwd_off, ctx.bwd_off = _pool_offsets(pool_size, causal_pool)
+        ctx.pool_size = pool_size
+        ctx.save_for_backward(alpha)
+        return las_prep(q, k, v, alpha, pool_size, fwd_off)
+
+    @staticmethod
+    def backward(ctx, dqs, dks, dvs):
+        from longmixer.ops.las_attention.kernel import las_prep
+
+        (alpha,) = ctx.saved_tensors
+        dq, dk, dv = las_prep(dqs, dks, dvs, alpha, ctx.pool_size, ctx.bwd_off)  # same factors, M^T on dv
+        return dq, dk, dv, None, None, None  # q, k, v, alpha, pool_size, causal_pool
+
+
+class SmoothValuesFunction(torch.autograd.Function):
+    """v -> M v (the smoothing of V alone, for the flash kernel path)."""
+
+    @staticmethod
+    def forward(ctx, v, alpha, pool_size, causal_pool):
+        from longmixer.ops.las_attention.kernel import las_prep
+
+        fwd_off, ctx.bwd_off = _pool_offsets(pool_size, causal_pool)
+        ctx.pool_size = pool_size
+        ctx.save_for_backward(alpha)
+        return las_prep(None, None, v, alpha, pool_size, fwd_off)[2]
+
+    @staticmethod
+    def backward(ctx, dvs):
+        from longmixer.ops.las_attention.kernel import las_prep
+
+        (alpha,) = ctx.saved_tensors
+        return las_prep(None, None, dvs, alpha, ctx.pool_size, ctx.bwd_off)[2], None, None, None
+
+
+class LasAttentionFunction(torch.autograd.Function):
+    """Causal softmax attention with logits scale * exp(-alpha_h (i - j)) q_i . k_j, flash-style, O(L) memory."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alpha, scale):
+        from longmixer.ops.las_attention.kernel import las_attention_fwd
+
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o, lse = las_attention_fwd(q, k, v, alpha, scale)
+        ctx.save_for_backward(q, k, v, alpha, o, lse)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        from longmixer.ops.las_attention.kernel import las_attention_bwd
+
+        q, k, v, alpha, o, lse = ctx.saved_tensors
+        dq, dk, dv = las_attention_bwd(q, k, v, alpha, o, lse, do, ctx.scale)
+        return dq, dk, dv, None, None  # q, k, v, alpha, scale
+
+
+def las_attention_separable(q, k, v, alpha, *, pool_size: int = 1, causal_pool: bool = False,
+                            scale: float | None = None) -> torch.Tensor:
+    """Triton path 1: the fused prep pass, then causal SDPA. Valid while alpha (L - 1) / 2 is within
+    SEPARABLE_EXPONENT_LIMIT for the dtype; `las_attention` checks that."""
+    qs, ks, vs = LasPrepFunction.apply(q, k, v, alpha, pool_size, causal_pool)
+    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+
+
+def las_attention_flash(q, k, v, alpha, *, pool_size: int = 1, causal_pool: bool = False,
+                        scale: float | None = None) -> torch.Tensor:
+    """Triton path 2: smooth V, then the flash-style kernel with the decay rebased per tile (any alpha >= 0)."""
+    vs = SmoothValuesFunction.apply(v, alpha, pool_size, causal_pool) if pool_size > 1 else v
+    return LasAttentionFunction.apply(q, k, vs, alpha, q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def las_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, *, pool_size: int = 1,
+                  causal_pool: bool = False, scale: float | None = None, max_alpha: float | None = None,
+                  backend: str = "auto") -> torch.Tensor:
+    """LaS attention: AP(softmax(exp(-alpha_h D_L) * QK^T * scale + causal mask)) V (LaS eq. 3), per head h.
+
+    Args:
+        q, k: [B, H, L, K]; v: [B, H, L, V]; float16, bfloat16 or float32 (float64 on the torch backend).
+        alpha: [H] float32 decay rates >= 0 on the device of q (fixed: no gradient flows to it).
+        pool_size: P, odd; the width of the average pooling along each attention row (1 = no smoothing).
+        causal_pool: False (paper): centred pooling window, so row i also reads V up to (P - 1) / 2 steps ahead.
+            True: the pooling window of column j is j..j+P-1, which keeps the layer causal (for language models).
+        scale: logit scale; None means K ** -0.5.
+        max_alpha: max(alpha) as a Python float, used to pick the Triton path; None reads it from `alpha` (a host
+            sync on CUDA).
+        backend: "auto" | "torch" | "triton". torch runs the materialized reference (O(L^2) memory).
+
+    Returns:
+        [B, H, L, V] in the dtype of q.
+
+    Example:
+        >>> q = k = v = torch.randn(2, 8, 256, 64)
+        >>> alpha = -torch.log1p(-0.001 * torch.arange(8) / 7)
+        >>> las_attention(q, k, v, alpha, pool_size=3, backend="torch").shape
+        torch.Size([2, 8, 256, 64])
+    """
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"las_attention expects q, k [B, H, L, K] and v [B, H, L, V]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if alpha.shape != (q.shape[1],):
+        raise ValueError(f"alpha has shape {tuple(alpha.shape)}; expected one decay rate per head, ({q.shape[1]},)")
+    if pool_size < 1 or pool_size % 2 == 0:
+        raise ValueError(f"pool_size={pool_size} must be a positive odd integer (LaS Table 4 uses 3 or 5)")
+    if max_alpha is None:
+        max_alpha = float(alpha.max())
+    if max_alpha < 0 or (not alpha.is_cuda and float(alpha.min()) < 0):
+        raise ValueError(f"alpha must be >= 0 (got max {max_alpha}); a negative rate grows with distance")
+    if resolve_backend("las_attention", backend, q, k, v) == "torch":
+        return las_attention_ref(q, k, v, alpha, pool_size=pool_size, causal_pool=causal_pool, scale=scale)
+    alpha = alpha.to(torch.float32)
+    limit = SEPARABLE_EXPONENT_LIMIT.get(q.dtype, 0.0)
+    if max_alpha * (q.shape[-2] - 1) / 2 <= limit:
+        return las_attention_separable(q, k, v, alpha, pool_size=pool_size, causal_pool=causal_pool, scale=scale)
+    return las_attention_flash(q, k, v, alpha, pool_size=pool_size, causal_pool=causal_pool, scale=scale)

@@ -1,0 +1,336 @@
+"""Triton kernels for SeqBoat's compress -> local attention -> extract, fused (SeqBoat, arXiv 2306.11197, eq. 6, A.1-A.2).
+
+Nothing is packed in memory: a program owns a block of packed query slots, reads their rows straight from the
+full-length q/k/v through the slot -> original-position index (compress fused into the loads), attends to the
+packed key slots inside the working-memory window, and writes each output row back to its original position
+(extract fused into the stores; inactive rows keep the zeros the launcher allocated). Nothing of size L x L or
+R x R is built; the backward recomputes scores from the saved log-sum-exp as FlashAttention-2 does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longmixer.ops.backend import triton_interpreter_on
+
+MODE_WINDOW, MODE_CHUNK, MODE_FULL = 0, 1, 2
+
+
+@triton.jit
+def _key_range(start, n_b, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LEFT, RIGHT, CHUNK,
+               MODE: tl.constexpr, CAUSAL: tl.constexpr):
+    """Packed key slots [lo, hi) that queries start .. start+BLOCK_M-1 can see (lo aligned to BLOCK_N)."""
+    end = tl.minimum(start + BLOCK_M, n_b)
+    if MODE == 0:
+        lo = tl.maximum(start - LEFT, 0)
+        hi = tl.minimum(end + RIGHT, n_b)
+    elif MODE == 1:
+        lo = (start // CHUNK) * CHUNK
+        hi = tl.minimum(((end - 1) // CHUNK + 1) * CHUNK, n_b)
+    else:
+        lo = start * 0
+        hi = n_b
+        if CAUSAL:
+            hi = end
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.where(start < n_b, hi, lo)  # programs past this row's count do nothing
+    return lo, hi
+
+
+@triton.jit
+def _query_range(start, n_b, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LEFT, RIGHT, CHUNK,
+                 MODE: tl.constexpr, CAUSAL: tl.constexpr):
+    """Packed query slots [lo, hi) that see keys start .. start+BLOCK_N-1 (lo aligned to BLOCK_M)."""
+    end = tl.minimum(start + BLOCK_N, n_b)
+    if MODE == 0:
+        lo = tl.maximum(start - RIGHT, 0)
+        hi = tl.minimum(end + LEFT, n_b)
+    elif MODE == 1:
+        lo = (start // CHUNK) * CHUNK
+        hi = tl.minimum(((end - 1) // CHUNK + 1) * CHUNK, n_b)
+    else:
+        lo = start * 0
+        if CAUSAL:
+            lo = start
+        hi = n_b
+    lo = (lo // BLOCK_M) * BLOCK_M
+    hi = tl.where(start < n_b, hi, lo)
+    return lo, hi
+
+
+@triton.jit
+def _scores(b_q, b_k, o_m, o_n, pos_q, pos_k, n_b, p_bias, scale, LEFT, RIGHT, CHUNK, M_BIAS, NORM,
+            MODE: tl.constexpr, CAUSAL: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+            BIAS_ORIG: tl.constexpr, IEEE: tl.constexpr):
+    """Logits (SeqBoat eq. 6: q k^T / s + B_rel) of one [BLOCK_M, BLOCK_N] tile, the row scales and the valid mask."""
+    if IEEE:
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
+    else:
+        b_s = tl.dot(b_q, tl.trans(b_k))
+    rel_c = o_n[None, :] - o_m[:, None]
+    m_s = (o_m[:, None] < n_b) & (o_n[None, :] < n_b)
+    if MODE == 0:
+        m_s = m_s & (rel_c >= -LEFT) & (rel_c <= RIGHT)
+    elif MODE == 1:
+        m_s = m_s & ((o_n[None, :] // CHUNK) == (o_m[:, None] // CHUNK))
+    if CAUSAL:
+        m_s = m_s & (rel_c <= 0)
+    if SOFTMAX:
+        b_scale = tl.zeros([o_m.shape[0]], dtype=tl.float32) + scale
+    elif MODE != 2:
+        b_scale = tl.zeros([o_m.shape[0]], dtype=tl.float32) + 1.0 / NORM  # s = w or the chunk size
+    elif CAUSAL:
+        b_scale = 1.0 / (o_m + 1).to(tl.float32)  # s = the number of visible keys
+    else:
+        b_scale = tl.zeros([o_m.shape[0]], dtype=tl.float32) + 1.0 / tl.maximum(n_b, 1).to(tl.float32)  # s = r
+    b_s = b_s.to(tl.float32) * b_scale[:, None]
+    if HAS_BIAS:
+        if BIAS_ORIG:
+            rel = pos_k[None, :] - pos_q[:, None]
+        else:
+            rel = rel_c
+        i_bias = tl.minimum(tl.maximum(rel + M_BIAS - 1, 0), 2 * M_BIAS - 2)
+        b_s += tl.load(p_bias + i_bias, mask=m_s, other=0.0).to(tl.float32)
+    else:
+        i_bias = rel_c
+    return b_s, b_scale, m_s, i_bias
+
+
+@triton.jit
+def _sparse_local_attention_fwd_kernel(
+    q, k, v, idx, cnt, bias, o, lse, L, K, V, scale, LEFT, RIGHT, CHUNK, M_BIAS, NORM,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    MODE: tl.constexpr, CAUSAL: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BIAS_ORIG: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_m, i_v, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    n_b = tl.load(cnt + i_b)
+    start = i_m * BLOCK_M
+    o_m = start + tl.arange(0, BLOCK_M)
+    o_k = tl.arange(0, BLOCK_K)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    m_m, m_k, m_v = o_m < n_b, o_k < K, o_v < V
+    pos_q = tl.load(idx + i_b * L + o_m, mask=m_m, other=0).to(tl.int64)
+    b_q = tl.load(q + i_b * L * K + pos_q[:, None] * K + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+    b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - 1e30
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+    lo, hi = _key_range(start, n_b, BLOCK_M, BLOCK_N, LEFT, RIGHT, CHUNK, MODE, CAUSAL)
+    for n0 in range(lo, hi, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < n_b
+        pos_k = tl.load(idx + i_b * L + o_n, mask=m_n, other=0).to(tl.int64)
+        b_k = tl.load(k + i_b * L * K + pos_k[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_v = tl.load(v + i_b * L * V + pos_k[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0)
+        b_s, b_scale, m_s, _ = _scores(b_q, b_k, o_m, o_n, pos_q, pos_k, n_b, bias, scale, LEFT, RIGHT, CHUNK, M_BIAS, NORM,
+                                       MODE, CAUSAL, SOFTMAX, HAS_BIAS, BIAS_ORIG, IEEE)
+        if SOFTMAX:
+            b_s = tl.where(m_s, b_s, -1e30)
+            b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+            b_p = tl.where(m_s, tl.exp(b_s - b_mn[:, None]), 0.0)
+            b_alpha = tl.exp(b_m - b_mn)
+            b_l = b_l * b_alpha + tl.sum(b_p, 1)
+            b_acc = b_acc * b_alpha[:, None]
+            b_m = b_mn
+        else:
+            b_r = tl.maximum(b_s, 0.0)
+            b_p = tl.where(m_s, b_r * b_r, 0.0)
+        if IEEE:
+            b_acc += tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
+        else:
+            b_acc += tl.dot(b_p.to(b_v.dtype), b_v)
+    if SOFTMAX:
+        b_acc = b_acc / tl.maximum(b_l, 1e-30)[:, None]
+        if i_v == 0:
+            tl.store(lse + i_b * L + pos_q, b_m + tl.log(tl.maximum(b_l, 1e-30)), mask=m_m)
+    tl.store(o + i_b * L * V + pos_q[:, None] * V + o_v[None, :], b_acc.to(o.dtype.element_ty),
+             mask=m_m[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _dp_tile(do_rows, v_rows, m_rows_q, m_rows_k, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_V: tl.constexpr, IEEE: tl.constexpr):
+    """dP = dO V^T over the whole value width, looping over BLOCK_V columns."""
+    b_dp = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V)
+        m_v = o_v < V
+        b_do = tl.load(do_rows + o_v[None, :], mask=m_rows_q[:, None] & m_v[None, :], other=0.0)
+        b_v = tl.load(v_rows + o_v[None, :], mask=m_rows_k[:, None] & m_v[None, :], other=0.0)
+        if IEEE:
+            b_dp += tl.dot(b_do, tl.trans(b_v), input_precision="ieee")
+        else:
+            b_dp += tl.dot(b_do, tl.trans(b_v))
+    return b_dp
+
+
+@triton.jit
+def _ds_tile(b_s, b_dp, m_s, b_lse, b_delta, SOFTMAX: tl.constexpr):
+    """dLogits of one tile: softmax P (dP - delta) or relu^2 2 relu(s) dP."""
+    if SOFTMAX:
+        b_p = tl.where(m_s, tl.exp(b_s - b_lse[:, None]), 0.0)
+        b_ds = b_p * (b_dp - b_delta[:, None])
+    else:
+        b_r = tl.maximum(b_s, 0.0)
+        b_p = tl.where(m_s, b_r * b_r, 0.0)
+        b_ds = tl.where(m_s, 2.0 * b_r * b_dp, 0.0)
+    return b_p, b_ds
+
+
+@triton.jit
+def _sparse_local_attention_bwd_dq_kernel(
+    q, k, v, do, idx, cnt, bias, lse, delta, dq, dbias, L, K, V, scale, LEFT, RIGHT, CHUNK, M_BIAS, NORM,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    MODE: tl.constexpr, CAUSAL: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BIAS_ORIG: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_m, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    n_b = tl.load(cnt + i_b)
+    start = i_m * BLOCK_M
+    o_m = start + tl.arange(0, BLOCK_M)
+    o_k = tl.arange(0, BLOCK_K)
+    m_m, m_k = o_m < n_b, o_k < K
+    pos_q = tl.load(idx + i_b * L + o_m, mask=m_m, other=0).to(tl.int64)
+    b_q = tl.load(q + i_b * L * K + pos_q[:, None] * K + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+    b_lse = tl.load(lse + i_b * L + pos_q, mask=m_m, other=0.0)
+    b_delta = tl.load(delta + i_b * L + pos_q, mask=m_m, other=0.0)
+    b_dq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    lo, hi = _key_range(start, n_b, BLOCK_M, BLOCK_N, LEFT, RIGHT, CHUNK, MODE, CAUSAL)
+    for n0 in range(lo, hi, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < n_b
+        pos_k = tl.load(idx + i_b * L + o_n, mask=m_n, other=0).to(tl.int64)
+        b_k = tl.load(k + i_b * L * K + pos_k[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_s, b_scale, m_s, i_bias = _scores(b_q, b_k, o_m, o_n, pos_q, pos_k, n_b, bias, scale, LEFT, RIGHT, CHUNK,
+                                            M_BIAS, NORM, MODE, CAUSAL, SOFTMAX, HAS_BIAS, BIAS_ORIG, IEEE)
+        b_dp = _dp_tile(do + i_b * L * V + pos_q[:, None] * V, v + i_b * L * V + pos_k[:, None] * V, m_m, m_n, V,
+                        BLOCK_M, BLOCK_N, BLOCK_V, IEEE)
+        _, b_ds = _ds_tile(b_s, b_dp, m_s, b_lse, b_delta, SOFTMAX)
+        if HAS_BIAS:
+            tl.atomic_add(dbias + i_bias, b_ds, mask=m_s)
+        b_dsq = (b_ds * b_scale[:, None]).to(b_k.dtype)
+        if IEEE:
+            b_dq += tl.dot(b_dsq, b_k, input_precision="ieee")
+        else:
+            b_dq += tl.dot(b_dsq, b_k)
+    tl.store(dq + i_b * L * K + pos_q[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty),
+             mask=m_m[:, None] & m_k[None, :])
+
+
+@triton.jit
+def _sparse_local_attention_bwd_dkdv_kernel(
+    q, k, v, do, idx, cnt, bias, lse, delta, dk, dv, L, K, V, scale, LEFT, RIGHT, CHUNK, M_BIAS, NORM,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    MODE: tl.constexpr, CAUSAL: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BIAS_ORIG: tl.constexpr, IEEE: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
+):
+    i_n, i_v, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    n_b = tl.load(cnt + i_b)
+    start = i_n * BLOCK_N
+    o_n = start + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    m_n, m_k, m_v = o_n < n_b, o_k < K, o_v < V
+    pos_k = tl.load(idx + i_b * L + o_n, mask=m_n, other=0).to(tl.int64)
+    b_k = tl.load(k + i_b * L * K + pos_k[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+    b_dk = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    b_dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    lo, hi = _query_range(start, n_b, BLOCK_M, BLOCK_N, LEFT, RIGHT, CHUNK, MODE, CAUSAL)
+    for m0 in range(lo, hi, BLOCK_M):
+        o_m = m0 + tl.arange(0, BLOCK_M)
+        m_m = o_m < n_b
+        pos_q = tl.load(idx + i_b * L + o_m, mask=m_m, other=0).to(tl.int64)
+        b_q = tl.load(q + i_b * L * K + pos_q[:, None] * K + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+                      other=0.0)
+        b_lse = tl.load(lse + i_b * L + pos_q, mask=m_m, other=0.0)
+        b_delta = tl.load(delta + i_b * L + pos_q, mask=m_m, other=0.0)
+        b_s, b_scale, m_s, _ = _scores(b_q, b_k, o_m, o_n, pos_q, pos_k, n_b, bias, scale, LEFT, RIGHT, CHUNK, M_BIAS, NORM,
+                                       MODE, CAUSAL, SOFTMAX, HAS_BIAS, BIAS_ORIG, IEEE)
+        if DO_DV:
+            b_do = tl.load(do + i_b * L * V + pos_q[:, None] * V + o_v[None, :], mask=m_m[:, None] & m_v[None, :],
+                           other=0.0)
+            if SOFTMAX:
+                b_p = tl.where(m_s, tl.exp(b_s - b_lse[:, None]), 0.0)
+            else:
+                b_r = tl.maximum(b_s, 0.0)
+                b_p = tl.where(m_s, b_r * b_r, 0.0)
+            if IEEE:
+                b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision="ieee")
+            else:
+                b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+        if DO_DK:
+            b_dp = _dp_tile(do + i_b * L * V + pos_q[:, None] * V, v + i_b * L * V + pos_k[:, None] * V, m_m, m_n, V,
+                            BLOCK_M, BLOCK_N, BLOCK_V, IEEE)
+            _, b_ds = _ds_tile(b_s, b_dp, m_s, b_lse, b_delta, SOFTMAX)
+            b_dsq = (b_ds * b_scale[:, None]).to(b_q.dtype)
+            if IEEE:
+                b_dk += tl.dot(tl.trans(b_dsq), b_q, input_precision="ieee")
+            else:
+                b_dk += tl.dot(tl.trans(b_dsq), b_q)
+    if DO_DV:
+        tl.store(dv + i_b * L * V + pos_k[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty),
+                 mask=m_n[:, None] & m_v[None, :])
+    if DO_DK:
+        tl.store(dk + i_b * L * K + pos_k[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty),
+                 mask=m_n[:, None] & m_k[None, :])
+
+
+def _config(q: torch.Tensor, v: torch.Tensor, window: int | None, chunk: int | None, causal: bool,
+            attention: str, rel_pos: str, rel_bias: torch.Tensor | None) -> dict:
+    """Block sizes, constexpr flags and the scalar arguments shared by the launchers."""
+    small = triton_interpreter_on()
+    if window is not None:
+        left, right = (window, 0) if causal else (window // 2, window // 2)
+        mode = MODE_WINDOW
+    else:
+        left, right, mode = 0, 0, MODE_CHUNK if chunk is not None else MODE_FULL
+    return dict(
+        scalars=(q.shape[-1] ** -0.5, left, right, chunk or 1,
+                 (rel_bias.shape[0] + 1) // 2 if rel_bias is not None else 1, float(window or chunk or 1)),
+        BLOCK_M=16 if small else 64, BLOCK_N=16 if small else 64,
+        BLOCK_K=max(triton.next_power_of_2(q.shape[-1]), 16),
+        BLOCK_V=min(max(triton.next_power_of_2(v.shape[-1]), 16), 32 if small else 64),
+        MODE=mode, CAUSAL=causal, SOFTMAX=attention == "softmax", HAS_BIAS=rel_bias is not None,
+        BIAS_ORIG=rel_pos == "original", IEEE=q.dtype == torch.float32,
+    )
+
+
+def sparse_local_attention_fwd(q, k, v, idx, cnt, rel_bias, *, window, chunk, causal, attention, rel_pos):
+    """Launch the forward. Returns o [B, L, V] (zeros at inactive positions) and lse [B, L] float32."""
+    bsz, length, _ = q.shape
+    cfg = _config(q, v, window, chunk, causal, attention, rel_pos, rel_bias)
+    scalars = cfg.pop("scalars")
+    o = torch.zeros_like(v)
+    lse = torch.zeros(bsz, length, dtype=torch.float32, device=q.device)
+    bias = rel_bias if rel_bias is not None else lse
+    grid = (triton.cdiv(length, cfg["BLOCK_M"]), triton.cdiv(v.shape[-1], cfg["BLOCK_V"]), bsz)
+    _sparse_local_attention_fwd_kernel[grid](q, k, v, idx, cnt, bias, o, lse, length, q.shape[-1], v.shape[-1],
+                                             *scalars, **cfg, num_warps=4, num_stages=2)
+    return o, lse
+
+
+def sparse_local_attention_bwd(q, k, v, o, do, idx, cnt, rel_bias, lse, *, window, chunk, causal, attention, rel_pos):
+    """Launch the backward. Returns dq, dk, dv (zeros at inactive positions) and dbias ([2M-1] or None)."""
+    bsz, length, _ = q.shape
+    cfg = _config(q, v, window, chunk, causal, attention, rel_pos, rel_bias)
+    scalars = cfg.pop("scalars")
+    delta = (do.float() * o.float()).sum(-1)  # [B, L] rowsum(dO * O) of FlashAttention-2
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dbias = torch.zeros(rel_bias.shape[0], dtype=torch.float32, device=q.device) if rel_bias is not None else None
+    bias = rel_bias if rel_bias is not None else lse
+    args = (length, q.shape[-1], v.shape[-1], *scalars)
+    _sparse_local_attention_bwd_dq_kernel[(triton.cdiv(length, cfg["BLOCK_M"]), bsz)](
+        q, k, v, do, idx, cnt, bias, lse, delta, dq, dbias if dbias is not None else lse, *args, **cfg,
+        num_warps=4, num_stages=2)
+    n_v = triton.cdiv(v.shape[-1], cfg["BLOCK_V"])
+    grid_n = triton.cdiv(length, cfg["BLOCK_N"])
+    _sparse_local_attention_bwd_dkdv_kernel[(grid_n, n_v, bsz)](
+        q, k, v, do, idx, cnt, bias, lse, delta, dk, dv, *args, **cfg, DO_DK=n_v == 1, DO_DV=True,
+        num_warps=4, num_stages=2)
+    if n_v > 1:  # dK needs dP over the whole value width: one more pass that loops over it
+        _sparse_local_attention_bwd_dkdv_kernel[(grid_n, 1, bsz)](
+            q, k, v, do, idx, cnt, bias, lse, delta, dk, dv, *args, **cfg, DO_DK=True, DO_DV=False,
+            num_warps=4, num_stages=2)
+    return dq, dk, dv, dbias.to(rel_bias.dtype) if dbias is not None else None

@@ -1,0 +1,116 @@
+"""Public, dispatching entry points of LongVQ's VQ attention op (arXiv:2404.11163, section 4): `vq_search` (eq. 5
+with per-code statistics) and `vq_attention` (eqs. 16-18, blockwise, linear in L)."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from longmixer.ops.backend import resolve_backend
+from longmixer.ops.vq_attention.reference import (ATTENTIONS, code_block_stats, outside_window_stats,
+                                                  vq_attention_ref, vq_search_ref)
+
+
+def vq_search(k: torch.Tensor, codebook: torch.Tensor, mask: torch.Tensor | None = None, *,
+              backend: str = "auto"):
+    """Nearest codeword per key with per-code counts and key sums over the real keys (LongVQ eq. 5).
+
+    Args:
+        k: [N, E] keys. codebook: [S, E]. mask: [N] bool (True = real) or None.
+        backend: "auto" | "torch" | "triton". The Triton kernel never builds the [N, S] distance matrix.
+
+    Returns:
+        codes [N] int64, counts [S] float32, sums [S, E] float32 (float64 on the torch path for float64 keys).
+        No gradients: the search and the statistics are not differentiable.
+    """
+    if k.dim() != 2 or codebook.dim() != 2 or k.shape[1] != codebook.shape[1]:
+        raise ValueError(f"vq_search needs k [N, E] and codebook [S, E]; got {tuple(k.shape)} and "
+                         f"{tuple(codebook.shape)}")
+    with torch.no_grad():
+        if resolve_backend("vq_search", backend, k, codebook) == "torch":
+            return vq_search_ref(k, codebook, mask)
+        from longmixer.ops.vq_attention.kernel import vq_search_fwd
+        return vq_search_fwd(k, codebook, mask)
+
+
+class VQAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, codebook, n_out, u_out, bias, mask, block_size, causal, laplace):
+        from longmixer.ops.vq_attention.kernel import vq_attention_fwd
+        args = (q.contiguous(), k.contiguous(), v.contiguous(), codebook.detach().contiguous(), n_out.contiguous(),
+                u_out.contiguous(), None if bias is None else bias.float().contiguous(), mask.contiguous())
+        o, lse = vq_attention_fwd(*args, block_size, causal, laplace)
+        ctx.save_for_backward(*[a for a in args if a is not None], o, lse)
+        ctx.has_bias, ctx.cfg = bias is not None, (block_size, causal, laplace)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        from longmixer.ops.vq_attention.kernel_bwd import vq_attention_bwd
+        saved = list(ctx.saved_tensors)
+        q, k, v, codebook, n_out, u_out = saved[:6]
+        bias = saved[6] if ctx.has_bias else None
+        mask, o, lse = saved[-3:]
+        dq, dk, dv, du, dbias = vq_attention_bwd(q, k, v, codebook, n_out, u_out, bias, mask, o, lse, do,
+                                                 *ctx.cfg)
+        # q, k, v, codebook, n_out, u_out, bias, mask, block_size, causal, laplace
+        return dq, dk, dv, None, None, du, dbias, None, None, None, None
+
+
+def _check(q, k, v, codebook, codes, mask, bias, block_size, attention):
+    if attention not in ATTENTIONS:
+        raise ValueError(f"model.mixer.attention={attention!r} is not one of {ATTENTIONS}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"model.mixer.block_size={block_size} must be a power of two >= 16 (e.g. 128)")
+    B, L, E = q.shape
+    if k.shape != q.shape or v.shape[:2] != (B, L) or codes.shape != (B, L) or codebook.shape[1] != E:
+        raise ValueError(f"vq_attention shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, codes {tuple(codes.shape)}, codebook {tuple(codebook.shape)}")
+    if mask is not None and mask.shape != (B, L):
+        raise ValueError(f"vq_attention mask must be [B, L] = {(B, L)}; got {tuple(mask.shape)}")
+    if bias is not None and bias.shape != (block_size, 3 * block_size):
+        raise ValueError(f"vq_attention bias must be [C, 3C] = {(block_size, 3 * block_size)}; "
+                         f"got {tuple(bias.shape)}")
+
+
+def vq_attention(q, k, v, codebook, codes, mask=None, bias=None, *, block_size: int, causal: bool = False,
+                 attention: str = "softmax", backend: str = "auto"):
+    """Blockwise VQ attention, linear in L (LongVQ eqs. 16-18; the codebook cache of Transformer-VQ).
+
+    Args:
+        q: [B, L, E] queries, already scaled (softmax: E^-1/2; laplace: 1 / number of keys seen).
+        k: [B, L, E] quantized keys (k_hat with the straight-through estimator applied by the caller).
+        v: [B, L, H] values.
+        codebook: [S, E] codewords (a buffer; no gradient).
+        codes: [B, L] int64 code of each key (from `vq_search`).
+        mask: [B, L] bool, True = real token, or None. Padded queries return 0; padded keys are ignored.
+        bias: [C, 3C] local bias over the window [block b-1 | b | b+1] (see `reference.window_bias`) or None.
+        block_size: C, a power of two >= 16; L need not be a multiple (padded here).
+        causal: query i sees keys j <= i; the window is blocks b-1 and b.
+        attention: "softmax" (one joint normalization) | "laplace" (MEGA's element attention).
+        backend: "auto" | "torch" | "triton".
+
+    Returns:
+        o: [B, L, H] in v's dtype. Gradients reach q, v, bias and k (k only through the local window).
+
+    Example:
+        >>> q, k = torch.randn(2, 100, 16), torch.randn(2, 100, 16)
+        >>> cb = torch.randn(32, 16); codes, _, _ = vq_search(k.flatten(0, 1), cb); codes = codes.view(2, 100)
+        >>> o = vq_attention(q * 16 ** -0.5, cb[codes], torch.randn(2, 100, 24), cb, codes, block_size=16)
+    """
+    _check(q, k, v, codebook, codes, mask, bias, block_size, attention)
+    B, L, _ = q.shape
+    if mask is None:
+        mask = torch.ones(B, L, dtype=torch.bool, device=q.device)
+    pad = -L % block_size
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        codes, mask = F.pad(codes, (0, pad)), F.pad(mask, (0, pad), value=False)
+    if resolve_backend("vq_attention", backend, q, k, v) == "torch":
+        o = vq_attention_ref(q, k, v, codebook, codes, mask, bias, block_size=block_size, causal=causal,
+                             attention=attention)
+    else:
+        n_out, u_out = outside_window_stats(*code_block_stats(codes, v, mask, codebook.shape[0], block_size), causal)
+        o = VQAttentionFunction.apply(q, k, v, codebook, n_out, u_out, bias, mask, block_size, causal,
+                                      attention == "laplace")
+    return o[:, :L] if pad else o

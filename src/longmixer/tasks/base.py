@@ -1,0 +1,99 @@
+"""What every task shares: optimizer + schedule from the `optim` group, aux losses and statistics, progress for
+scheduled layers, and RNG state in checkpoints (so a resumed run continues exactly)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from longmixer.utils.optim import build_optimizer, build_scheduler
+
+MODES = ("max", "min")
+
+
+class SequenceTask(pl.LightningModule):
+    """Base LightningModule.
+
+    Args:
+        model: the `SequenceModel` (instantiated from `model:`).
+        optim: the `optim` config group (optimizer, lr, weight_decay, betas, eps, scheduler, warmup_steps,
+            warmup_init_lr, end_lr).
+        monitor: the metric that selects the best checkpoint, e.g. `val/acc` (declared once, interpolated by the
+            checkpoint callback, early stopping and hparams_search).
+        mode: "max" or "min" for `monitor`.
+    """
+
+    def __init__(self, model: nn.Module, optim: Mapping[str, Any], monitor: str = "val/acc", mode: str = "max"):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"task.mode={mode!r} is not one of {MODES}")
+        if not monitor.startswith("val/"):
+            raise ValueError(f"task.monitor={monitor!r} must be a validation metric (val/...)")
+        self.model = model
+        self.optim_cfg = dict(optim)
+        self.monitor, self.mode = monitor, mode
+        self.best_score: float | None = None
+
+    # --- optimization ------------------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        optimizer = build_optimizer(self.model, self.optim_cfg)
+        total = int(self.trainer.estimated_stepping_batches) if self.trainer is not None else 1
+        scheduler = build_scheduler(optimizer, self.optim_cfg, total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_batch_start(self, batch, batch_idx):
+        total = int(self.trainer.estimated_stepping_batches) if self.trainer is not None else 1
+        if hasattr(self.model, "set_progress"):
+            self.model.set_progress(self.global_step, total)
+
+    # --- aux losses and statistics (docs/architecture.md) ----------------------------------------------------------
+    def add_aux(self, loss: torch.Tensor, aux: Mapping[str, torch.Tensor], stage: str, batch_size: int):
+        for key, value in aux.items():
+            kind, name = key.split("/", 1)
+            if kind == "loss":
+                loss = loss + value
+                self.log(f"{stage}/aux/{name}", value.detach(), on_step=stage == "train", on_epoch=True,
+                         batch_size=batch_size, sync_dist=stage != "train")
+            else:
+                self.log(f"{stage}/stats/{name}", value.detach().float(), on_step=False, on_epoch=True,
+                         batch_size=batch_size, sync_dist=stage != "train")
+        return loss
+
+    def track_best(self) -> None:
+        """Log `<monitor>_best` (e.g. val/acc_best), the best value of the monitored metric so far."""
+        current = self.trainer.callback_metrics.get(self.monitor) if self.trainer is not None else None
+        if current is None or self.trainer.sanity_checking:
+            return
+        value = float(current)
+        better = max if self.mode == "max" else min
+        self.best_score = value if self.best_score is None else better(self.best_score, value)
+        self.log(f"{self.monitor}_best", self.best_score, prog_bar=True, sync_dist=False)
+
+    def on_validation_epoch_end(self):
+        self.track_best()
+
+    # --- checkpoints: RNG states and the best score -------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["longmixer"] = {
+            "best_score": self.best_score,
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("longmixer")
+        if state is None:
+            return
+        self.best_score = state["best_score"]
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])

@@ -1,0 +1,114 @@
+"""Compose-time validation: every key under a `_target_` must be a parameter of it, top-level and `optim` keys
+must be known, and enumerated values must be allowed. Errors name the key, the value and the fix."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from longmixer.utils.optim import OPTIMIZERS, SCHEDULERS
+
+HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+TOP_LEVEL = {"data", "model", "task", "optim", "trainer", "logger", "callbacks", "paths", "run_name", "tags", "seed",
+             "deterministic", "resume", "ckpt_path", "train", "test", "run_tag", "ops", "optimized_metric", "hydra"}
+OPTIM_KEYS = {"optimizer", "lr", "weight_decay", "betas", "eps", "scheduler", "warmup_steps", "warmup_init_lr",
+              "end_lr"}
+RESUME = ("auto", "never")
+BACKENDS = ("auto", "torch", "triton")
+
+
+class ConfigError(ValueError):
+    """A composed config that cannot run; the message names the key and the fix."""
+
+
+def _suggest(key: str, allowed) -> str:
+    close = difflib.get_close_matches(key, list(allowed), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def locate(target: str):
+    module_name, _, attr = target.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+        obj = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj
+    except (ImportError, AttributeError) as err:
+        # A class path inside a module (e.g. pkg.mod.Class.method) is not supported on purpose.
+        raise ConfigError(f"_target_ {target!r} cannot be imported: {err}") from err
+
+
+def accepted_parameters(target) -> tuple[set[str], bool]:
+    """Names `target` accepts, following **kwargs up the class hierarchy; the flag says whether any name is
+    accepted (a **kwargs that reaches no named parameters)."""
+    names: set[str] = set()
+    classes = inspect.getmro(target) if inspect.isclass(target) else (None,)
+    for cls in classes:
+        fn = target if cls is None else cls.__dict__.get("__init__")
+        if fn is None:
+            continue
+        params = inspect.signature(fn).parameters.values()
+        names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            return names, False
+        if cls is None or cls is object:
+            return names, True
+    return names, True
+
+
+def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
+    if isinstance(node, DictConfig):
+        if "_target_" in node:
+            yield path, node
+        for key in node.keys():
+            if isinstance(key, str) and key in HYDRA_KEYS:
+                continue
+            if OmegaConf.is_interpolation(node, key):
+                continue  # checked where it is defined (e.g. task.model -> model)
+            yield from _targets(node[key], f"{path}.{key}" if path else str(key))
+    elif isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            yield from _targets(item, f"{path}[{i}]")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Raise `ConfigError` for unknown keys, impossible values or unimportable targets in a composed config."""
+    for key in cfg.keys():
+        if key not in TOP_LEVEL:
+            raise ConfigError(f"unknown top-level key {key!r}{_suggest(key, TOP_LEVEL)}; allowed: {sorted(TOP_LEVEL)}")
+    seed = cfg.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError(f"seed={seed!r} must be an integer >= 0 (0 is a valid seed)")
+    if cfg.get("resume") not in RESUME:
+        raise ConfigError(f"resume={cfg.get('resume')!r} is not one of {RESUME}")
+    backend = OmegaConf.select(cfg, "ops.backend")
+    if backend not in BACKENDS:
+        raise ConfigError(f"ops.backend={backend!r} is not one of {BACKENDS}")
+    optim = cfg.get("optim")
+    if optim is not None:
+        for key in optim.keys():
+            if key not in OPTIM_KEYS:
+                raise ConfigError(f"unknown key optim.{key}{_suggest(key, OPTIM_KEYS)}; allowed: {sorted(OPTIM_KEYS)}")
+        if optim.get("optimizer") not in OPTIMIZERS:
+            raise ConfigError(f"optim.optimizer={optim.get('optimizer')!r} is not one of {OPTIMIZERS}")
+        if optim.get("scheduler") not in SCHEDULERS:
+            raise ConfigError(f"optim.scheduler={optim.get('scheduler')!r} is not one of {SCHEDULERS}")
+        if not float(optim.get("lr", 0)) > 0:
+            raise ConfigError(f"optim.lr={optim.get('lr')!r} must be > 0")
+    for path, node in _targets(cfg, ""):
+        if path.startswith("hydra"):
+            continue
+        target = locate(node["_target_"])
+        names, open_ended = accepted_parameters(target)
+        if open_ended:
+            continue
+        for key in node.keys():
+            if key not in HYDRA_KEYS and key not in names:
+                raise ConfigError(f"unknown key {path}.{key}{_suggest(key, names)} for {node['_target_']}; "
+                                  f"allowed: {sorted(names)}")

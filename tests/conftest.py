@@ -1,0 +1,59 @@
+"""Shared test setup: Triton's CPU interpreter when no GPU is present, one torch thread per xdist worker, and a
+`compose` fixture that builds a run config pointing at temporary data and log dirs."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# Must be set before any module applies @triton.jit: kernels then run on CPU tensors.
+if os.environ.get("CUDA_VISIBLE_DEVICES", "") == "" or not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = str(ROOT / "configs")
+sys.path.insert(0, str(ROOT))  # `import tests.data.fixtures` works from any cwd
+torch.set_num_threads(1)
+
+
+def compose_config(overrides: list[str], tmp_path: Path, data_dir: Path | None = None):
+    """Compose `configs/train.yaml` like `python -m longmixer.train` would, with logs and data under tmp_path,
+    and register the HydraConfig so `train()` can run in-process."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from longmixer.utils.resolvers import register_resolvers
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    data_dir = data_dir or tmp_path / "data"
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.log_dir={tmp_path / 'logs'}", f"paths.data_dir={data_dir}",
+                                          *overrides], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(tmp_path / "run")
+        cfg.hydra.job.override_dirname = ""
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+@pytest.fixture
+def compose(tmp_path):
+    return lambda overrides, **kw: compose_config(overrides, tmp_path, **kw)
+
+
+TINY_LISTOPS = ["data.num_train=64", "data.num_val=32", "data.num_test=32", "data.max_depth=3", "data.max_args=3",
+                "data.min_length=3", "data.max_length=30", "data.seq_len=30", "data.batch_size=16"]
+TINY_TRAINER = ["trainer.max_steps=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+                "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0", "~callbacks.summary",
+                "~callbacks.progress", "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1"]

@@ -1,0 +1,107 @@
+import csv
+
+import numpy as np
+import pytest
+
+from longmixer.data.base import DatasetNotPreparedError
+from longmixer.data.generators.listops import ListOpsSpec, evaluate, generate, sample_tree, tree_length, write_tsv_splits
+from longmixer.data.listops import VOCAB, GeneratedListOps, ListOps, tokenize
+
+SPEC = ListOpsSpec(num_train=60, num_val=20, num_test=20, max_depth=4, max_args=4, min_length=5, max_length=60)
+
+
+def test_same_seed_gives_byte_identical_files(tmp_path):
+    a = write_tsv_splits(tmp_path / "a", SPEC, seed=3)
+    b = write_tsv_splits(tmp_path / "b", SPEC, seed=3)
+    c = write_tsv_splits(tmp_path / "c", SPEC, seed=4)
+    assert all(a[s].read_bytes() == b[s].read_bytes() for s in a)
+    assert a["train"].read_bytes() != c["train"].read_bytes()
+
+
+def test_constraints_hold_on_every_sample(tmp_path):
+    samples = list(generate(SPEC, seed=0))
+    assert len({s for s, _ in samples}) == len(samples) == 100  # deduplicated
+    for source, target in samples:
+        words = source.replace("(", " ").replace(")", " ").split()
+        assert SPEC.min_length < len(words) < SPEC.max_length  # strict, as LRA
+        assert 0 <= target <= 9
+        assert set(words) <= {"[MIN", "[MAX", "[MED", "[SM", "]", *"0123456789"}
+
+
+def test_operators_evaluate_like_lra():
+    tree = ((((("[MED", 1), 2), 7), 8), "]")  # median of 1 2 7 8 = 4.5 -> 4
+    assert evaluate(tree) == 4
+    tree = (((("[SM", 9), 8), 5), "]")
+    assert evaluate(tree) == 2
+    nested = (((("[MAX", 1), ((("[MIN", 5), 3), "]")), 2), "]")
+    assert evaluate(nested) == 3 and tree_length(nested) == 8  # [MAX 1 [MIN 5 3 ] 2 ]
+
+
+def test_tree_depth_is_bounded():
+    import random
+
+    def depth(t):
+        """Operator nesting depth of a node (a leaf is depth 0, an operator with leaf children depth 1)."""
+        if not isinstance(t, tuple):
+            return 0
+        children, node = [], t[0]
+        while isinstance(node, tuple):
+            children.append(node[1])
+            node = node[0]
+        return 1 + max(depth(c) for c in children)
+
+    rng = random.Random(0)
+    depths = [depth(sample_tree(rng, 1, SPEC)) for _ in range(300)]
+    assert max(depths) == SPEC.max_depth - 1  # a node at depth max_depth is forced to be a leaf
+
+
+def test_tokenization_drops_parens_and_renames_close():
+    ids = tokenize("( ( ( [MAX 2 ) 9 ) ] )")
+    assert [VOCAB[i] for i in ids] == ["[MAX", "2", "9", "X"]
+
+
+def _write_official(folder, rows_per_split=12):
+    folder.mkdir(parents=True)
+    for split in ("train", "val", "test"):
+        with open(folder / f"basic_{split}.tsv", "w", newline="") as f:
+            w = csv.writer(f, delimiter="\t")
+            w.writerow(["Source", "Target"])
+            for i in range(rows_per_split):
+                w.writerow([f"( ( ( [MAX {i % 10} ) 3 ) ] )", max(i % 10, 3)])
+
+
+def test_official_tsvs_load_into_batches(tmp_path):
+    _write_official(tmp_path / "src")
+    dm = ListOps(data_dir=tmp_path / "data", source_dir=str(tmp_path / "src"), batch_size=5, seq_len=10)
+    with pytest.raises(DatasetNotPreparedError, match="scripts/prepare_data.py listops"):
+        dm.setup()
+    dm.prepare_data()
+    dm.setup()
+    assert dm.manifest["splits"]["train"]["count"] == 12
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["inputs"].shape == (5, 4) and batch["mask"].all() and batch["labels"].dtype.is_floating_point is False
+    assert len(list(dm.val_dataloader())) == 3  # 12 = 5 + 5 + 2: eval keeps the last batch
+
+
+def test_corrupt_tsv_names_the_file_and_line(tmp_path):
+    _write_official(tmp_path / "src")
+    with open(tmp_path / "src" / "basic_val.tsv", "a") as f:
+        f.write("( [MIN 1 ] )\tseven\n")
+    dm = ListOps(data_dir=tmp_path / "data", source_dir=str(tmp_path / "src"))
+    with pytest.raises(ValueError, match=r"basic_val.tsv:14"):
+        dm.prepare_data()
+
+
+def test_deleted_prepared_file_is_reported(tmp_path):
+    dm = GeneratedListOps(data_dir=tmp_path, num_train=20, num_val=5, num_test=5, max_depth=3, max_args=3,
+                          min_length=3, max_length=20, seq_len=20)
+    dm.prepare_data()
+    (dm.root / "train.tokens.npy").unlink()
+    with pytest.raises(DatasetNotPreparedError, match="incomplete"):
+        GeneratedListOps(data_dir=tmp_path, num_train=20, num_val=5, num_test=5, max_depth=3, max_args=3,
+                         min_length=3, max_length=20, seq_len=20).setup()
+
+
+def test_labels_are_not_degenerate():
+    labels = np.array([t for _, t in generate(SPEC, seed=1)])
+    assert len(np.unique(labels)) >= 5

@@ -1,0 +1,142 @@
+"""Stream batching for LM: ordered training segments (roll, K chunks, DDP shards, resume) and evaluation windows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longmixer.data.lm_stream import IGNORE_INDEX, LMEvalStream, LMStreamLoader, LMTrainStream, eval_windows
+
+
+@pytest.mark.parametrize("num_tokens,window,context", [
+    pytest.param(101, 24, 16, id="N101-W24-C16"),
+    pytest.param(101, 24, 0, id="N101-W24-disjoint"),
+    pytest.param(100, 10, 9, id="N100-W10-C9-stride1"),
+    pytest.param(20, 24, 16, id="N20-shorter-than-window"),
+    pytest.param(25, 24, 16, id="N25-exactly-window"),
+    pytest.param(1000, 64, 33, id="N1000-W64-C33"),
+])
+def test_eval_windows_score_each_position_once_with_context(num_tokens, window, context):
+    windows = eval_windows(num_tokens, window, context)
+    scored = []
+    n = num_tokens - 1
+    for start, end, first in windows:
+        assert 0 <= start <= first < end <= n
+        assert end - start == min(window, n)  # equal lengths: nothing padded
+        if start > 0:
+            assert first - start >= context
+        scored.extend(range(first, end))
+    assert scored == list(range(n))
+
+
+def test_eval_windows_disjoint_segments_when_no_context():
+    assert eval_windows(31, 10, 0) == [(0, 10, 0), (10, 20, 10), (20, 30, 20)]
+    assert eval_windows(33, 10, 0)[-1] == (22, 32, 30)  # the last window ends at the stream's end
+
+
+@pytest.mark.parametrize("window,context", [(10, 10), (10, -1), (0, 0)])
+def test_eval_windows_reject_bad_settings(window, context):
+    with pytest.raises(ValueError, match="data.eval_"):
+        eval_windows(100, window, context)
+
+
+def test_eval_stream_targets_cover_the_stream_once():
+    tokens = torch.arange(3, 104)  # 101 tokens
+    stream = LMEvalStream(tokens, window=24, context=16, batch_size=3)
+    batches = list(stream)
+    assert len(eval_windows(101, 24, 16)) == 11
+    assert len(batches) == len(stream) == 4  # 3 + 3 + 3 + 2 windows: the last partial batch is kept
+    scored = []
+    for batch in batches:
+        assert batch["inputs"].dtype == torch.long and batch["mask"].all()
+        for inputs, targets in zip(batch["inputs"], batch["targets"]):
+            keep = targets != IGNORE_INDEX
+            assert torch.equal(targets[keep], inputs[keep] + 1)  # targets are the next tokens
+            scored.extend(targets[keep].tolist())
+    assert scored == tokens[1:].tolist()
+
+
+def test_eval_stream_keeps_last_partial_batch_and_shards_by_rank():
+    tokens = torch.arange(200)
+    windows = eval_windows(200, 20, 10)
+    full = [b for b in LMEvalStream(tokens, 20, 10, batch_size=4)]
+    assert sum(b["inputs"].shape[0] for b in full) == len(windows)
+    shards = [list(LMEvalStream(tokens, 20, 10, batch_size=4, rank=r, world_size=2)) for r in range(2)]
+    starts = sorted(int(b["inputs"][i, 0]) for shard in shards for b in shard for i in range(b["inputs"].shape[0]))
+    assert starts == sorted(s for s, _, _ in windows)
+
+
+def make_train(tokens, **kw):
+    args = dict(batch_size=2, chunk=4, k_min=1, k_max=3, seed=0, roll=True, rank=0, world_size=1)
+    args.update(kw)
+    return LMTrainStream(tokens, **args)
+
+
+def test_train_segments_are_contiguous_multiples_of_the_chunk():
+    tokens = torch.arange(1, 202, dtype=torch.int32)  # 201 tokens -> 2 rows of 100
+    stream = make_train(tokens, roll=False)
+    batches = list(stream)
+    lengths = [b["inputs"].shape[1] for b in batches]
+    assert all(length % 4 == 0 and 4 <= length <= 12 for length in lengths)
+    assert len(set(lengths)) > 1  # K varies between batches
+    rows = torch.cat([b["inputs"] for b in batches], dim=1)
+    assert torch.equal(rows, tokens[:200].view(2, 100)[:, :rows.shape[1]].long())
+    assert 100 - 1 - rows.shape[1] < 4  # only a rest shorter than k_min chunks is dropped
+    for b in batches:
+        assert b["inputs"].dtype == torch.long
+        assert torch.equal(b["targets"], b["inputs"] + 1)
+
+
+def test_train_roll_changes_per_epoch_and_is_reproducible():
+    tokens = torch.arange(400)
+    a, b = make_train(tokens), make_train(tokens)
+    first = [x["inputs"] for x in a]
+    assert all(torch.equal(x, y["inputs"]) for x, y in zip(first, b))  # same (seed, epoch) -> same batches
+    a.set_epoch(1)
+    second = [x["inputs"] for x in a]
+    assert not torch.equal(first[0], second[0])
+    for row in a.rows():  # a roll keeps each row a rotation of its contiguous slice
+        diffs = (row[1:] - row[:-1]).tolist()
+        assert sorted(set(diffs))[-1] == 1 and sum(d != 1 for d in diffs) <= 1
+
+
+def test_train_ddp_shards_are_disjoint_rows_of_the_global_batch():
+    tokens = torch.arange(800)
+    single = make_train(tokens, batch_size=4, roll=False).rows()
+    shards = [make_train(tokens, batch_size=2, roll=False, rank=r, world_size=2).rows() for r in range(2)]
+    assert torch.equal(torch.cat(shards), single)
+    k_draws = [[b["inputs"].shape[1] for b in make_train(tokens, batch_size=2, rank=r, world_size=2)]
+               for r in range(2)]
+    assert k_draws[0] == k_draws[1]  # every rank draws the same K, so steps line up
+
+
+def test_train_stream_too_short_raises():
+    with pytest.raises(ValueError, match="too short"):
+        make_train(torch.arange(10), chunk=8).rows()
+
+
+def test_loader_resumes_mid_epoch_on_the_next_batch():
+    tokens = torch.arange(600)
+    loader = LMStreamLoader(make_train(tokens))
+    epoch0 = [b["inputs"] for b in loader]
+    epoch1 = [b["inputs"] for b in loader]
+    assert not torch.equal(epoch0[0], epoch1[0])  # the loader advances the epoch
+
+    fresh = LMStreamLoader(make_train(tokens))
+    it = iter(fresh)
+    next(it), next(it)
+    state = fresh.state_dict()
+    assert state == {"epoch": 0, "consumed": 2}
+    resumed = LMStreamLoader(make_train(tokens))
+    resumed.load_state_dict(state)
+    rest = [b["inputs"] for b in resumed]
+    assert len(rest) == len(epoch0) - 2
+    assert all(torch.equal(x, y) for x, y in zip(rest, epoch0[2:]))
+    assert torch.equal(next(iter(resumed))["inputs"], epoch1[0])
+
+
+def test_loader_workers_split_batches_without_duplicates():
+    tokens = torch.arange(600)
+    plain = [b["inputs"] for b in LMStreamLoader(make_train(tokens))]
+    workers = [b["inputs"] for b in LMStreamLoader(make_train(tokens), num_workers=2)]
+    assert sorted(x.flatten().tolist() for x in plain) == sorted(x.flatten().tolist() for x in workers)

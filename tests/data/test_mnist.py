@@ -1,0 +1,62 @@
+"""s/pMNIST from idx files: 784-long pixel sequences, the seeded fixed permutation, the seeded hold-out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from longmixer.data.mnist import MNIST, bitreversal_permutation, read_idx
+from tests.data.fixtures_extra import MNIST_TEST, MNIST_TRAIN, mnist_images, write_mnist_fixture
+
+
+def make(tmp_path, **kw):
+    overrides = write_mnist_fixture(tmp_path / "raw")
+    dm = MNIST(data_dir=tmp_path / "data", batch_size=8, **overrides, **kw)
+    dm.prepare_data()
+    dm.setup()
+    return dm
+
+
+def test_read_idx_plain_and_gzip(tmp_path):
+    write_mnist_fixture(tmp_path)
+    images = read_idx(tmp_path / "train-images-idx3-ubyte.gz")
+    assert images.shape == (MNIST_TRAIN, 28, 28) and np.array_equal(images, mnist_images(MNIST_TRAIN, 1))
+    labels = read_idx(tmp_path / "t10k-labels-idx1-ubyte")
+    assert labels.tolist() == [i % 10 for i in range(MNIST_TEST)]
+    (tmp_path / "bad").write_bytes(b"\x00\x00\x08\x01" + (5).to_bytes(4, "big") + b"\x00" * 4)
+    with pytest.raises(ValueError, match="need 5 bytes"):
+        read_idx(tmp_path / "bad")
+
+
+def test_smnist_sequences_and_splits(tmp_path):
+    dm = make(tmp_path)
+    assert len(dm.datasets["train"]) == MNIST_TRAIN - 4 and len(dm.datasets["val"]) == 4
+    assert len(dm.datasets["test"]) == MNIST_TEST
+    item = dm.datasets["test"][2]
+    assert item["inputs"].shape == (784, 1)
+    expected = torch.from_numpy(mnist_images(MNIST_TEST, 2)[2].reshape(784, 1) / 255.0).float()
+    torch.testing.assert_close(item["inputs"], expected)
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["inputs"].shape == (8, 784, 1) and batch["mask"].all()
+
+
+def test_pmnist_applies_one_fixed_seeded_permutation(tmp_path):
+    plain = make(tmp_path / "a").datasets["test"]
+    permuted = make(tmp_path / "b", permutation="random", permutation_seed=3).datasets["test"]
+    perm = torch.from_numpy(np.random.RandomState(3).permutation(784))
+    for i in (0, 5):
+        torch.testing.assert_close(permuted[i]["inputs"], plain[i]["inputs"][perm])
+    other = make(tmp_path / "c", permutation="random", permutation_seed=4).datasets["test"]
+    assert not torch.equal(other[0]["inputs"], permuted[0]["inputs"])
+
+
+def test_bitreversal_permutation():
+    assert bitreversal_permutation(8).tolist() == [0, 4, 2, 6, 1, 5, 3, 7]
+    perm = bitreversal_permutation(784)
+    assert sorted(perm.tolist()) == list(range(784))
+
+
+def test_unknown_permutation_raises(tmp_path):
+    with pytest.raises(ValueError, match="data.permutation='shuffle'"):
+        MNIST(data_dir=tmp_path, permutation="shuffle")

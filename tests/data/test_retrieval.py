@@ -1,0 +1,76 @@
+"""LRA Retrieval (AAN): 5-column TSVs with literal quotes -> two-document batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longmixer.data.retrieval import AAN, read_aan_tsv
+from tests.data.fixtures import AAN_ROWS, write_retrieval_fixture
+
+
+@pytest.fixture
+def aan(tmp_path):
+    dm = AAN(data_dir=tmp_path / "data", seq_len=48, batch_size=2, **write_retrieval_fixture(tmp_path / "raw"))
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm
+
+
+def _decode(ids: torch.Tensor) -> str:
+    return bytes((ids - 1).tolist()).decode("utf-8", errors="ignore")
+
+
+def test_quotes_stay_literal_and_columns_align(tmp_path):
+    folder = write_retrieval_fixture(tmp_path)["source_dir"]
+    docs1, docs2, labels = read_aan_tsv(f"{folder}/new_aan_pairs.train.tsv", max_len=10_000)
+    assert labels == [1, 0, 1, 0]
+    for d1, d2, row in zip(docs1, docs2, AAN_ROWS["train"]):
+        assert bytes((d1 - 1).astype("uint8")).decode() == row[3]
+        assert bytes((d2 - 1).astype("uint8")).decode() == row[4]
+
+
+def test_batches_hold_both_documents(aan):
+    assert {s: aan.manifest["splits"][s]["count"] for s in ("train", "val", "test")} == {"train": 4, "val": 2,
+                                                                                          "test": 2}
+    batch = next(iter(aan.val_dataloader()))
+    assert set(batch) == {"inputs", "mask", "inputs2", "mask2", "labels"}
+    assert batch["inputs"].dtype == torch.long and batch["inputs2"].dtype == torch.long
+    assert batch["mask"].shape == batch["inputs"].shape and batch["mask2"].shape == batch["inputs2"].shape
+    assert batch["labels"].tolist() == [1, 0]
+    assert _decode(batch["inputs"][0][batch["mask"][0]]) == AAN_ROWS["eval"][0][3]
+    assert _decode(batch["inputs2"][1][batch["mask2"][1]]) == AAN_ROWS["eval"][1][4]
+
+
+def test_documents_are_truncated_to_seq_len(aan):
+    item = aan.datasets["train"][2]  # its first document is 540 bytes
+    assert len(item["inputs"]) == 48 and len(item["inputs2"]) == len("Graph-based parsing")
+
+
+def test_wrong_column_count_names_the_line(tmp_path):
+    path = tmp_path / "new_aan_pairs.train.tsv"
+    path.write_text("1.0\ta\tb\ttext one\ttext two\n0.0\ta\tb\tonly four columns\n")
+    with pytest.raises(ValueError, match=r"train\.tsv:2: expected 5 tab-separated columns"):
+        read_aan_tsv(path, max_len=100)
+
+
+def test_bad_label_is_rejected(tmp_path):
+    path = tmp_path / "x.tsv"
+    path.write_text("yes\ta\tb\tc\td\n")
+    with pytest.raises(ValueError, match="label 'yes'"):
+        read_aan_tsv(path, max_len=100)
+
+
+def test_missing_file_names_the_fix(tmp_path):
+    dm = AAN(data_dir=tmp_path / "data", source_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="prepare_data.py retrieval"):
+        dm.prepare_data()
+
+
+def test_another_seq_len_needs_a_new_prepare(aan):
+    other = AAN(data_dir=aan.data_dir, seq_len=16, source_dir=str(aan.source_dir))
+    with pytest.raises(Exception, match="other settings"):
+        other.setup("fit")
+    other.prepare_data()  # rebuilds at the new length
+    other.setup("fit")
+    assert max(len(other.datasets["train"][i]["inputs"]) for i in range(4)) == 16

@@ -1,0 +1,129 @@
+"""Tests of the EMA-codebook vector quantizer: the EMA formula, one step per optimizer step under accumulation,
+padding, DDP all-reduce, straight-through and commitment gradients, usage statistics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from longmixer.layers.vq import VectorQuantizer
+
+
+def quantizer(S=4, E=3, decay=0.9, **kw):
+    vq = VectorQuantizer(E, S, decay=decay, backend="torch", **kw)
+    vq.initialized.fill_(True)  # keep the hand-set codebook below
+    vq.sums.copy_(torch.tensor([[1.0, 0, 0], [0, 1, 0], [0, 0, 1], [-1, -1, -1]]) * 2.0)
+    vq.counts.fill_(2.0)  # codebook = unit vectors and (-1, -1, -1)
+    return vq
+
+
+KEYS = torch.tensor([[[0.9, 0.1, 0.0], [0.0, 1.2, 0.1], [1.1, 0.0, 0.2], [-1.0, -0.8, -1.1]]])  # codes 0 1 0 3
+
+
+def test_ema_update_matches_formula():
+    vq = quantizer()
+    vq.set_progress(0, 10)
+    _, codes, _, _ = vq(KEYS)
+    assert codes.tolist() == [[0, 1, 0, 3]]
+    counts0, sums0 = vq.counts.clone(), vq.sums.clone()
+    vq.set_progress(1, 10)  # a new optimizer step applies the statistics of step 0
+    n_batch = torch.tensor([2.0, 1.0, 0.0, 1.0])
+    m_batch = torch.stack([KEYS[0, 0] + KEYS[0, 2], KEYS[0, 1], torch.zeros(3), KEYS[0, 3]])
+    torch.testing.assert_close(vq.counts, 0.9 * counts0 + 0.1 * n_batch)
+    torch.testing.assert_close(vq.sums, 0.9 * sums0 + 0.1 * m_batch)
+    torch.testing.assert_close(vq.codebook, vq.sums / vq.counts[:, None])
+
+
+def test_accumulated_micro_batches_make_one_ema_step():
+    """Gradient accumulation: two micro-batches of one optimizer step = one EMA step on their summed stats."""
+    acc, whole = quantizer(), quantizer()
+    acc.set_progress(0, 10)
+    acc(KEYS[:, :2])
+    acc(KEYS[:, 2:])
+    acc.set_progress(0, 10)  # same step: nothing applied yet
+    torch.testing.assert_close(acc.counts, torch.full((4,), 2.0))
+    acc.set_progress(1, 10)
+    whole.set_progress(0, 10)
+    whole(KEYS)
+    whole.set_progress(1, 10)
+    torch.testing.assert_close(acc.counts, whole.counts)
+    torch.testing.assert_close(acc.sums, whole.sums)
+
+
+def test_without_progress_each_forward_updates_and_eval_never():
+    vq = quantizer()
+    vq(KEYS)
+    assert vq.counts[0].item() == pytest.approx(0.9 * 2 + 0.1 * 2)
+    vq.eval()
+    before = vq.counts.clone()
+    vq(KEYS)
+    torch.testing.assert_close(vq.counts, before)
+
+
+def test_padding_is_excluded():
+    vq = quantizer()
+    mask = torch.tensor([[True, True, False, False]])
+    _, _, _, aux = vq(KEYS, mask)
+    torch.testing.assert_close(vq.counts, 0.9 * torch.full((4,), 2.0) + 0.1 * torch.tensor([1.0, 1, 0, 0]))
+    assert aux["stats/vq_used_codes"].item() == 2
+    assert aux["stats/vq_perplexity"].item() == pytest.approx(2.0)
+
+
+def test_straight_through_and_commit_gradient_reach_k_only():
+    vq = quantizer(commit_coef=0.5).eval()
+    k = KEYS.clone().requires_grad_(True)
+    k_hat, codes, codebook, aux = vq(k)
+    torch.testing.assert_close(k_hat, codebook[codes])  # value: the codeword (eq. 6)
+    (g_st,) = torch.autograd.grad((k_hat * torch.arange(3.0)).sum(), k)
+    torch.testing.assert_close(g_st, torch.arange(3.0).expand_as(k))  # identity gradient (eq. 8)
+    (g_commit,) = torch.autograd.grad(aux["loss/vq_commit"], k)
+    torch.testing.assert_close(g_commit, 0.5 * 2 * (k - codebook[codes]) / k.numel())  # d MSE(K, sg(C)) / dK
+    assert not any(p.requires_grad for p in (vq.counts, vq.sums))
+    assert len(list(vq.parameters())) == 0  # the codebook never reaches the optimizer
+
+
+def test_usage_statistics():
+    _, _, _, aux = quantizer().eval()(KEYS)
+    probs = torch.tensor([0.5, 0.25, 0.25])
+    assert aux["stats/vq_used_codes"].item() == 3
+    assert aux["stats/vq_perplexity"].item() == pytest.approx(math.exp(-(probs * probs.log()).sum().item()))
+
+
+def test_first_training_batch_initializes_codebook_from_real_keys():
+    torch.manual_seed(0)
+    vq = VectorQuantizer(3, 4, backend="torch")
+    mask = torch.tensor([[True, True, False, False]])
+    vq(KEYS, mask)
+    assert bool(vq.initialized)
+    for row in vq.sums / vq.counts[:, None]:  # EMA mixes the init keys with the batch keys: stays in their span
+        assert min((row - KEYS[0, i]).norm() for i in range(2)) < 0.5
+
+
+def test_ddp_statistics_are_all_reduced(tmp_path):
+    """With torch.distributed initialized the pending statistics go through all_reduce (1-rank gloo group)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        vq = quantizer()
+        calls = []
+        real = dist.all_reduce
+        dist.all_reduce = lambda t, *a, **kw: (calls.append(t.shape), real(t, *a, **kw))[1]
+        try:
+            vq.set_progress(0, 1)
+            vq(KEYS)
+            vq.set_progress(1, 1)
+        finally:
+            dist.all_reduce = real
+        assert calls == [torch.Size([4]), torch.Size([4, 3])]
+        assert vq.counts[0].item() == pytest.approx(0.9 * 2 + 0.1 * 2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="n_codes"):
+        VectorQuantizer(4, 0)
+    with pytest.raises(ValueError, match="decay"):
+        VectorQuantizer(4, 8, decay=1.0)

@@ -1,0 +1,127 @@
+"""MEGA and MEGA-chunk (longmixer.mixers.mega): the mixer contract, chunk = L equals full attention, and the
+parameter counts of the LRA recipes against the official dimensions."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from longmixer.mixers.mega import MEGA
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _mixer(**kw):
+    torch.manual_seed(0)
+    args = dict(zdim=8, hdim=12, ndim=4, max_positions=32, backend="torch")
+    args.update(kw)
+    return MEGA(6, **args).double().eval()
+
+
+@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_shape_aux_and_padding_invariance(attention, causal):
+    mixer = _mixer(attention=attention, causal=causal, chunk_size=8)
+    x = torch.randn(2, 21, 6, dtype=torch.float64)
+    mask = torch.ones(2, 21, dtype=torch.bool)
+    mask[1, 15:] = False
+    y, aux = mixer(x, mask, residual=x)
+    assert y.shape == x.shape and aux == {}
+    x2 = x.clone()
+    x2[1, 15:] = 50.0
+    y2, _ = mixer(x2, mask, residual=x2)
+    torch.testing.assert_close(y2[1, :15], y[1, :15])
+    torch.testing.assert_close(y2[0], y[0])
+
+
+@pytest.mark.parametrize("attention", ["softmax", "laplace"])
+def test_causal_mixer_is_causal(attention):
+    mixer = _mixer(attention=attention, causal=True, chunk_size=4)
+    x = torch.randn(1, 10, 6, dtype=torch.float64)
+    jac = torch.autograd.functional.jacobian(lambda v: mixer(v)[0].sum(-1), x)  # [1, L, 1, L, D]
+    dep = jac[0, :, 0].abs().sum(-1)  # [L_out, L_in]
+    assert dep.triu(1).max() < 1e-12  # FFT round-off only
+    assert torch.all(dep.diagonal() > 0)
+
+
+@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
+def test_chunk_equal_to_length_is_full_attention(attention):
+    full = _mixer(attention=attention, max_positions=16)
+    chunked = _mixer(attention=attention, chunk_size=16)
+    x = torch.randn(2, 16, 6, dtype=torch.float64)
+    torch.testing.assert_close(chunked(x)[0], full(x)[0])
+
+
+def test_deterministic_under_seed():
+    x = torch.randn(2, 9, 6, dtype=torch.float64)
+    torch.testing.assert_close(_mixer()(x)[0], _mixer()(x)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attention,causal", [("softmax", False), ("laplace", True), ("relu2", False)])
+def test_torch_and_triton_backends_agree(attention, causal):
+    mixer = _mixer(attention=attention, causal=causal, chunk_size=16).float()
+    x = torch.randn(2, 20, 6)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[0, 17:] = False
+    y_ref, _ = mixer(x, mask)
+    for module in mixer.modules():
+        if hasattr(module, "backend"):
+            module.backend = "triton"
+    torch.testing.assert_close(mixer(x, mask)[0], y_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_rejects_bad_rel_pos():
+    with pytest.raises(ValueError, match="rel_pos"):
+        MEGA(8, rel_pos="alibi")
+
+
+# --- parameter counts of the LRA recipes against the official dimensions (models.md 1.2, 1.6-1.8) ----------------
+
+TASK_SHAPES = {  # seq_len, vocab_size or None (real inputs, d_input 1), num_classes; vocab sizes cancel out
+    "listops": (2000, 20, 10), "text": (4000, 260, 2), "retrieval": (4000, 260, 2), "image": (1024, None, 10),
+    "pathfinder": (1024, None, 2), "pathx": (16384, None, 2), "sc10": (16000, None, 10)}
+NORM_PARAMS = {"layernorm": 2, "scalenorm": 0, "batchnorm": 2, "syncbatchnorm": 2}  # per channel (+1 for scalenorm)
+
+
+def _official_encoder_params(D, layers, S, norm, prenorm, M, seq, vocab):
+    """Parameters of the official MEGA LRA encoder (embedding, MEGA layers with their norms, NFFN, final norm)."""
+    H = F = 2 * D
+    n = NORM_PARAMS[norm] * D + (norm == "scalenorm")
+    mega = 4 * 2 * D * 16 + D + (D * H + H) + (D * (2 * D + S + H) + 2 * D + S + H) + (H * D + D) + 4 * S + (2 * M - 1)
+    ffn = D * F + F + F * D + D
+    embed = vocab * D if vocab else 2 * D
+    return embed + layers * (mega + n + ffn + n) + (n if prenorm else 0)
+
+
+def _build(family, task):
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    seq, vocab, classes = TASK_SHAPES[task]
+    base = OmegaConf.load(CONFIGS / "model" / "mega.yaml")
+    if family == "mega_chunk":
+        chunk = OmegaConf.load(CONFIGS / "model" / "mega_chunk.yaml")
+        base = OmegaConf.merge(base, {k: v for k, v in chunk.items() if k != "defaults"})
+    recipe = OmegaConf.load(CONFIGS / "experiment" / family / f"{task}.yaml")
+    cfg = OmegaConf.merge({"data": {"seq_len": seq, "vocab_size": vocab, "num_classes": classes, "d_input": 1},
+                           "ops": {"backend": "torch"}}, {"model": base}, {k: v for k, v in recipe.items()
+                                                                             if k != "defaults"})
+    return instantiate(cfg.model), cfg
+
+
+@pytest.mark.parametrize("family", ["mega", "mega_chunk"])
+@pytest.mark.parametrize("task", sorted(TASK_SHAPES))
+def test_lra_recipe_parameter_count(family, task):
+    model, cfg = _build(family, task)
+    m = cfg.model
+    seq, vocab, classes = TASK_SHAPES[task]
+    chunk = m.mixer.chunk_size
+    M = seq if chunk is None else chunk
+    official = _official_encoder_params(m.d_model, m.n_layers, m.mixer.zdim, m.norm, m.prenorm, M, seq, vocab)
+    ours = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("head."))
+    assert abs(ours - official) / official < 0.02, (ours, official)
+    if task != "retrieval":  # the official AAN classifier reads [u, v] (2D); our nli head [u, v, uv, u-v] (4D)
+        Hc = m.d_classifier
+        official += m.d_model * Hc + Hc + Hc * classes
+        total = sum(p.numel() for p in model.parameters())
+        assert abs(total - official) / official < 0.02, (total, official)

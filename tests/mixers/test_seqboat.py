@@ -1,0 +1,170 @@
+"""mixers/seqboat: the mixer contract, SeqBoat's defining properties (full attention when everything is activated,
+original-position relative bias, router gradient only through the confidence, causality), and its config files."""
+
+import functools
+import inspect
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from longmixer.mixers.seqboat import SeqBoat
+from longmixer.models import SequenceModel
+from longmixer.ops.sparse_local_attention import sparse_local_attention
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _mixer(**kw):
+    torch.manual_seed(0)
+    base = dict(d_qk=16, d_v=32, max_positions=64, window=8, backend="torch")
+    base.update(kw)
+    return SeqBoat(24, **base)
+
+
+def test_contract_shape_aux_and_padding_invariance():
+    m = _mixer().eval()
+    x = torch.randn(2, 30, 24)
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    mask[1, 22:] = False
+    y, aux = m(x, mask)
+    assert y.shape == x.shape and set(aux) == {"stats/act_rate", "stats/attn_span"}
+    assert all(v.dim() == 0 for v in aux.values())
+    x2 = x.clone()
+    x2[1, 22:] = torch.randn(8, 24) * 5
+    y2, _ = m(x2, mask)
+    torch.testing.assert_close(y2[mask], y[mask]), "padded tokens must not change real outputs"
+
+
+def _dense_gau(m: SeqBoat, x: torch.Tensor, causal: bool) -> torch.Tensor:
+    """SeqBoat's layer with the GAU on every token and full attention, written out densely (eqs. 2-8)."""
+    h = F.silu(m.ssm(x))
+    z, r, v = F.silu(m.mx_proj(h)).split([m.d_qk, m.d_v, m.d_v], -1)
+    q, k = z * m.gamma[0] + m.beta[0], z * m.gamma[1] + m.beta[1]
+    L = x.shape[1]
+    rel = torch.arange(L)[None, :] - torch.arange(L)[:, None]
+    M = (m.rel_bias.shape[0] + 1) // 2
+    s = q @ k.transpose(1, 2) / math.sqrt(m.d_qk) + m.rel_bias[rel + M - 1]
+    if causal:
+        s = s.masked_fill(rel > 0, float("-inf"))
+    o = torch.softmax(s, -1) @ v
+    return F.silu(m.hx_proj(h) + m.h_proj(r * o) + x)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_all_activated_wide_window_equals_full_gau_attention(causal):
+    """With every token activated and a window covering the sequence (w >= L causal, w >= 2L bidirectional, since
+    the bidirectional reach is w/2 each side), SeqBoat is the plain GAU with full attention."""
+    L = 20
+    m = _mixer(router="always", window=L if causal else 2 * L, causal=causal).eval()
+    x = torch.randn(2, L, 24)
+    y, aux = m(x)
+    torch.testing.assert_close(y, _dense_gau(m, x, causal), rtol=1e-5, atol=1e-5)
+    assert aux["stats/act_rate"].item() == 1.0
+    full = _mixer(router="always", window=None, causal=causal).eval()
+    torch.testing.assert_close(full(x)[0], y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_relative_positions_from_original_positions(backend):
+    """Two activated tokens 7 apart in the sequence but adjacent in the packed one: with q = k = 0 the weights
+    come from the bias alone, w[+7] under rel_pos="original" and w[+1] under "compressed"."""
+    L, M = 12, 16
+    q = torch.zeros(1, L, 16)
+    v = torch.randn(1, L, 16)
+    active = torch.zeros(1, L, dtype=torch.bool)
+    active[0, [2, 9]] = True
+    bias = torch.zeros(2 * M - 1)
+    bias[M - 1 + 7] = 3.0
+    o = sparse_local_attention(q, q, v, active, bias, window=4, rel_pos="original", backend=backend)
+    w = torch.softmax(torch.tensor([0.0, 3.0]), 0)
+    torch.testing.assert_close(o[0, 2], w[0] * v[0, 2] + w[1] * v[0, 9], rtol=1e-5, atol=1e-5)
+    o = sparse_local_attention(q, q, v, active, bias, window=4, rel_pos="compressed", backend=backend)
+    torch.testing.assert_close(o[0, 2], 0.5 * (v[0, 2] + v[0, 9]), rtol=1e-5, atol=1e-5)
+
+
+def test_router_gradient_only_through_confidence(monkeypatch):
+    m = _mixer(router="softmax", init_temp_scale=0.01)  # a sharp router: some tokens on, some off
+    x = torch.randn(2, 30, 24)
+    y, aux = m(x)
+    assert 0 < aux["stats/act_rate"].item() < 1
+    y.square().sum().backward()
+    assert m.configurator.proj.weight.grad.abs().sum() > 0
+    m.zero_grad()
+    forward = m.configurator.forward
+    monkeypatch.setattr(m.configurator, "forward", lambda h, mask=None: tuple(t.detach() for t in forward(h, mask)))
+    m(x)[0].square().sum().backward()
+    grad = m.configurator.proj.weight.grad
+    assert grad is None or grad.abs().sum() == 0, "the decision a must carry no gradient"
+
+
+@pytest.mark.parametrize("rel_pos", ["rope", "original"])
+def test_causal_variant_is_causal(rel_pos):
+    """In float64, so that the FFT convolution's round-off (~1e-9 in float32) does not blur the check."""
+    m = _mixer(causal=True, rel_pos=rel_pos, window=6, init_temp_scale=0.05).eval().double()
+    x = torch.randn(1, 25, 24, dtype=torch.float64, requires_grad=True)
+    y, _ = m(x)
+    i = 11
+    (grad,) = torch.autograd.grad(y[:, i].sum(), x)
+    assert grad[:, i + 1:].abs().max() < 1e-12, "dy_i/dx_j must vanish for j > i"
+    assert grad[:, : i + 1].abs().max() > 0
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(attention="relu2", rel_pos="compressed", window=None),
+                                dict(causal=True, rel_pos="rope")], ids=["softmax-w8", "relu2-full", "causal-rope"])
+def test_backend_torch_equals_triton(kw):
+    x = torch.randn(2, 33, 24)
+    mask = torch.ones(2, 33, dtype=torch.bool)
+    mask[0, 27:] = False
+    ys = [_mixer(backend=b, init_temp_scale=0.1, **kw).eval()(x, mask)[0] for b in ("torch", "triton")]
+    torch.testing.assert_close(ys[1], ys[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kw", [dict(router="gumbel"), dict(router="sigmoid"), dict(router="moe"),
+                                dict(modules="gau_ffn"), dict(router="always", window=None, chunk=8),
+                                dict(ssm="s4d")], ids=["gumbel", "sigmoid", "moe", "gau_ffn", "chunk", "s4d"])
+def test_ablations_run_and_backprop(kw):
+    m = _mixer(**kw)
+    y, aux = m(torch.randn(2, 20, 24))
+    y.sum().backward()
+    assert torch.isfinite(y).all() and "stats/act_rate" in aux
+    if kw.get("modules") == "gau_ffn":
+        assert "stats/act_rate_ffn" in aux
+
+
+def test_two_steps_fit():
+    torch.manual_seed(0)
+    model = SequenceModel(functools.partial(SeqBoat, d_qk=16, d_v=32, max_positions=32, window=8, backend="torch"),
+                          d_model=24, n_layers=2, vocab_size=11, num_classes=3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tokens, labels = torch.randint(1, 11, (8, 32)), torch.randint(0, 3, (8,))
+    losses = []
+    for _ in range(2):
+        logits, aux = model(tokens, tokens != 0)
+        loss = F.cross_entropy(logits, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and "stats/act_rate/layer_01" in aux
+    assert model(tokens, tokens != 0)[0].shape == (8, 3)
+
+
+def _yaml_keys_are_parameters(node, target):
+    params = set(inspect.signature(target).parameters)
+    unknown = set(node) - params - {"_target_", "_partial_", "mixer"}
+    assert not unknown, f"{sorted(unknown)} are not parameters of {target.__name__}"
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "ablation" / "seqboat").glob("*.yaml"))
+                         + sorted((CONFIGS / "experiment" / "seqboat").glob("*.yaml"))
+                         + [CONFIGS / "model" / "seqboat.yaml", CONFIGS / "model" / "seqboat_full.yaml"],
+                         ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_config_keys_are_constructor_parameters(path):
+    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    model = cfg if "model" not in cfg or path.parent.name == "model" else cfg["model"]
+    _yaml_keys_are_parameters({k: v for k, v in model.items() if k != "defaults"}, SequenceModel)
+    _yaml_keys_are_parameters(model.get("mixer", {}), SeqBoat)

@@ -1,0 +1,76 @@
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+from longmixer.models import SequenceModel
+
+
+class StatsMixer(nn.Module):
+    """A mixer that reports an aux loss and a statistic, to check the backbone's aux contract."""
+
+    gated_residual = True
+
+    def __init__(self, d_model, causal=False):
+        super().__init__()
+        self.lin = nn.Linear(d_model, d_model)
+        self.progress = None
+
+    def forward(self, x, mask=None, residual=None):
+        return residual + self.lin(x), {"loss/extra": x.new_tensor(0.5), "stats/rate": x.new_tensor(0.25)}
+
+    def set_progress(self, step, total):
+        self.progress = (step, total)
+
+
+def test_aux_losses_sum_and_stats_are_per_layer():
+    model = SequenceModel(StatsMixer, d_model=8, n_layers=3, vocab_size=5, num_classes=2)
+    _, aux = model(torch.randint(0, 5, (2, 4)))
+    assert aux["loss/extra"].item() == pytest.approx(1.5)
+    assert sorted(k for k in aux if k.startswith("stats/")) == [f"stats/rate/layer_0{i}" for i in range(3)]
+
+
+def test_progress_reaches_every_layer():
+    model = SequenceModel(StatsMixer, d_model=8, n_layers=2, vocab_size=5, num_classes=2)
+    model.set_progress(3, 10)
+    assert all(block.mixer.progress == (3, 10) for block in model.blocks)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "scalenorm", "rmsnorm", "batchnorm", "syncbatchnorm"])
+@pytest.mark.parametrize("prenorm", [True, False])
+def test_norms_and_placements_run(norm, prenorm):
+    model = SequenceModel(StatsMixer, d_model=8, n_layers=2, vocab_size=5, num_classes=2, norm=norm,
+                          prenorm=prenorm, d_ffn=16)
+    out, _ = model(torch.randint(0, 5, (3, 6)), torch.ones(3, 6, dtype=torch.bool))
+    assert out.shape == (3, 2) and torch.isfinite(out).all()
+
+
+def test_real_inputs_and_retrieval_head():
+    model = SequenceModel(StatsMixer, d_model=8, n_layers=1, d_input=3, num_classes=2, embedding="real",
+                          head="nli")
+    x, x2 = torch.randn(2, 5, 3), torch.randn(2, 7, 3)
+    out, aux = model(x, None, x2, None)
+    assert out.shape == (2, 2)
+    assert aux["loss/extra"].item() == pytest.approx(1.0)  # both documents' aux losses count
+
+
+def test_missing_shape_keys_name_the_interpolation():
+    with pytest.raises(ValueError, match=r"model.vocab_size \(e.g. \$\{data.vocab_size\}\)"):
+        SequenceModel(StatsMixer, d_model=8, n_layers=1)
+    with pytest.raises(ValueError, match="model.pool='max'"):
+        SequenceModel(StatsMixer, d_model=8, n_layers=1, vocab_size=3, num_classes=2, pool="max")
+
+
+def test_masked_batchnorm_ignores_padding():
+    from longmixer.layers.norms import MaskedBatchNorm
+
+    norm = MaskedBatchNorm(4).train()
+    x = torch.randn(2, 5, 4)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, 3:] = False
+    y1 = norm(x, mask)
+    x2 = x.clone()
+    x2[1, 3:] = 1e3  # garbage in the padding
+    y2 = MaskedBatchNorm(4).train()(x2, mask)
+    assert torch.allclose(y1[mask], y2[mask], atol=1e-5)

@@ -1,0 +1,142 @@
+"""LaS attention op: the materialized reference (eq. 3) against a loop oracle, the separable form against the
+materialized one, and both Triton paths (prep + SDPA, flash kernel) forward and backward under the interpreter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from longmixer.ops.las_attention import las_attention, las_attention_ref, las_attention_separable_ref, smooth_values
+from longmixer.ops.las_attention.function import las_attention_flash, las_attention_separable
+
+
+def _qkv(B, H, L, K, dtype=torch.float64, seed=0, Kv=None):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, L, d, generator=g, dtype=dtype) for d in (K, K, Kv or K)]
+
+
+def _loop_oracle(q, k, v, alpha, P, causal_pool):
+    """Eq. 3 one row at a time: decayed logits for j <= i, softmax, pool the row over P keys (zero padded), @ V."""
+    B, H, L, K = q.shape
+    out = torch.zeros(B, H, L, v.shape[-1], dtype=q.dtype)
+    lo = -(P - 1) if causal_pool else -((P - 1) // 2)
+    for b in range(B):
+        for h in range(H):
+            for i in range(L):
+                logits = torch.stack([math.exp(-float(alpha[h]) * (i - j)) * (q[b, h, i] @ k[b, h, j]) / math.sqrt(K)
+                                      for j in range(i + 1)])
+                row = torch.zeros(L, dtype=q.dtype)
+                row[: i + 1] = torch.softmax(logits, 0)
+                pooled = torch.zeros(L, dtype=q.dtype)
+                for j in range(L):  # pooled[j] averages row over the window of column j
+                    idx = [j - lo - w for w in range(P)] if causal_pool else [j + lo + w for w in range(P)]
+                    pooled[j] = sum(row[t] for t in idx if 0 <= t < L) / P
+                out[b, h, i] = pooled @ v[b, h]
+    return out
+
+
+@pytest.mark.parametrize("P,causal_pool", [(1, False), (3, False), (5, False), (3, True)], ids=str)
+def test_reference_matches_loop_oracle(P, causal_pool):
+    q, k, v = _qkv(1, 2, 9, 3)
+    alpha = torch.tensor([0.0, 0.4], dtype=torch.float64)
+    got = las_attention_ref(q, k, v, alpha, pool_size=P, causal_pool=causal_pool)
+    torch.testing.assert_close(got, _loop_oracle(q, k, v, alpha, P, causal_pool), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("P", [3, 5])
+def test_centred_pooling_is_torch_avgpool(P):
+    """The paper's AP is PyTorch's AvgPool1d(P, stride 1, padding P // 2) (count_include_pad default) on each row."""
+    a = torch.rand(4, 7, 11, dtype=torch.float64)
+    v = torch.randn(4, 11, 5, dtype=torch.float64)
+    pooled = torch.nn.AvgPool1d(P, stride=1, padding=P // 2)(a)  # [4, 7, 11]
+    torch.testing.assert_close(pooled @ v, a @ smooth_values(v[None], P, False)[0])
+
+
+@pytest.mark.parametrize("L", [1, 17, 64, 130])
+@pytest.mark.parametrize("P,causal_pool", [(1, False), (3, False), (5, False), (3, True), (7, True)], ids=str)
+@pytest.mark.parametrize("alphas", [(0.0, 0.0), (0.0, 0.01), (0.05, 0.3)], ids=str)
+def test_separable_equals_materialized(L, P, causal_pool, alphas):
+    """V-smoothed, q/k-scaled causal attention == AP(softmax(ELD * S)) V, float64."""
+    q, k, v = _qkv(2, 2, L, 8, Kv=6)
+    alpha = torch.tensor(alphas, dtype=torch.float64)
+    ref = las_attention_ref(q, k, v, alpha, pool_size=P, causal_pool=causal_pool)
+    sep = las_attention_separable_ref(q, k, v, alpha, pool_size=P, causal_pool=causal_pool)
+    torch.testing.assert_close(sep, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_alpha0_p1_is_causal_softmax_attention():
+    q, k, v = _qkv(2, 3, 33, 8)
+    ref = las_attention_ref(q, k, v, torch.zeros(3, dtype=torch.float64), pool_size=1)
+    torch.testing.assert_close(ref, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_decay_multiplies_logits_not_adds():
+    """A huge alpha drives off-diagonal logits to 0 (not to -inf): the row becomes softmax([0, ..., 0, s_ii])."""
+    q, k, v = _qkv(1, 1, 6, 4)
+    ref = las_attention_ref(q, k, v, torch.tensor([60.0], dtype=torch.float64))
+    s_ii = (q * k).sum(-1) / 2.0  # [1, 1, 6]
+    for i in range(6):
+        w = torch.ones(i + 1, dtype=torch.float64)
+        w[i] = torch.exp(s_ii[0, 0, i])
+        torch.testing.assert_close(ref[0, 0, i], (w / w.sum()) @ v[0, 0, : i + 1])
+
+
+# Triton paths under the interpreter: float32 against the float64 reference. Small shapes; ragged tails.
+TRITON_CASES = [
+    pytest.param(1, 2, 37, 20, 3, False, (0.0, 0.05), id="B1-H2-L37-K20-P3"),
+    pytest.param(2, 1, 64, 16, 5, True, (0.02,), id="B2-H1-L64-K16-P5-causalpool"),
+]
+
+
+@pytest.mark.parametrize("path", [las_attention_separable, las_attention_flash], ids=["separable", "flash"])
+@pytest.mark.parametrize("B,H,L,K,P,causal_pool,alphas", TRITON_CASES)
+def test_triton_parity_fwd_bwd(path, B, H, L, K, P, causal_pool, alphas):
+    q, k, v = (t.requires_grad_() for t in _qkv(B, H, L, K, seed=1))
+    alpha = torch.tensor(alphas, dtype=torch.float64)
+    ref = las_attention_ref(q, k, v, alpha, pool_size=P, causal_pool=causal_pool)
+    do = torch.randn_like(ref)
+    grads_ref = torch.autograd.grad(ref, (q, k, v), do)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out = path(q32, k32, v32, alpha.float(), pool_size=P, causal_pool=causal_pool)
+    grads = torch.autograd.grad(out, (q32, k32, v32), do.float())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5, msg="o")
+    for name, g, gr in zip(("dq", "dk", "dv"), grads, grads_ref):
+        torch.testing.assert_close(g.double(), gr, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_flash_kernel_survives_large_alpha():
+    """alpha * L far outside exp's range: the separable factors would overflow; the per-tile rebase must not."""
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 3, 40, 16, seed=2))
+    alpha = torch.tensor([0.0, 3.0, 50.0], dtype=torch.float64)
+    ref = las_attention_ref(q, k, v, alpha, pool_size=3)
+    do = torch.randn_like(ref)
+    grads_ref = torch.autograd.grad(ref, (q, k, v), do)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out = las_attention(q32, k32, v32, alpha.float(), pool_size=3, backend="triton")  # dispatches to flash
+    grads = torch.autograd.grad(out, (q32, k32, v32), do.float())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5, msg="o")
+    for name, g, gr in zip(("dq", "dk", "dv"), grads, grads_ref):
+        torch.testing.assert_close(g.double(), gr, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_backend_torch_is_reference():
+    q, k, v = _qkv(1, 2, 10, 4, dtype=torch.float32)
+    alpha = torch.tensor([0.0, 0.1])
+    torch.testing.assert_close(las_attention(q, k, v, alpha, pool_size=3, backend="torch"),
+                               las_attention_ref(q, k, v, alpha, pool_size=3))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(pool_size=4), "pool_size=4"),
+    (dict(alpha=torch.tensor([0.0, -0.1])), "alpha must be >= 0"),
+    (dict(alpha=torch.zeros(3)), "one decay rate per head"),
+    (dict(backend="cuda"), "ops.backend='cuda'"),
+], ids=["even-P", "negative-alpha", "alpha-shape", "bad-backend"])
+def test_errors_name_the_value(kwargs, match):
+    q, k, v = _qkv(1, 2, 8, 4, dtype=torch.float32)
+    kwargs = {"alpha": torch.zeros(2), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        las_attention(q, k, v, **kwargs)

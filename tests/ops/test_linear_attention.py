@@ -1,0 +1,139 @@
+"""Tiled linear attention (CHELA section 4.1): the chunked reference against the quadratic form and Q (K^T V), and
+the Triton kernel (forward and every gradient) against the reference in float64, under the interpreter on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longmixer.ops.linear_attention import linear_attention, linear_attention_ref
+from longmixer.ops.linear_attention.reference import linear_attention_quadratic
+
+TOL_FP32 = 2e-4  # kernel (float32, IEEE dots) vs float64 reference, relative to the reference's largest entry
+
+
+@pytest.fixture(autouse=True)
+def _nan_empty(monkeypatch):
+    """Fill torch.empty/empty_like with NaN (as FLA's test conftest), so an output the kernel forgets to write fails."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def nan_empty_like(*args, **kwargs):
+        t = empty_like(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+
+
+def _inputs(B, L, H, K, V, gate, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, L, H, K, generator=gen, dtype=dtype) for _ in range(2))
+    v = torch.randn(B, L, H, V, generator=gen, dtype=dtype)
+    g = torch.randn(B, L, H, V, generator=gen, dtype=dtype) if gate else None
+    return q, k, v, g
+
+
+def assert_close(name, ref, out, tol):
+    err = (out.double() - ref.double()).abs().max().item()
+    scale = ref.double().abs().max().item()
+    assert err <= tol * max(scale, 1.0), f"{name}: max error {err:.3e} > {tol:.1e} x {scale:.3e}"
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("L,chunk", [(1, 16), (63, 16), (100, 32)], ids=["L1-C16", "L63-C16", "L100-C32"])
+def test_chunked_reference_equals_quadratic_form(causal, L, chunk):
+    q, k, v, g = _inputs(2, L, 3, 8, 12, gate=True)
+    for normalize in (True, False):
+        ref = linear_attention_ref(q, k, v, g, causal=causal, normalize=normalize, chunk_size=chunk)
+        quad = linear_attention_quadratic(q, k, v, g, causal=causal, normalize=normalize)
+        torch.testing.assert_close(ref, quad, rtol=1e-10, atol=1e-10)
+
+
+def test_noncausal_equals_q_ktv():
+    q, k, v, _ = _inputs(2, 37, 2, 8, 5, gate=False)
+    out = linear_attention_ref(q, k, v, causal=False, scale=1.0, normalize=False)
+    expected = torch.einsum("blhk,bhkv->blhv", q, torch.einsum("blhk,blhv->bhkv", k, v))  # CHELA eq. 2: Q (K^T V)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_causal_output_ignores_future():
+    q, k, v, g = _inputs(1, 40, 2, 8, 8, gate=True)
+    out = linear_attention_ref(q, k, v, g, causal=True, chunk_size=16)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 25:], v2[:, 25:] = torch.randn_like(k2[:, 25:]), torch.randn_like(v2[:, 25:])
+    out2 = linear_attention_ref(q, k2, v2, g, causal=True, chunk_size=16)
+    torch.testing.assert_close(out[:, :25], out2[:, :25], rtol=0, atol=0)
+    assert not torch.allclose(out[:, 25:], out2[:, 25:])
+
+
+CASES = [  # B, L, H, K, V, chunk, segments, gate, normalize
+    pytest.param(2, 50, 2, 20, 24, 16, None, True, True, id="B2-L50-H2-K20-V24-C16-gate-norm"),
+    pytest.param(1, 70, 1, 16, 16, 16, 3, True, True, id="B1-L70-H1-K16-V16-C16-seg3"),
+    pytest.param(1, 64, 2, 32, 16, 16, 4, False, False, id="B1-L64-H2-K32-V16-C16-seg4-plain"),
+    pytest.param(2, 33, 1, 12, 40, 32, 2, True, False, id="B2-L33-H1-K12-V40-C32-seg2-gate"),
+]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("B,L,H,K,V,chunk,segments,gate,normalize", CASES)
+def test_kernel_parity_forward_backward(causal, B, L, H, K, V, chunk, segments, gate, normalize):
+    ins = [t for t in _inputs(B, L, H, K, V, gate) if t is not None]
+    ref_in = [t.clone().requires_grad_() for t in ins]
+    ref = linear_attention_ref(*ref_in, causal=causal, normalize=normalize, chunk_size=chunk)
+    do = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, ref_in, do)
+    tri_in = [t.float().requires_grad_() for t in ins]
+    out = linear_attention(*tri_in, causal=causal, normalize=normalize, chunk_size=chunk, backend="triton",
+                           num_segments=segments)
+    assert out.dtype == torch.float32
+    tri_grads = torch.autograd.grad(out, tri_in, do.float())
+    assert_close("o", ref, out, TOL_FP32)
+    for name, r, t in zip(("dq", "dk", "dv", "dg"), ref_grads, tri_grads):
+        assert_close(name, r, t, TOL_FP32)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_kernel_segments_agree(causal):
+    """Splitting the sequence across programs must not change the result (the prefix/suffix state hand-off)."""
+    q, k, v, g = (t.float() for t in _inputs(1, 96, 1, 16, 16, gate=True))
+    outs = [linear_attention(q, k, v, g, causal=causal, chunk_size=16, backend="triton", num_segments=s)
+            for s in (1, 2, 6)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_torch_backend_is_reference():
+    q, k, v, g = (t.float() for t in _inputs(1, 20, 1, 8, 8, gate=True))
+    torch.testing.assert_close(linear_attention(q, k, v, g, causal=True, backend="torch"),
+                               linear_attention_ref(q, k, v, g, causal=True))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(chunk_size=48), "chunk_size=48"),
+    (dict(chunk_size=8), "chunk_size=8"),
+])
+def test_bad_chunk_size(kwargs, match):
+    q, k, v, _ = _inputs(1, 8, 1, 4, 4, gate=False)
+    with pytest.raises(ValueError, match=match):
+        linear_attention(q, k, v, causal=True, backend="torch", **kwargs)
+
+
+def test_triton_rejects_wide_heads_and_float64():
+    q, k, v, _ = _inputs(1, 8, 1, 160, 16, gate=False, dtype=torch.float32)
+    with pytest.raises(ValueError, match="n_heads"):
+        linear_attention(q, k, v, causal=True, backend="triton")
+    q, k, v, _ = _inputs(1, 8, 1, 16, 16, gate=False)
+    with pytest.raises(ValueError, match="float64"):
+        linear_attention(q, k, v, causal=True, backend="triton")
+
+
+def test_shape_errors():
+    q, k, v, _ = _inputs(1, 8, 2, 4, 4, gate=False)
+    with pytest.raises(ValueError, match="v must be"):
+        linear_attention(q, k, v[:, :, :1], causal=True, backend="torch")
+    with pytest.raises(ValueError, match="g must have"):
+        linear_attention(q, k, v, v[..., :2], causal=True, backend="torch")

@@ -1,0 +1,91 @@
+"""ops/local_attention: the Triton kernels (under TRITON_INTERPRET=1 on CPU) against the float64 torch reference,
+forward and every gradient, with ragged chunks, padding, causal masks and the relative bias."""
+
+import pytest
+import torch
+
+from longmixer.ops.local_attention import local_attention, local_attention_ref
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _case(B, H, L, K, V, C, seed=0, bias_heads=0, masked=True):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, H, L, K, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, H, L, V, generator=g, dtype=torch.float64)
+    CC = L if C is None else C
+    shape = (2 * CC - 1,) if bias_heads == 0 else (bias_heads, 2 * CC - 1)
+    bias = torch.randn(*shape, generator=g, dtype=torch.float64) * 0.5
+    mask = None
+    if masked:
+        mask = torch.ones(B, L, dtype=torch.bool)
+        mask[0, L - 13:] = False
+        if B > 1:
+            mask[1, 5:] = False  # later chunks of this row have no real key at all
+    return [t.requires_grad_() for t in (q, k, v, bias)], mask
+
+
+CASES = [
+    pytest.param(2, 2, 50, 8, 20, 16, 0, True, id="B2-H2-L50-K8-V20-C16-mask"),
+    pytest.param(1, 1, 70, 12, 130, 32, 0, False, id="B1-H1-L70-K12-V130-C32"),
+    pytest.param(2, 3, 33, 16, 16, None, 3, True, id="B2-H3-L33-full-headbias-mask"),
+]
+
+
+@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("B,H,L,K,V,C,bias_heads,masked", CASES)
+def test_parity_fwd_bwd(attention, causal, B, H, L, K, V, C, bias_heads, masked):
+    (q, k, v, bias), mask = _case(B, H, L, K, V, C, bias_heads=bias_heads, masked=masked)
+    kw = dict(chunk_size=C, attention=attention, causal=causal, bias=bias, mask=mask)
+    ref = local_attention_ref(q, k, v, **kw)
+    tri = local_attention(q, k, v, backend="triton", **kw)
+    do = torch.randn_like(ref)
+    g_ref = torch.autograd.grad(ref, [q, k, v, bias], do)
+    g_tri = torch.autograd.grad(tri, [q, k, v, bias], do)
+    assert _rel(tri, ref) < 1e-5, "o"
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), g_tri, g_ref):
+        assert _rel(a, b) < 1e-5, name
+
+
+def test_rows_without_keys_output_zero():
+    (q, k, v, bias), mask = _case(2, 1, 40, 8, 8, 16)
+    out = local_attention(q, k, v, chunk_size=16, attention="softmax", mask=mask, backend="triton")
+    assert torch.all(out[1, :, 16:] == 0)
+
+
+@pytest.mark.parametrize("attention", ["softmax", "laplace"])
+def test_dropout_mask_is_shared_by_forward_and_backward(attention):
+    """The kernel's Philox mask, read out by attending to the identity, reproduces its forward and gradients."""
+    (q, k, v, bias), mask = _case(1, 2, 24, 8, 8, 8, masked=False)
+    p = 0.3
+    kw = dict(chunk_size=8, attention=attention, bias=bias)
+    eye = torch.eye(24, dtype=torch.float64).expand(1, 2, 24, 24)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        dropped = local_attention(q, k, eye, dropout=p, backend="triton", **kw)  # [B, H, L, L] dropped weights
+        weights = local_attention_ref(q, k, eye, **kw)
+    valid = weights != 0
+    keep = (dropped != 0) & valid
+    torch.testing.assert_close(dropped[keep], weights[keep] / (1 - p))
+    assert 0.1 < 1 - keep.sum().item() / valid.sum().item() < 0.5  # about p of the weights dropped
+    torch.manual_seed(5)
+    tri = local_attention(q, k, v, dropout=p, backend="triton", **kw)
+    ref = torch.matmul(local_attention_ref(q, k, eye, **kw) * keep / (1 - p), v)
+    do = torch.randn_like(ref)
+    assert _rel(tri, ref) < 1e-5, "o"
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), torch.autograd.grad(tri, [q, k, v, bias], do),
+                          torch.autograd.grad(ref, [q, k, v, bias], do)):
+        assert _rel(a, b) < 1e-5, name
+
+
+def test_rejects_bad_inputs():
+    q = torch.randn(1, 1, 10, 4)
+    with pytest.raises(ValueError, match="2C-1"):
+        local_attention(q, q, q, chunk_size=4, bias=torch.zeros(5), backend="torch")
+    with pytest.raises(ValueError, match="attention="):
+        local_attention(q, q, q, attention="sigmoid", backend="torch")
+    with pytest.raises(ValueError, match="dropout"):
+        local_attention(q, q, q, dropout=1.0, backend="torch")

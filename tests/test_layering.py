@@ -1,0 +1,49 @@
+"""Imports flow one way (STYLE.md section 2.1): each package may import only the longmixer packages listed here."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "longmixer"
+ALLOWED = {
+    "utils": {"utils"},
+    "ops": {"ops", "utils"},
+    "layers": {"layers", "ops", "utils"},
+    "mixers": {"mixers", "layers", "ops", "utils"},
+    "models": {"models", "layers", "utils"},
+    "tasks": {"tasks", "utils"},
+    "data": {"data", "utils"},
+    "callbacks": {"callbacks", "utils"},
+}
+ENTRY_POINTS = {"train", "evaluate", "bench", "report"}
+HEAVY = {"hydra", "omegaconf", "wandb", "datasets"}  # absent on the GPU machine; ops/layers/mixers must not need them
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def _modules():
+    return sorted(p for p in SRC.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_imports_flow_one_way(path):
+    rel = path.relative_to(SRC)
+    package = rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 else rel.stem
+    for name in _imports(path):
+        if not name.startswith("longmixer."):
+            if package in ("ops", "layers", "mixers"):
+                assert name.split(".")[0] not in HEAVY, f"{rel} imports {name}, which the GPU machine lacks"
+            continue
+        target = name.split(".")[1]
+        if package in ENTRY_POINTS or package == "__init__":
+            assert target == "utils" or package != "__init__", f"{rel} imports {name}"
+            continue
+        assert target in ALLOWED[package], f"{rel} (package {package}) must not import {name}"
