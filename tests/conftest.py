@@ -54,6 +54,6 @@ def compose(tmp_path):
 
 TINY_LISTOPS = ["data.num_train=64", "data.num_val=32", "data.num_test=32", "data.max_depth=3", "data.max_args=3",
                 "data.min_length=3", "data.max_length=30", "data.seq_len=30", "data.batch_size=16"]
-TINY_TRAINER = ["trainer.max_steps=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+TINY_TRAINER = ["trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
                 "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0", "~callbacks.summary",
                 "~callbacks.progress", "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1"]

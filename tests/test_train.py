@@ -65,7 +65,9 @@ def test_resume_after_kill_matches_uninterrupted(compose, tmp_path, monkeypatch)
     except (KeyboardInterrupt, SystemExit):
         pass
     ckpt = torch.load(crashed_dir / "run" / "checkpoints" / "last.ckpt", weights_only=False)
-    assert ckpt["global_step"] == 8  # the last validation before the kill, mid-epoch (6 batches per epoch)
+    # validation (and so the checkpoint) runs after every 4th batch of an epoch of 6: steps 4, 10, 16; the kill
+    # comes at step 10 before its validation, so the run resumes mid-epoch from step 4
+    assert ckpt["global_step"] == 4
     monkeypatch.setattr(entry, "instantiate_group", original)
     resumed = train(compose_config(common, crashed_dir))["metrics"]
     for key in ("val/acc", "val/loss", "test/acc", "test/loss"):
@@ -74,9 +76,11 @@ def test_resume_after_kill_matches_uninterrupted(compose, tmp_path, monkeypatch)
 
 def _run_cli(args, tmp_path, timeout=600):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
-    base = [sys.executable, "-m", "longmixer.train", f"paths.log_dir={tmp_path / 'logs'}",
-            f"paths.data_dir={tmp_path / 'data'}", *TINY_LISTOPS, *TINY_TRAINER]
-    proc = subprocess.run(base + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    flags = [a for a in args if a.startswith("-")]
+    overrides = [f"paths.log_dir={tmp_path / 'logs'}", f"paths.data_dir={tmp_path / 'data'}", *TINY_LISTOPS,
+                 *TINY_TRAINER, *(a for a in args if not a.startswith("-"))]
+    cmd = [sys.executable, "-m", "longmixer.train", *flags, *overrides]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -84,16 +88,36 @@ def _run_cli(args, tmp_path, timeout=600):
 def test_multirun_two_jobs(tmp_path):
     _run_cli(["-m", "seed=0,1"], tmp_path)
     results = sorted((tmp_path / "logs" / "runs" / "quickstart").glob("*/results.json"))
+    assert next((tmp_path / "logs" / "multiruns").rglob("multirun.yaml"))
     assert [json.loads(p.read_text())["seed"] for p in results] == [0, 1]
 
 
+FAILING_SEARCH = """# @package _global_
+defaults:
+  - override /hydra/sweeper: optuna
+  - override /hydra/sweeper/sampler: grid
+optimized_metric: ${task.monitor}_best
+hydra:
+  mode: MULTIRUN
+  sweeper:
+    direction: maximize
+    n_trials: 2
+    max_failure_rate: 1.0
+    params:
+      optim.lr: choice(-1.0, 0.002)
+"""
+
+
 def test_optuna_two_trials_survives_a_failed_trial(tmp_path):
-    # The second trial's lr range includes an invalid value only through a crash-inducing override; here we
-    # check the study completes both trials and records the optimum.
-    _run_cli(["-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2"],
-             tmp_path)
-    optimum = next((tmp_path / "logs" / "runs" / "quickstart").rglob("optimization_results.yaml"))
-    assert "best_value" in optimum.read_text()
+    """One trial gets an invalid lr and fails at compose-time validation; the study must still finish."""
+    search_dir = tmp_path / "search" / "hparams_search"
+    search_dir.mkdir(parents=True)
+    (search_dir / "failing.yaml").write_text(FAILING_SEARCH)
+    # the grid sampler tries both values of the choice; max_failure_rate is the setting of hparams_search/optuna
+    _run_cli(["-m", "hparams_search=failing", f"hydra.searchpath=[file://{tmp_path / 'search'}]"], tmp_path)
+    optimum = next((tmp_path / "logs" / "multiruns").rglob("optimization_results.yaml")).read_text()
+    assert "optim.lr: 0.002" in optimum and "best_value" in optimum
+    assert len(list((tmp_path / "logs" / "runs").rglob("results.json"))) == 1  # the lr=-1 trial failed
 
 
 @pytest.mark.timeout(900)

@@ -105,7 +105,11 @@ def methods(alpha: torch.Tensor, P: int, use_flex: bool, sdpa_backends):
     out["separable_unfused"] = lambda q, k, v: las_attention_separable_ref(q, k, v, alpha, pool_size=P)
     out["materialized"] = lambda q, k, v: las_attention_ref(q, k, v, alpha, pool_size=P)
     if use_flex:
+        import torch._dynamo
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        for knob in ("cache_size_limit", "recompile_limit"):  # one graph per (T, grad mode): 10 in all
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, 64)
         flex = torch.compile(flex_attention, dynamic=False)
 
         def score_mod(score, b, h, q_idx, kv_idx):

@@ -63,6 +63,37 @@ def parity(device, quick):
     return rows
 
 
+def layer_check(device, quick):
+    """The CHELA layer under bf16 autocast: backend triton vs torch (output, input gradient) and fwd+bwd ms."""
+    from longmixer.mixers.chela import CHELA
+
+    B, L, D = (2, 40, 32) if quick else (8, 4096, 128)
+    rows = []
+    for causal in (False, True):
+        torch.manual_seed(0)
+        m = CHELA(D, causal=causal, max_len=L, attention="laplace", chunk_size=16 if quick else 64).to(device)
+        x = torch.randn(B, L, D, device=device, requires_grad=True)
+        res = {}
+        for backend in ("triton", "torch"):
+            m.backend = backend
+
+            def step():
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not quick):
+                    y, _ = m(x)
+                y.float().square().mean().backward()
+                return y
+
+            x.grad = None
+            y = step()
+            res[backend] = (y.detach().float(), x.grad.clone(), bench(step, quick))
+        err_y = rel_err(res["torch"][0], res["triton"][0])
+        err_dx = rel_err(res["torch"][1], res["triton"][1])
+        rows.append((f"B{B} L{L} D{D}", "causal" if causal else "bidir", err_y, err_dx, res["triton"][2],
+                     res["torch"][2]))
+        print("layer", rows[-1], flush=True)
+    return rows
+
+
 def bench(fn, quick):
     if quick:
         t0 = time.perf_counter()
@@ -155,6 +186,7 @@ def main():
     print(f"device: {name}; torch {torch.__version__}; triton {triton.__version__}", flush=True)
     fla = None if args.quick else load_fla()
     par = [] if args.skip_parity else parity(device, args.quick)
+    layer = [] if args.skip_parity else layer_check(device, args.quick)
     dtype = torch.float32 if args.quick else torch.bfloat16
 
     # (A) 64K tokens per call, H16 D64: the issue's reference points; time per token vs T (Fig. 4 claim: flat)
@@ -181,6 +213,11 @@ def main():
         print("| case | mode | dtype | o | dq | dk | dv | dg |\n|---|---|---|---|---|---|---|---|")
         for case, mode, dt, errs in par:
             print(f"| {case} | {mode} | {dt} | " + " | ".join(f"{e:.1e}" for e in errs) + " |")
+    if layer:
+        print("\n| CHELA layer (bf16 autocast) | mode | rel err y | rel err dx | triton fwd+bwd ms | torch fwd+bwd ms |"
+              "\n|---|---|---|---|---|---|")
+        for shape, mode, ey, edx, tt, tr in layer:
+            print(f"| {shape} | {mode} | {ey:.1e} | {edx:.1e} | {tt:.2f} | {tr:.2f} |")
     names_a = ["ours", "fla", "ours bidir", "ours+norm+gate", "fla+norm+gate", "torch ref", "sdpa causal"]
     print(table("64K tokens per call (B x T = 65536), H16, D64", rows_a, names_a))
     print(table("B8 grid", rows_b, ["ours", "fla", "ours bidir", "torch ref", "sdpa causal"]))

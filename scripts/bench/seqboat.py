@@ -6,7 +6,8 @@ paper's scatter / gather implementation (the torch reference), on the GPU.
    T = 1K .. 16K at a constant 32K tokens per batch;
 3. memory bandwidth of the reference's compress / extract (paper Listings 1-2) against a plain copy;
 4. peak memory of forward+backward;
-5. a markdown table.
+5. the whole SeqBoat layer (forward+backward) with backend=torch vs triton at fixed activation rates;
+6. a markdown table.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/seqboat.py            # GPU
     TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/bench/seqboat.py --quick    # CPU smoke test, tiny sizes
@@ -140,6 +141,47 @@ def bandwidth(device, quick):
     return rows
 
 
+def layer(device, quick):
+    """The SeqBoat layer (LRA Text shape: D 128, d_qk 64, d_v 256, w 256, bf16 autocast), forward+backward, with the
+    activation rate fixed by a random decision (the configurator still gives the confidences), backend torch vs
+    triton (the EMA op follows the backend too)."""
+    from longmixer.mixers.seqboat import SeqBoat
+
+    class FixedRate(SeqBoat):
+        rate = 1.0
+
+        def decide(self, h, mask):
+            g = torch.Generator(device=h.device).manual_seed(0)
+            active = torch.rand(h.shape[:2], device=h.device, generator=g) < self.rate
+            p_on = self.configurator.probabilities(h)[..., 1]  # [B, L, 1]
+            return active[..., None], p_on * active[..., None]
+
+    D, lengths, tokens = (16, [64], 128) if quick else (128, [1024, 4096, 16384], 32768)
+    rows = []
+    for L in lengths:
+        B = max(tokens // L, 1)
+        x = torch.randn(B, L, D, device=device, requires_grad=True)
+        for rate in (0.1, 0.5, 1.0):
+            res = {}
+            for backend in ("torch", "triton"):
+                torch.manual_seed(0)
+                m = FixedRate(D, d_qk=16 if quick else 64, d_v=2 * D, window=8 if quick else 256,
+                              max_positions=L, backend=backend).to(device)
+                m.rate = rate
+
+                def fwd_bwd():
+                    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):  # bf16-mixed
+                        y, _ = m(x)
+                    y.float().square().mean().backward()
+
+                res[backend] = (_bench(fwd_bwd, device), _peak(fwd_bwd, device))
+            rows.append((L, B, rate, res))
+            (rt, rm), (tt, tm) = res["torch"], res["triton"]
+            print(f"layer L{L} B{B} p{rate}: torch {rt:.2f} ms {rm:.0f} MiB | triton {tt:.2f} ms {tm:.0f} MiB | "
+                  f"{rt / tt:.2f}x", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU / interpreter smoke test)")
@@ -148,6 +190,7 @@ def main():
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
     print(f"device: {name}, torch {torch.__version__}", flush=True)
     par, spd, bw = parity(device, args.quick), speed(device, args.quick), bandwidth(device, args.quick)
+    lay = layer(device, args.quick)
     print("\n## SeqBoat sparse_local_attention: parity (max rel. error, Triton vs fp32 reference)\n")
     print("| dtype | shape | opts | o | dq | dk | dv | dbias | ok |\n|---|---|---|---|---|---|---|---|---|")
     for dt, shape, opts, errs, ok in par:
@@ -163,6 +206,12 @@ def main():
     print("| act. | compress GB/s | extract GB/s | copy GB/s |\n|---|---|---|---|")
     for rate, c, e, cp in bw:
         print(f"| {rate:.0%} | {c:.0f} | {e:.0f} | {cp:.0f} |")
+    print(f"\n## SeqBoat layer forward+backward ({name}, bf16 autocast, D 128, d_qk 64, d_v 256, w 256, 32K tokens)\n")
+    print("| T | B | act. | torch ms | triton ms | speedup | torch peak MiB | triton peak MiB |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for L, B, rate, res in lay:
+        (rt, rm), (tt, tm) = res["torch"], res["triton"]
+        print(f"| {L} | {B} | {rate:.0%} | {rt:.2f} | {tt:.2f} | {rt / tt:.2f}x | {rm:.0f} | {tm:.0f} |")
     if not all(row[-1] for row in par):
         raise SystemExit("parity FAILED")
 

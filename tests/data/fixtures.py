@@ -27,7 +27,9 @@ AAN_ROWS = {
     "train": [("1.0", "P01-1001", "P02-1002", 'We extend the "parser of Smith', "A parser, \"fast\" and simple."),
               ("0.0", "P03-1003", "P04-1004", "Statistical MT ' with quotes", 'Speech "recognition"" systems'),
               ("1.0", "P05-1005", "P06-1006", "Dependency parsing" * 30, "Graph-based parsing"),
-              ("0.0", "P07-1007", "P08-1008", "Topic models", "Café corpora — ünïcode")],
+              ("0.0", "P07-1007", "P08-1008", "Topic models", "Café corpora — ünïcode"),
+              *[(f"{i % 2}.0", f"Q{i}", f"R{i}", f"Paper {i} on \"parsing", f"Paper {i + 1}, cited")
+                for i in range(4)]],
     "eval": [("1.0", "E01", "E02", 'Word "sense', "Disambiguation"),
              ("0.0", "E03", "E04", "Coreference", "Summarization \"")],
     "test": [("0.0", "T01", "T02", "Tagging", "Chunking"),

@@ -1,4 +1,4 @@
-"""enwik8 bytes: the first / next / last split, byte + 1 ids with newlines kept, and the split sizes as a fingerprint."""
+"""enwik8 bytes: first / next / last split, byte + 1 ids with newlines kept, split sizes as a fingerprint."""
 
 from __future__ import annotations
 

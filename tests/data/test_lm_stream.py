@@ -138,5 +138,8 @@ def test_loader_resumes_mid_epoch_on_the_next_batch():
 def test_loader_workers_split_batches_without_duplicates():
     tokens = torch.arange(600)
     plain = [b["inputs"] for b in LMStreamLoader(make_train(tokens))]
-    workers = [b["inputs"] for b in LMStreamLoader(make_train(tokens), num_workers=2)]
+    loader = LMStreamLoader(make_train(tokens), num_workers=2)
+    workers = [b["inputs"] for b in loader]
     assert sorted(x.flatten().tolist() for x in plain) == sorted(x.flatten().tolist() for x in workers)
+    second = [b["inputs"] for b in loader]  # the workers of the next epoch see the new roll
+    assert sorted(x.flatten().tolist() for x in second) != sorted(x.flatten().tolist() for x in workers)

@@ -24,14 +24,14 @@ def _decode(ids: torch.Tensor) -> str:
 def test_quotes_stay_literal_and_columns_align(tmp_path):
     folder = write_retrieval_fixture(tmp_path)["source_dir"]
     docs1, docs2, labels = read_aan_tsv(f"{folder}/new_aan_pairs.train.tsv", max_len=10_000)
-    assert labels == [1, 0, 1, 0]
+    assert labels == [1, 0, 1, 0, 0, 1, 0, 1]
     for d1, d2, row in zip(docs1, docs2, AAN_ROWS["train"]):
         assert bytes((d1 - 1).astype("uint8")).decode() == row[3]
         assert bytes((d2 - 1).astype("uint8")).decode() == row[4]
 
 
 def test_batches_hold_both_documents(aan):
-    assert {s: aan.manifest["splits"][s]["count"] for s in ("train", "val", "test")} == {"train": 4, "val": 2,
+    assert {s: aan.manifest["splits"][s]["count"] for s in ("train", "val", "test")} == {"train": 8, "val": 2,
                                                                                           "test": 2}
     batch = next(iter(aan.val_dataloader()))
     assert set(batch) == {"inputs", "mask", "inputs2", "mask2", "labels"}

@@ -1,4 +1,4 @@
-"""sCIFAR from CIFAR-10 python batches: layout (1024 x RGB), per-channel normalization, seeded hold-out, augmentation."""
+"""sCIFAR from CIFAR-10 python batches: 1024 x RGB layout, per-channel normalization, seeded hold-out, augmentation."""
 
 from __future__ import annotations
 

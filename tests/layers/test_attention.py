@@ -28,7 +28,8 @@ def _loop_attention(q, k, v, C, attention, causal, bias, mask):
             elif attention == "relu2":
                 w = torch.relu(dots / n + rel) ** 2
             else:
-                w = 0.5 * (1 + torch.erf((dots / n + rel - math.sqrt(0.5)) / (math.sqrt(0.25 / math.pi) * math.sqrt(2))))
+                sigma = math.sqrt(0.25 / math.pi)
+                w = 0.5 * (1 + torch.erf((dots / n + rel - math.sqrt(0.5)) / (sigma * math.sqrt(2))))
             out[b, :, i] = (w[..., None] * v[b, :, idx]).sum(1)
     return out
 

@@ -16,9 +16,9 @@ D, HEADS = 32, 4
 VARIANTS = {
     "las": dict(pool_size=3),
     "las-chunk": dict(pool_size=5, chunk_size=8),
-    "l-attention": dict(pool_size=None, chunk_size=8),
+    "l-attention": dict(smooth=False, chunk_size=8),
     "s-attention": dict(pool_size=3, position_bias=None, chunk_size=8),
-    "alibi": dict(pool_size=None, position_bias="alibi", chunk_size=8),
+    "alibi": dict(smooth=False, position_bias="alibi", chunk_size=8),
     "smooth-alibi": dict(pool_size=3, position_bias="alibi", chunk_size=8),
 }
 
@@ -97,7 +97,7 @@ def test_chunks_are_independent_windows():
 
 
 def test_no_decay_no_smoothing_is_the_causal_transformer():
-    las = _mixer(pool_size=None, position_bias=None)
+    las = _mixer(smooth=False, position_bias=None)
     tr = Transformer(D, HEADS, causal=True).double()
     tr.load_state_dict(las.state_dict())
     x = _x()
@@ -116,7 +116,7 @@ def test_eld_heads_match_the_op():
 
 def test_alibi_is_eq1():
     """cT+ALiBi: softmax((QK^T - m_c D_L) / sqrt(d_k)) V with slopes 2^(-8c/H) (LaS eq. 1)."""
-    m = _mixer(pool_size=None, position_bias="alibi")
+    m = _mixer(smooth=False, position_bias="alibi")
     x = _x(B=1, L=9)
     q, k, v = m.qkv(x).view(1, 9, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
     Kh = D // HEADS

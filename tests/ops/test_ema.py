@@ -34,7 +34,8 @@ def test_kernel_generation_parity(Dk, N, K):
 
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["causal", "bidir"])
 @pytest.mark.parametrize("L,D,truncation", [pytest.param(33, 3, None, id="L33-D3"),
-                                            pytest.param(50, 4, 17, id="L50-D4-trunc17")])
+                                            pytest.param(50, 4, 17, id="L50-D4-trunc17"),
+                                            pytest.param(9, 2, 1, id="L9-D2-trunc1")])
 def test_ema_parity_fwd_bwd(bidirectional, L, D, truncation):
     coef_in, decay, coef_out = _inputs(2 * D if bidirectional else D, 16, seed=L)
     x = torch.randn(2, L, D, dtype=torch.float64, requires_grad=True)
@@ -68,3 +69,18 @@ def test_ema_rejects_bad_shapes():
         ema(torch.rand(1, 5, 3), coef, coef, coef, bidirectional=True, backend="torch")
     with pytest.raises(ValueError, match="truncation"):
         ema(torch.rand(1, 5, 3), coef, coef, coef, truncation=0, backend="torch")
+
+
+def test_fft_length_is_smooth_and_minimal():
+    from longmixer.ops.ema.function import fft_length
+
+    for n in (1, 7, 1000, 2047, 5023, 32767):
+        m = fft_length(n)
+        assert m >= n and all(fft_length(k) != k or k < n for k in range(n, m))
+        while m % 2 == 0:
+            m //= 2
+        while m % 3 == 0:
+            m //= 3
+        while m % 5 == 0:
+            m //= 5
+        assert m == 1

@@ -75,6 +75,8 @@ CASES = [  # B, L, H, K, V, chunk, segments, gate, normalize
     pytest.param(1, 70, 1, 16, 16, 16, 3, True, True, id="B1-L70-H1-K16-V16-C16-seg3"),
     pytest.param(1, 64, 2, 32, 16, 16, 4, False, False, id="B1-L64-H2-K32-V16-C16-seg4-plain"),
     pytest.param(2, 33, 1, 12, 40, 32, 2, True, False, id="B2-L33-H1-K12-V40-C32-seg2-gate"),
+    # K x V tile over 64 x 64: the q^T dp segment sums run in their own pass instead of inside the dq kernel
+    pytest.param(1, 48, 1, 72, 40, 16, 3, True, True, id="B1-L48-H1-K72-V40-C16-seg3-wide"),
 ]
 
 

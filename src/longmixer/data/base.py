@@ -267,7 +267,10 @@ class SequenceDataModule(pl.LightningDataModule):
         sampler = EpochSampler(len(dataset), self.seed, shuffle=train, rank=rank, world_size=world)
         kwargs = dict(batch_size=self.batch_size if train else self.eval_batch_size, collate_fn=self.collate,
                       num_workers=self.num_workers, pin_memory=self.pin_memory, drop_last=False,
-                      persistent_workers=self.num_workers > 0)
+                      persistent_workers=self.num_workers > 0,
+                      # a private generator: creating an iterator must not draw from the global RNG, or a resumed
+                      # run's dropout masks would drift from the uninterrupted run's
+                      generator=torch.Generator().manual_seed(self.seed))
         if train:
             return ResumableLoader(dataset, sampler, **kwargs)
         return DataLoader(dataset, sampler=sampler, **kwargs)

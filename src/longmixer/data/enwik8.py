@@ -38,7 +38,8 @@ class Enwik8(LMDataModule):
 
     Args:
         eval_bytes: bytes in each of valid and test (5,000,000; train is the rest, 90M of the 100M).
-        source_dir: a folder holding the file `enwik8` (skips the download); None: download into `<data_dir>/enwik8/raw`.
+        source_dir: a folder holding the file `enwik8` (skips the download); None: download into
+            `<data_dir>/enwik8/raw`.
         seq_len, vocab_size, k_min, k_max, eval_window, eval_context, metric, roll, data_dir, batch_size,
             eval_batch_size, num_workers, seed, split_seed, pin_memory: see `LMDataModule`.
     """
@@ -47,9 +48,9 @@ class Enwik8(LMDataModule):
 
     def __init__(self, eval_bytes: int = SPLIT_BYTES, seq_len: int = 2048, vocab_size: int = 257, k_min: int = 1,
                  k_max: int = 1, eval_window: int | None = None, eval_context: int = 0, metric: str = "bpc",
-                 roll: bool = True, source_dir: str | Path | None = None, data_dir: str | Path | None = None, batch_size: int = 8,
-                 eval_batch_size: int | None = None, num_workers: int = 0, seed: int = 0, split_seed: int = 0,
-                 pin_memory: bool = False):
+                 roll: bool = True, source_dir: str | Path | None = None, data_dir: str | Path | None = None,
+                 batch_size: int = 8, eval_batch_size: int | None = None, num_workers: int = 0, seed: int = 0,
+                 split_seed: int = 0, pin_memory: bool = False):
         super().__init__(seq_len=seq_len, vocab_size=vocab_size, k_min=k_min, k_max=k_max, eval_window=eval_window,
                          eval_context=eval_context, metric=metric, roll=roll, data_dir=data_dir,
                          batch_size=batch_size, eval_batch_size=eval_batch_size, num_workers=num_workers, seed=seed,

@@ -63,7 +63,7 @@ class LMTrainStream(IterableDataset):
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be a 1-D stream, got shape {tuple(tokens.shape)}")
         if batch_size < 1 or chunk < 1:
-            raise ValueError(f"data.batch_size={batch_size} and data.chunk={chunk} must be >= 1")
+            raise ValueError(f"data.batch_size={batch_size} and data.seq_len={chunk} (the chunk) must be >= 1")
         if not 1 <= k_min <= k_max:
             raise ValueError(f"data.k_min={k_min}, data.k_max={k_max}: need 1 <= k_min <= k_max")
         self.tokens, self.batch_size, self.chunk = tokens, batch_size, chunk
@@ -74,6 +74,10 @@ class LMTrainStream(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose roll offsets and K draws the next iteration uses."""
         self.epoch = epoch
+
+    def _stream_seed(self, purpose: int) -> int:
+        """Distinct generator seeds per (seed, epoch) for the rolls (0) and the K draws (1)."""
+        return (self.seed * 1_000_003 + self.epoch) * 2 + purpose
 
     def _shard(self) -> tuple[int, int]:
         rank, world_size = _rank_and_world_size()
@@ -88,12 +92,12 @@ class LMTrainStream(IterableDataset):
         row_len = self.tokens.numel() // global_batch  # the tail that does not fill a row is dropped (TXL)
         if row_len < self.k_min * self.chunk + 1:
             raise ValueError(f"the training stream ({self.tokens.numel()} tokens) is too short for a global batch of "
-                             f"{global_batch} rows of >= {self.k_min * self.chunk + 1} tokens; lower data.batch_size "
-                             "or data.chunk")
+                             f"{global_batch} rows of >= {self.k_min * self.chunk + 1} tokens; lower data.batch_size, "
+                             "data.seq_len or data.k_min")
         data = self.tokens[: row_len * global_batch].view(global_batch, row_len)
         data = data[rank * self.batch_size:(rank + 1) * self.batch_size]
         if self.roll:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            g = torch.Generator().manual_seed(self._stream_seed(0))
             offsets = torch.randint(0, row_len, (global_batch,), generator=g)[
                 rank * self.batch_size:(rank + 1) * self.batch_size]
             data = torch.stack([torch.roll(row, -int(o)) for row, o in zip(data, offsets)])
@@ -103,7 +107,7 @@ class LMTrainStream(IterableDataset):
         """The segment lengths K * C of one epoch, K drawn from (seed, epoch); near the end of the rows K is cut to
         the whole chunks left, and a rest shorter than k_min chunks is dropped, so every length is a multiple of C
         (chunked mixers need L % C == 0)."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch + 7)
+        g = torch.Generator().manual_seed(self._stream_seed(1))
         lengths, pos = [], 0
         while True:
             k_fit = (row_len - 1 - pos) // self.chunk
@@ -210,6 +214,9 @@ class LMStreamLoader(DataLoader):
     protocol), so a run killed mid-epoch resumes on the next unseen batch."""
 
     def __init__(self, stream: LMTrainStream, **kwargs):
+        if kwargs.get("persistent_workers"):
+            raise ValueError("LMStreamLoader needs persistent_workers=False: persistent workers keep a copy of the "
+                             "stream made before the epoch changed")
         super().__init__(stream, batch_size=None, **kwargs)
         self._epoch, self._consumed, self._resume = -1, 0, None
 
@@ -286,8 +293,7 @@ class LMDataModule(SequenceDataModule):
     def _loader(self, split: str, train: bool) -> DataLoader:
         if split not in self.datasets:
             raise KeyError(f"{self.name} has no {split!r} split (has {sorted(self.datasets)})")
-        kwargs = dict(num_workers=self.num_workers, pin_memory=self.pin_memory,
-                      persistent_workers=self.num_workers > 0)
-        if train:
+        kwargs = dict(num_workers=self.num_workers, pin_memory=self.pin_memory)
+        if train:  # workers are re-created each epoch so that they receive the stream's new epoch and skip
             return LMStreamLoader(self.datasets[split], **kwargs)
-        return DataLoader(self.datasets[split], batch_size=None, **kwargs)
+        return DataLoader(self.datasets[split], batch_size=None, persistent_workers=self.num_workers > 0, **kwargs)

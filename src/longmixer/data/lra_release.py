@@ -124,11 +124,19 @@ def ensure_lra_release(root: Path, parts: Sequence[str] | None = None, url: str 
     A release already extracted under `root` (by this function, or by hand: `tar xzf lra_release.gz -C root`) is
     used as it is. Otherwise `root/lra_release.gz` is downloaded (resumable) and the requested `parts` extracted.
 
+    Args:
+        root: where the archive and its extracted tree live (`<data_dir>/lra_release`).
+        parts: the top-level folders needed (`PARTS`); None: all of them. Only these are extracted.
+        url: the archive's address.
     Raises:
+        ValueError: an unknown part.
         FileNotFoundError: the archive holds none of the requested parts.
     """
     root = Path(root)
     wanted = tuple(parts) if parts else PARTS
+    unknown = [p for p in wanted if p not in PARTS]
+    if unknown:
+        raise ValueError(f"parts={unknown} are not in the LRA release; choose from {PARTS}")
     found = find_release_dir(root)
     done = all((root / f".extracted-{p}").exists() for p in wanted)
     if found is not None and (done or all((found / p).is_dir() for p in wanted)):

@@ -84,7 +84,8 @@ class MNIST(SequenceDataModule):
         permutation_seed: the seed of the random permutation.
         val_fraction: share of the training images held out for validation (0.1).
         split_seed: the validation hold-out seed (42, as s4).
-        source_dir: a folder holding the idx files (plain or .gz) (skips the download); None: download into `<data_dir>/mnist/raw`.
+        source_dir: a folder holding the idx files, plain or .gz (skips the download); None: download into
+            `<data_dir>/mnist/raw`.
         data_dir, batch_size, eval_batch_size, num_workers, seed, pin_memory: see `SequenceDataModule`.
     """
 

@@ -48,7 +48,7 @@ def read_aan_tsv(path: Path, max_len: int) -> tuple[list[np.ndarray], list[np.nd
             except ValueError:  # not a number: reported below
                 label = -1.0
             if label not in (0.0, 1.0):
-                raise ValueError(f"{path}:{line_no}: label {cols[0]!r} is not 0 or 1")
+                raise ValueError(f"{path}:{line_no}: label {cols[0].decode(errors='replace')!r} is not 0 or 1")
             labels.append(int(label))
             docs1.append(byte_ids(cols[3], max_len))
             docs2.append(byte_ids(cols[4], max_len))

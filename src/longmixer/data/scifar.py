@@ -147,7 +147,8 @@ class SCIFAR(SequenceDataModule):
         seq_len, d_input, num_classes: 1024, 3, 10 (checked against the prepared data).
         val_fraction: share of the training images held out for validation (0.1).
         augment: random crop + horizontal flip on the training split.
-        source_dir: a folder holding the extracted batches `data_batch_1..5`, `test_batch` (skips the download); None: download into `<data_dir>/scifar/raw`.
+        source_dir: a folder holding the extracted batches `data_batch_1..5`, `test_batch` (skips the
+            download); None: download into `<data_dir>/scifar/raw`.
         split_seed: the validation hold-out seed (42, as s4).
         data_dir, batch_size, eval_batch_size, num_workers, seed, pin_memory: see `SequenceDataModule`.
     """
@@ -155,9 +156,9 @@ class SCIFAR(SequenceDataModule):
     name = "scifar"
 
     def __init__(self, seq_len: int = 1024, d_input: int = 3, num_classes: int = 10, val_fraction: float = 0.1,
-                 augment: bool = False, source_dir: str | Path | None = None, data_dir: str | Path | None = None, batch_size: int = 50,
-                 eval_batch_size: int | None = None, num_workers: int = 0, seed: int = 0, split_seed: int = 42,
-                 pin_memory: bool = False):
+                 augment: bool = False, source_dir: str | Path | None = None, data_dir: str | Path | None = None,
+                 batch_size: int = 50, eval_batch_size: int | None = None, num_workers: int = 0, seed: int = 0,
+                 split_seed: int = 42, pin_memory: bool = False):
         super().__init__(data_dir=data_dir, batch_size=batch_size, eval_batch_size=eval_batch_size,
                          num_workers=num_workers, seed=seed, split_seed=split_seed, pin_memory=pin_memory)
         self.seq_len, self.d_input, self.num_classes = seq_len, d_input, num_classes

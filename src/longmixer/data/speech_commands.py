@@ -111,7 +111,8 @@ class SpeechCommands(SequenceDataModule):
         seq_len, d_input, num_classes: 16000, 1, 10 (checked against the prepared data).
         split: "stratified" (70/15/15, seeded by `split_seed`) | "official" (the dataset's lists).
         eval_resolution: 1 (16 kHz) | 2 (val and test at 8 kHz, every second sample).
-        source_dir: a folder holding the word folders (`yes/*.wav`, ...) and the split lists (skips the download); None: download into `<data_dir>/sc10/raw`.
+        source_dir: a folder holding the word folders (`yes/*.wav`, ...) and the split lists (skips the download);
+            None: download into `<data_dir>/sc10/raw`.
         data_dir, batch_size, eval_batch_size, num_workers, seed, split_seed, pin_memory: see `SequenceDataModule`.
     """
 

@@ -1,7 +1,8 @@
 """Gated-attention-unit parts shared by MEGA and its descendants (MEGA, arXiv:2209.10655, section 3; FLASH, Hua
 et al. 2022): per-dimension scale-and-offset Q/K from one shared z, the gate projection, and the relative-position
 biases (simple and rotary) as vectors b[(C-1) + j - i] for `longmixer.ops.local_attention`. Details follow the
-official code (facebookresearch/mega, `fairseq/modules/{moving_average_gated_attention,relative_positional_bias}.py`)."""
+official code (facebookresearch/mega, `fairseq/modules/moving_average_gated_attention.py` and
+`relative_positional_bias.py`)."""
 
 from __future__ import annotations
 

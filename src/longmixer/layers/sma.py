@@ -70,9 +70,8 @@ class LatentConfigurator(nn.Module):
             self.log_temp = nn.Parameter(torch.full((num_modules,), math.log(0.07)))
         else:
             self.proj = nn.Linear(d_model, num_modules * (1 if router == "sigmoid" else 2))
+        if router == "softmax":  # only the Tempered Softmax learns its temperature
             self.log_temp = nn.Parameter(torch.full((num_modules,), math.log(init_temp_scale * math.sqrt(d_model))))
-            if router != "softmax":
-                self.log_temp.requires_grad_(False)  # only the Tempered Softmax learns its temperature
         self.reset_parameters()
 
     @torch.no_grad()

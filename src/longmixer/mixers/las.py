@@ -43,14 +43,14 @@ def alibi_slopes(n_heads: int) -> list[float]:
 class LaS(nn.Module):
     """Multi-head LaS attention with the paper's variants as flags.
 
-    | variant (paper)                  | position_bias | pool_size | chunk_size |
-    | -------------------------------- | ------------- | --------- | ---------- |
-    | LaS (eq. 3)                      | "eld"         | P         | None       |
-    | LaS-chunk (Table 1)              | "eld"         | P         | 128        |
-    | L-attention (cT+ELD, Table 3)    | "eld"         | None      | 128        |
-    | S-attention (cT+Smooth)          | None          | P         | 128        |
-    | cT+ALiBi / cT+Smooth+ALiBi       | "alibi"       | None / P  | 128        |
-    | causal Transformer (cT)          | None          | None      | C or None  |
+    | variant (paper)                  | position_bias | smooth        | chunk_size |
+    | -------------------------------- | ------------- | ------------- | ---------- |
+    | LaS (eq. 3)                      | "eld"         | True          | None       |
+    | LaS-chunk (Table 1)              | "eld"         | True          | 128        |
+    | L-attention (cT+ELD, Table 3)    | "eld"         | False         | 128        |
+    | S-attention (cT+Smooth)          | None          | True          | 128        |
+    | cT+ALiBi / cT+Smooth+ALiBi       | "alibi"       | False / True  | 128        |
+    | causal Transformer (cT)          | None          | False         | C or None  |
 
     Attention is always causal (section 4.1: the decay needs a direction). `causal` (set by the backbone) only picks
     the smoothing window: False reproduces the paper (a centred window, which lets row i read up to (P-1)/2 future
@@ -62,7 +62,9 @@ class LaS(nn.Module):
         n_heads: heads H (8 in every LaS experiment, appendix A).
         causal: see above.
         alpha_max: B in the paper (Table 4): the decay rates are `las_alphas(n_heads, alpha_max)`.
-        pool_size: P, the odd average-pooling width (Table 4); None turns the smoothing off.
+        pool_size: P, the odd average-pooling width (Table 4).
+        smooth: apply the average pooling (False: L-attention and the non-smooth rows of Table 3). A separate flag
+            so that an ablation file can switch it off while a recipe sets P.
         position_bias: "eld" (exponentially locally decaying logits, eq. 3), "alibi" (eq. 1) or None.
         chunk_size: attend within non-overlapping chunks of this many tokens (LaS-chunk: 128); None = full length.
         bias: biases of the q/k/v and output projections.
@@ -76,20 +78,22 @@ class LaS(nn.Module):
     gated_residual = False
 
     def __init__(self, d_model: int, n_heads: int = 8, *, causal: bool = False, alpha_max: float = 0.001,
-                 pool_size: int | None = 3, position_bias: str | None = "eld", chunk_size: int | None = None,
+                 pool_size: int = 3, smooth: bool = True, position_bias: str | None = "eld",
+                 chunk_size: int | None = None,
                  bias: bool = True, backend: str = "auto"):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"model.d_model={d_model} must be divisible by model.mixer.n_heads={n_heads}")
-        if pool_size is not None and (pool_size < 1 or pool_size % 2 == 0):
-            raise ValueError(f"model.mixer.pool_size={pool_size} must be an odd integer >= 1 (3 or 5 in LaS Table 4)"
-                             " or null for no smoothing")
+        if pool_size < 1 or pool_size % 2 == 0:
+            raise ValueError(f"model.mixer.pool_size={pool_size} must be an odd integer >= 1 (3 or 5 in LaS Table 4);"
+                             " set model.mixer.smooth=false for no smoothing")
         if position_bias is not None and position_bias not in POSITION_BIASES:
             raise ValueError(f"model.mixer.position_bias={position_bias!r} is not one of {POSITION_BIASES} or null")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"model.mixer.chunk_size={chunk_size} must be >= 1 (LaS-chunk uses 128) or null")
         self.n_heads, self.causal, self.backend = n_heads, causal, backend
-        self.pool_size, self.position_bias, self.chunk_size = pool_size or 1, position_bias, chunk_size
+        self.pool_size = pool_size if smooth else 1  # P = 1 is the identity pooling
+        self.position_bias, self.chunk_size = position_bias, chunk_size
         alphas = las_alphas(n_heads, alpha_max) if position_bias == "eld" else [0.0] * n_heads
         self.max_alpha = max(alphas)
         self.register_buffer("alpha", torch.tensor(alphas, dtype=torch.float32), persistent=False)  # [H]

@@ -91,7 +91,7 @@ class AdaptiveInput(nn.Module):
                 continue
             pad = self.padding_idx - lo if self.padding_idx is not None and lo <= self.padding_idx < hi else None
             emb = F.embedding(flat[idx] - lo, weight, padding_idx=pad)  # [n, d_b]
-            out = out.index_copy(0, idx, F.linear(emb, projection))  # [n, D]
+            out = out.index_copy(0, idx, F.linear(emb, projection).to(out.dtype))  # [n, D]
         return (out * self.scale).view(*tokens.shape, self.d_model)
 
 

@@ -17,6 +17,11 @@ from longmixer.utils.optim import build_optimizer, build_scheduler
 MODES = ("max", "min")
 
 
+def _numpy_state_to_tensor():
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+
+
 class SequenceTask(pl.LightningModule):
     """Base LightningModule.
 
@@ -82,7 +87,8 @@ class SequenceTask(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["longmixer"] = {
             "best_score": self.best_score,
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            # numpy's key array stored as a tensor so checkpoints stay loadable with torch.load(weights_only=True)
+            "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_state_to_tensor(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         }
 
@@ -93,7 +99,8 @@ class SequenceTask(pl.LightningModule):
         self.best_score = state["best_score"]
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
         random.setstate(rng["python"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -19,8 +20,12 @@ def _run_name(experiment, model, data) -> str:
     return f"{model}-{data}"
 
 
+def _abspath(path: str) -> str:
+    return str(Path(path).resolve())
+
+
 def register_resolvers() -> None:
-    """Register `lm.hash` and `lm.run_name` (idempotent)."""
-    for name, fn in (("lm.hash", _hash), ("lm.run_name", _run_name)):
+    """Register `lm.hash`, `lm.run_name` and `lm.abspath` (idempotent)."""
+    for name, fn in (("lm.hash", _hash), ("lm.run_name", _run_name), ("lm.abspath", _abspath)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

@@ -118,7 +118,7 @@ def _bytescale(arr: np.ndarray) -> np.ndarray:
         return arr
     lo, hi = float(arr.min()), float(arr.max())
     scale = 255.0 / ((hi - lo) or 1.0)
-    return ((arr - lo) * scale).clip(0, 255).__add__(0.5).astype(np.uint8)
+    return (np.clip((arr - lo) * scale, 0, 255) + 0.5).astype(np.uint8)
 
 
 def _imresize(arr: np.ndarray, size: int) -> np.ndarray:

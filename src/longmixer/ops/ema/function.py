@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from longmixer.ops.backend import resolve_backend
-from longmixer.ops.ema.reference import ema_conv, ema_kernel_ref
+from longmixer.ops.ema.reference import ema_kernel_ref, ema_ref
 
 
 class EMAKernelFunction(torch.autograd.Function):
@@ -29,6 +29,52 @@ class EMAKernelFunction(torch.autograd.Function):
         dc, dq = kernel.ema_kernel_bwd(c32, q32, dk.float())
         # gradients for (c, q, length)
         return dc.to(ctx.dtype), dq.to(ctx.dtype), None
+
+
+def fft_length(n: int) -> int:
+    """The smallest 2^a 3^b 5^c >= n (fast cuFFT sizes)."""
+    best = 1 << (n - 1).bit_length()
+    p5 = 1
+    while p5 < best:
+        p35 = p5
+        while p35 < best:
+            m = p35
+            while m < n:
+                m *= 2
+            best = min(best, m)
+            p35 *= 3
+        p5 *= 5
+    return best
+
+
+def ema_conv_fast(x: torch.Tensor, kernel: torch.Tensor, bidirectional: bool) -> torch.Tensor:
+    """The same convolution as `reference.ema_conv` with a smaller FFT and no padded copy of x.
+
+    The two-sided kernel is laid out circularly (lag a >= 0 at index a, lag -a at index n - a), so x needs no
+    left padding and the output starts at index 0. A circular convolution of size n is free of wrap-around on
+    the L outputs once n >= L + K - 1 (both for the causal and the two-sided kernel), so n = `fft_length(L + K - 1)`
+    instead of the official 2L (causal) or 2(L + K - 1) (bidirectional; 65534 = 2 * 7 * 31 * 151 at
+    L = K = 16384, a slow cuFFT size).
+
+    Args:
+        x: [B, L, D]; kernel: [D, K] or [2D, K] (K <= L).
+
+    Returns:
+        [B, L, D] float32.
+    """
+    B, L, D = x.shape
+    K = kernel.shape[-1]
+    n = fft_length(L + K - 1)
+    kernel = kernel.float()
+    kc = torch.zeros(D, n, device=kernel.device, dtype=torch.float32)
+    kc[:, :K] = kernel[:D]
+    if bidirectional:
+        kc[:, 0] += kernel[D:, 0]  # the centre tap, counted by both directions as in the official code
+        if K > 1:
+            kc[:, n - K + 1:] = kernel[D:, 1:].flip(-1)  # look-ahead lag a at index n - a
+    x_f = torch.fft.rfft(x.float().transpose(1, 2), n=n)  # [B, D, n/2+1]
+    y = torch.fft.irfft(x_f * torch.fft.rfft(kc, n=n), n=n)[..., :L]  # [B, D, L]
+    return y.transpose(1, 2)
 
 
 def _check(coef_in: torch.Tensor, decay: torch.Tensor, coef_out: torch.Tensor, length: int) -> None:
@@ -72,8 +118,9 @@ def ema(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: t
         coef_in, decay, coef_out: [Dk, N], Dk = 2D if bidirectional else D.
         bidirectional: two-sided kernel (first D rows look back, last D rows look ahead; centre tap counted twice).
         truncation: cap on the kernel length K = min(truncation, L); None means L.
-        backend: auto | torch | triton. Triton generates the kernel without the (Dk, N, K) Vandermonde tensor;
-            the convolution itself runs through torch.fft (cuFFT) in float32 on both backends.
+        backend: auto | torch | triton. Triton generates the kernel without the (Dk, N, K) Vandermonde tensor
+            and convolves through cuFFT at the smallest safe FFT size (`ema_conv_fast`); torch is the official
+            computation (`ema_ref`).
 
     Returns:
         [B, L, D] in x's dtype.
@@ -88,5 +135,8 @@ def ema(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: t
         raise ValueError(f"ema coefficients have {coef_in.shape[0]} rows; expected "
                          f"{2 * D if bidirectional else D} for D={D}, bidirectional={bidirectional}")
     K = L if truncation is None else min(truncation, L)
-    kernel = ema_kernel(coef_in, decay, coef_out, K, backend=backend)  # [Dk, K]
-    return ema_conv(x, kernel, bidirectional).to(x.dtype)
+    if resolve_backend("ema", backend, x, coef_in) == "torch":
+        return ema_ref(x, coef_in, decay, coef_out, bidirectional=bidirectional, truncation=truncation)
+    _check(coef_in, decay, coef_out, K)
+    kernel = EMAKernelFunction.apply(coef_in * coef_out, decay, K)  # [Dk, K]
+    return ema_conv_fast(x, kernel, bidirectional).to(x.dtype)

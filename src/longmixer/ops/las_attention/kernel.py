@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634  # host side
+_LOG2E = tl.constexpr(1.4426950408889634)  # the same constant, readable inside @triton.jit functions
 
 
 @triton.jit
@@ -27,7 +28,7 @@ def _las_prep_kernel(q, k, v, alpha, q_out, k_out, v_out, L, H, center,
     o_l = i_l * BLOCK_L + tl.arange(0, BLOCK_L)
     m_l = o_l < L
     if SCALE_QK:
-        b_a = tl.load(alpha + i_h).to(tl.float32) * LOG2E
+        b_a = tl.load(alpha + i_h).to(tl.float32) * _LOG2E
         t = o_l.to(tl.float32) - center
         o_k = tl.arange(0, BLOCK_K)
         m_qk = m_l[:, None] & (o_k < K)[None, :]
@@ -111,7 +112,7 @@ def _las_attention_fwd_kernel(q, k, v, alpha, o, lse, L, H, qk_scale,
                               K: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    b_na = -tl.load(alpha + i_bh % H).to(tl.float32) * 1.4426950408889634
+    b_na = -tl.load(alpha + i_bh % H).to(tl.float32) * _LOG2E
     i0 = i_m * BLOCK_M
     o_i = i0 + tl.arange(0, BLOCK_M)
     o_k, o_v = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
@@ -161,7 +162,7 @@ def _dkdv_step(q, do, lse, delta, b_kt, b_vt, b_dk, b_dv, i0, o_j, j_ref, b_na, 
     b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PRECISION)
     b_dp = tl.dot(b_do, b_vt, input_precision=PRECISION)
     # d(q.k) = P (dP - delta) scale exp(-alpha (i - j)); b_g carries scale log2(e), hence the division
-    b_du = b_p * (b_dp - b_delta[:, None]) * (b_g / 1.4426950408889634)
+    b_du = b_p * (b_dp - b_delta[:, None]) * (b_g / _LOG2E)
     b_dk += tl.dot(tl.trans(b_du.to(b_q.dtype)), b_q, input_precision=PRECISION)
     return b_dk, b_dv
 
@@ -172,7 +173,7 @@ def _las_attention_bwd_dkdv_kernel(q, k, v, alpha, do, lse, delta, dk, dv, L, H,
                                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
     """One tile of keys (BLOCK_N) against every later query tile (BLOCK_M; BLOCK_N a multiple of BLOCK_M)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    b_na = -tl.load(alpha + i_bh % H).to(tl.float32) * 1.4426950408889634
+    b_na = -tl.load(alpha + i_bh % H).to(tl.float32) * _LOG2E
     j0 = i_n * BLOCK_N
     o_j = j0 + tl.arange(0, BLOCK_N)
     o_k, o_v = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
@@ -213,7 +214,7 @@ def _dq_step(k, v, b_q, b_do, b_lse, b_delta, b_dq, j0, o_i, b_na, qk_scale, L,
         b_s = tl.where(m_j[None, :], b_s, float("-inf"))
     b_p = tl.exp2(b_s - b_lse[:, None])
     b_dp = tl.dot(b_do, b_vt, input_precision=PRECISION)
-    b_du = b_p * (b_dp - b_delta[:, None]) * (b_g / 1.4426950408889634)
+    b_du = b_p * (b_dp - b_delta[:, None]) * (b_g / _LOG2E)
     b_dq += tl.dot(b_du.to(b_kt.dtype), tl.trans(b_kt), input_precision=PRECISION)
     return b_dq
 
@@ -224,7 +225,7 @@ def _las_attention_bwd_dq_kernel(q, k, v, alpha, do, lse, delta, dq, L, H, qk_sc
                                  BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
     """One tile of queries (BLOCK_M) against every earlier key tile (BLOCK_N; BLOCK_M a multiple of BLOCK_N)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    b_na = -tl.load(alpha + i_bh % H).to(tl.float32) * 1.4426950408889634
+    b_na = -tl.load(alpha + i_bh % H).to(tl.float32) * _LOG2E
     i0 = i_m * BLOCK_M
     o_i = i0 + tl.arange(0, BLOCK_M)
     o_k, o_v = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)

@@ -35,13 +35,19 @@ def smooth_values(v: torch.Tensor, pool_size: int, causal_pool: bool) -> torch.T
         V' = M V, [B, H, L, V], same dtype.
     """
     _check_pool_size(pool_size)
-    if pool_size == 1:
-        return v
-    B, H, L, Dv = v.shape
-    x = v.permute(0, 1, 3, 2).reshape(B * H * Dv, 1, L)  # [B*H*V, 1, L]
-    pad = (pool_size - 1, 0) if causal_pool else ((pool_size - 1) // 2, (pool_size - 1) // 2)
-    x = F.avg_pool1d(F.pad(x, pad), pool_size, stride=1)  # [B*H*V, 1, L]
-    return x.reshape(B, H, Dv, L).permute(0, 1, 3, 2)  # [B, H, L, V]
+    return _window_mean(v, -2, pool_size, -(pool_size - 1) if causal_pool else -((pool_size - 1) // 2))
+
+
+def _window_mean(x: torch.Tensor, dim: int, P: int, lo: int) -> torch.Tensor:
+    """out[t] = (1/P) sum_{w < P} x[t + lo + w] along `dim`, zeros outside (a shape-preserving average pool, as
+    `nn.AvgPool1d` with count_include_pad=True). Sums shifted slices (float32 at least): contiguous output, no 32-bit index limit.
+    `dim` is -1 or -2."""
+    if P == 1:
+        return x
+    L = x.shape[dim]
+    pad = [0, 0] * (-1 - dim) + [-lo, P - 1 + lo]  # F.pad lists the last dim first
+    xp = F.pad(x.to(torch.promote_types(x.dtype, torch.float32)), pad)  # L + P - 1 along dim
+    return (sum(xp.narrow(dim, w, L) for w in range(P)) / P).to(x.dtype)
 
 
 def eld_matrix(alpha: torch.Tensor, L: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -76,10 +82,9 @@ def las_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: 
     s = s * eld_matrix(alpha, L, cdt)  # LaS eq. 3: ELD(S) = exp(-alpha_c D_L) * S
     future = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
     a = torch.softmax(s.masked_fill(future, -math.inf), dim=-1)  # [B, H, L, L]
-    if pool_size > 1:  # AP: 1-D average pooling along each row (the key axis), shape-preserving padding
-        B, H = a.shape[:2]
-        pad = (0, pool_size - 1) if causal_pool else ((pool_size - 1) // 2, (pool_size - 1) // 2)
-        a = F.avg_pool1d(F.pad(a.reshape(B * H, L, L), pad), pool_size, stride=1).reshape(B, H, L, L)
+    # AP: 1-D average pooling along each row (the key axis) with shape-preserving zero padding; the causal window
+    # of column j is j..j+P-1
+    a = _window_mean(a, -1, pool_size, 0 if causal_pool else -((pool_size - 1) // 2))
     return (a @ v.to(cdt)).to(q.dtype)
 
 

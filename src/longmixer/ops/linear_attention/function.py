@@ -64,7 +64,8 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None, *
         num_segments: Triton only: how many programs split one sequence; None picks enough to fill the GPU.
 
     Returns:
-        o: [B, L, H, V] in v's dtype (float32 accumulation and state).
+        o: [B, L, H, V] in v's dtype on the torch path; on the Triton path in the autocast dtype when autocast is
+            on, else the promoted dtype of q, k, v (float32 accumulation and state).
 
     Raises:
         ValueError: bad shapes, chunk size, or a head wider than 128 / float64 on the Triton path.
@@ -83,7 +84,12 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None, *
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         raise ValueError(f"linear_attention head widths K={q.shape[-1]}, V={v.shape[-1]} exceed {MAX_HEAD_DIM} on "
                          "the Triton path; raise the mixer's n_heads so that d_model / n_heads <= 128")
-    if q.dtype == torch.float64:
+    # one dtype for the kernel: the autocast dtype when autocast is on, else the promoted input dtype
+    dtype = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type)
+             else torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    g = g.to(dtype) if g is not None else None
+    if dtype == torch.float64:
         raise ValueError("linear_attention: float64 inputs run only on backend=torch (the kernel accumulates in "
                          "float32); cast to float32 or set ops.backend=torch")
     return LinearAttentionFunction.apply(q, k, v, g, causal, scale, normalize, eps, chunk_size, num_segments)

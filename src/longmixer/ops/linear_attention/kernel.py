@@ -239,6 +239,8 @@ def linear_attention_bwd(q, k, v, g, do, h, *, causal: bool, scale: float, norma
     KV = c["K"] * c["V"]
     s_hbh, s_hs = (0, 0) if h is None else (h.shape[1] * KV, KV if causal else 0)
     store_p = not causal or c["NS"] > 1
+    # a second K x V float32 accumulator beside the state spills registers for wide heads: sum q^T dp in its own pass
+    fuse_p = store_p and c["BK"] * c["BV"] <= 64 * 64
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg = torch.empty_like(g) if g is not None else None
     dp = torch.empty_like(v)  # dL/d(raw attention output), before norm and gate
@@ -247,7 +249,10 @@ def linear_attention_bwd(q, k, v, g, do, h, *, causal: bool, scale: float, norma
                                           h if h is not None else q, s_hbh, s_hs, dq,
                                           dg if dg is not None else dq, dp, sums, scale, eps, c["L"], c["NC"],
                                           CAUSAL=causal, NORMALIZE=normalize, USE_GATE=g is not None,
-                                          LOAD_H=h is not None, STORE_P=store_p, **meta)
+                                          LOAD_H=h is not None, STORE_P=fuse_p, **meta)
+    if store_p and not fuse_p:
+        _linear_attention_state_kernel[grid](q, dp, sums, c["L"], c["NC"], **meta)
+        sums = sums * scale
     p, s_pbh, s_ps = q, 0, 0
     if store_p:
         p = _exclusive_cumsum(sums, reverse=True) if causal else sums.sum(1, keepdim=True)

@@ -91,8 +91,8 @@ def _key_range(m0, L, C, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bias_ptr, inv_n_ptr, mask_ptr,
                                 H, L, K, V, C, scale, seed, p_drop,
                                 ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-                                MU: tl.constexpr, SIGMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+                                DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     i_m, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -171,11 +171,31 @@ def _dprobs(do_ptr, v_ptr, o_m, o_n, i_bh, L, V, DOT_PREC: tl.constexpr, BLOCK_M
 
 
 @triton.jit
+def _bias_grad(b_ds, m_valid, p_scratch, p_dbias, m0, n0, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Add the tile's dL/ds into dbias[(C-1) + j - i]: the tile is written skewed (row i shifted by -i) to this
+    program's scratch, read back and summed over rows, which gives its BM+BN-1 diagonal sums, then one atomic per
+    diagonal instead of one per score."""
+    o_i = tl.arange(0, BLOCK_M)
+    o_j = tl.arange(0, BLOCK_N)
+    o_c = tl.arange(0, 2 * BLOCK_N)
+    tl.store(p_scratch + o_i[:, None] * (2 * BLOCK_N) + (o_j[None, :] - o_i[:, None] + BLOCK_M - 1),
+             tl.where(m_valid, b_ds, 0.))
+    tl.debug_barrier()
+    m_written = (o_c[None, :] >= BLOCK_M - 1 - o_i[:, None]) & (o_c[None, :] < BLOCK_M - 1 - o_i[:, None] + BLOCK_N)
+    b_skew = tl.load(p_scratch + o_i[:, None] * (2 * BLOCK_N) + o_c[None, :], mask=m_written, other=0.)
+    b_diag = tl.sum(b_skew, axis=0)  # [2 BN], entry c holds j - i = c - (BM - 1)
+    tl.debug_barrier()  # the next tile overwrites the scratch
+    o_bias = (C - 1) + (n0 - m0) + o_c - (BLOCK_M - 1)
+    tl.atomic_add(p_dbias + o_bias, b_diag,
+                  mask=(o_c < BLOCK_M + BLOCK_N - 1) & (o_bias >= 0) & (o_bias <= 2 * C - 2))
+
+
+@triton.jit
 def _local_attention_bwd_dk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptr, inv_n_ptr,
-                                   mask_ptr, dk_ptr, dbias_ptr, H, L, K, V, C, scale, seed, p_drop,
+                                   mask_ptr, dk_ptr, dbias_ptr, scratch_ptr, H, L, K, V, C, scale, seed, p_drop,
                                    ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                   BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-                                   MU: tl.constexpr, SIGMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                                   BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+                                   DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr, BLOCK_M: tl.constexpr,
                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     # one key block: dk = sum_i ds_ij (scale / n_i) q_i; the bias gradient (summed along diagonals) by atomics
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
@@ -204,8 +224,8 @@ def _local_attention_bwd_dk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_p
             b_dp = b_dp * _dropout_scale(seed, p_drop, i_bh, L, o_m, o_n)
         b_ds = _dscores(b_s, m_valid, b_p, b_dp, b_delta, ATTN, MU, SIGMA)
         if HAS_BIAS:
-            o_rel = tl.where(m_valid, (C - 1) + o_n[None, :] - o_m[:, None], 0) + i_h * (2 * C - 1)
-            tl.atomic_add(dbias_ptr + o_rel, b_ds, mask=m_valid)
+            _bias_grad(b_ds, m_valid, scratch_ptr + (i_bh * tl.num_programs(0) + i_n) * BLOCK_M * 2 * BLOCK_N,
+                       dbias_ptr + i_h * (2 * C - 1), m0, i_n * BLOCK_N, C, BLOCK_M, BLOCK_N)
         b_inv = tl.load(inv_n_ptr + i_b * L + o_m, mask=m_row, other=1.)
         b_ds = b_ds * (scale * b_inv)[:, None]
         b_dk += tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q, input_precision=DOT_PREC)
@@ -217,8 +237,8 @@ def _local_attention_bwd_dk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_p
 def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, lse_ptr, bias_ptr, inv_n_ptr, mask_ptr, dv_ptr,
                                    H, L, K, V, C, scale, seed, p_drop,
                                    ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                   BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-                                   MU: tl.constexpr, SIGMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                                   BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+                                   DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr, BLOCK_M: tl.constexpr,
                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     # one (key block, value block): dv = p^T do
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -254,8 +274,8 @@ def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, lse_ptr, bias_ptr, inv_
 def _local_attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptr, inv_n_ptr,
                                    mask_ptr, dq_ptr, H, L, K, V, C, scale, seed, p_drop,
                                    ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                   BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-                                   MU: tl.constexpr, SIGMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                                   BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+                                   DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr, BLOCK_M: tl.constexpr,
                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     # one query block: dq = sum_j ds_ij (scale / n_i) k_j
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
@@ -328,8 +348,11 @@ def local_attention_bwd(q, k, v, o, lse, do, bias, inv_n, mask, *, attention: st
     bias_arg = bias if bias is not None else inv_n
     mask_arg = mask if mask is not None else inv_n
     n_blocks = triton.cdiv(L, meta["BLOCK_N"])
+    # per-program scratch for the skewed bias-gradient tile (see `_bias_grad`)
+    scratch = (torch.empty(n_blocks * B * H * meta["BLOCK_M"] * 2 * meta["BLOCK_N"], device=q.device,
+                           dtype=torch.float32) if bias is not None else inv_n)
     _local_attention_bwd_dk_kernel[(n_blocks, B * H)](
-        q, k, v, do, lse, delta, bias_arg, inv_n, mask_arg, dk, dbias if dbias is not None else inv_n,
+        q, k, v, do, lse, delta, bias_arg, inv_n, mask_arg, dk, dbias if dbias is not None else inv_n, scratch,
         H, L, K, V, chunk, scale, seed, dropout, **meta)
     _local_attention_bwd_dv_kernel[(n_blocks, B * H, triton.cdiv(V, meta["BLOCK_V"]))](
         q, k, do, lse, bias_arg, inv_n, mask_arg, dv, H, L, K, V, chunk, scale, seed, dropout, **meta)

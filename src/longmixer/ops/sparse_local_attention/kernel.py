@@ -1,4 +1,5 @@
-"""Triton kernels for SeqBoat's compress -> local attention -> extract, fused (SeqBoat, arXiv 2306.11197, eq. 6, A.1-A.2).
+"""Triton kernels for SeqBoat's compress -> local attention -> extract, fused (SeqBoat, arXiv 2306.11197, eq. 6,
+A.1-A.2).
 
 Nothing is packed in memory: a program owns a block of packed query slots, reads their rows straight from the
 full-length q/k/v through the slot -> original-position index (compress fused into the loads), attends to the
@@ -23,14 +24,14 @@ def _key_range(start, n_b, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LEFT, R
                MODE: tl.constexpr, CAUSAL: tl.constexpr):
     """Packed key slots [lo, hi) that queries start .. start+BLOCK_M-1 can see (lo aligned to BLOCK_N)."""
     end = tl.minimum(start + BLOCK_M, n_b)
-    if MODE == 0:
+    if MODE == 0:  # MODE_WINDOW
         lo = tl.maximum(start - LEFT, 0)
         hi = tl.minimum(end + RIGHT, n_b)
-    elif MODE == 1:
+    elif MODE == 1:  # MODE_CHUNK
         lo = (start // CHUNK) * CHUNK
         hi = tl.minimum(((end - 1) // CHUNK + 1) * CHUNK, n_b)
     else:
-        lo = start * 0
+        lo = start * 0  # MODE_FULL; a tensor zero, so both branches have one type
         hi = n_b
         if CAUSAL:
             hi = end
@@ -44,14 +45,14 @@ def _query_range(start, n_b, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LEFT,
                  MODE: tl.constexpr, CAUSAL: tl.constexpr):
     """Packed query slots [lo, hi) that see keys start .. start+BLOCK_N-1 (lo aligned to BLOCK_M)."""
     end = tl.minimum(start + BLOCK_N, n_b)
-    if MODE == 0:
+    if MODE == 0:  # MODE_WINDOW
         lo = tl.maximum(start - RIGHT, 0)
         hi = tl.minimum(end + LEFT, n_b)
-    elif MODE == 1:
+    elif MODE == 1:  # MODE_CHUNK
         lo = (start // CHUNK) * CHUNK
         hi = tl.minimum(((end - 1) // CHUNK + 1) * CHUNK, n_b)
     else:
-        lo = start * 0
+        lo = start * 0  # MODE_FULL; a tensor zero, so both branches have one type
         if CAUSAL:
             lo = start
         hi = n_b
@@ -71,9 +72,9 @@ def _scores(b_q, b_k, o_m, o_n, pos_q, pos_k, n_b, p_bias, scale, LEFT, RIGHT, C
         b_s = tl.dot(b_q, tl.trans(b_k))
     rel_c = o_n[None, :] - o_m[:, None]
     m_s = (o_m[:, None] < n_b) & (o_n[None, :] < n_b)
-    if MODE == 0:
+    if MODE == 0:  # MODE_WINDOW
         m_s = m_s & (rel_c >= -LEFT) & (rel_c <= RIGHT)
-    elif MODE == 1:
+    elif MODE == 1:  # MODE_CHUNK
         m_s = m_s & ((o_n[None, :] // CHUNK) == (o_m[:, None] // CHUNK))
     if CAUSAL:
         m_s = m_s & (rel_c <= 0)
@@ -124,8 +125,8 @@ def _sparse_local_attention_fwd_kernel(
         pos_k = tl.load(idx + i_b * L + o_n, mask=m_n, other=0).to(tl.int64)
         b_k = tl.load(k + i_b * L * K + pos_k[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
         b_v = tl.load(v + i_b * L * V + pos_k[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0)
-        b_s, b_scale, m_s, _ = _scores(b_q, b_k, o_m, o_n, pos_q, pos_k, n_b, bias, scale, LEFT, RIGHT, CHUNK, M_BIAS, NORM,
-                                       MODE, CAUSAL, SOFTMAX, HAS_BIAS, BIAS_ORIG, IEEE)
+        b_s, b_scale, m_s, _ = _scores(b_q, b_k, o_m, o_n, pos_q, pos_k, n_b, bias, scale, LEFT, RIGHT, CHUNK,
+                                       M_BIAS, NORM, MODE, CAUSAL, SOFTMAX, HAS_BIAS, BIAS_ORIG, IEEE)
         if SOFTMAX:
             b_s = tl.where(m_s, b_s, -1e30)
             b_mn = tl.maximum(b_m, tl.max(b_s, 1))
@@ -246,8 +247,8 @@ def _sparse_local_attention_bwd_dkdv_kernel(
                       other=0.0)
         b_lse = tl.load(lse + i_b * L + pos_q, mask=m_m, other=0.0)
         b_delta = tl.load(delta + i_b * L + pos_q, mask=m_m, other=0.0)
-        b_s, b_scale, m_s, _ = _scores(b_q, b_k, o_m, o_n, pos_q, pos_k, n_b, bias, scale, LEFT, RIGHT, CHUNK, M_BIAS, NORM,
-                                       MODE, CAUSAL, SOFTMAX, HAS_BIAS, BIAS_ORIG, IEEE)
+        b_s, b_scale, m_s, _ = _scores(b_q, b_k, o_m, o_n, pos_q, pos_k, n_b, bias, scale, LEFT, RIGHT, CHUNK,
+                                       M_BIAS, NORM, MODE, CAUSAL, SOFTMAX, HAS_BIAS, BIAS_ORIG, IEEE)
         if DO_DV:
             b_do = tl.load(do + i_b * L * V + pos_q[:, None] * V + o_v[None, :], mask=m_m[:, None] & m_v[None, :],
                            other=0.0)

@@ -1,5 +1,5 @@
-"""Scatter-based reference for SeqBoat's compress -> local attention -> extract (SeqBoat, Ren et al. 2023, arXiv 2306.11197,
-section 3.3 and appendix A.1-A.2).
+"""Scatter-based reference for SeqBoat's compress -> local attention -> extract (SeqBoat, Ren et al. 2023,
+arXiv 2306.11197, section 3.3 and appendix A.1-A.2).
 
 This is the paper's parallel implementation: `compress_ref` left-packs the activated tokens with one scatter into a
 buffer whose slot 0 is a dump for the inactive ones (Listing 1), attention runs on the packed sequence in look-around

@@ -49,9 +49,10 @@ def _vq_search_kernel(k, codebook, c_sq, mask, codes, counts, sums, N, S, E,
         m_real = m_n
         if HAS_MASK:
             m_real = m_real & (tl.load(mask + o_n, mask=m_n, other=0) != 0)
-        tl.atomic_add(counts + b_code, tl.full([BN], 1.0, tl.float32), mask=m_real)
+        # relaxed: the adds need no ordering among themselves, and acq_rel atomics cost several times more
+        tl.atomic_add(counts + b_code, tl.full([BN], 1.0, tl.float32), mask=m_real, sem="relaxed")
         tl.atomic_add(sums + b_code[:, None] * E + o_e[None, :], b_k.to(tl.float32),
-                      mask=m_real[:, None] & m_e[None, :])
+                      mask=m_real[:, None] & m_e[None, :], sem="relaxed")
 
 
 def vq_search_fwd(k: torch.Tensor, codebook: torch.Tensor, mask: torch.Tensor | None, with_stats: bool = True):
@@ -181,5 +182,6 @@ def vq_attention_fwd(q, k, v, codebook, n_out, u_out, bias, mask, block_size: in
     grid = (L // t["BM"], B, triton.cdiv(H, t["BH"]))
     _vq_attention_fwd_kernel[grid](q, k, v, codebook.to(q.dtype).contiguous(), n_out, u_out,
                                    bias if bias is not None else lse, mask, o, lse, L, S, E, H,
-                                   C=block_size, CAUSAL=causal, LAPLACE=laplace, HAS_BIAS=bias is not None, IP=dot_precision(q.dtype), **t)
+                                   C=block_size, CAUSAL=causal, LAPLACE=laplace, HAS_BIAS=bias is not None,
+                                   IP=dot_precision(q.dtype), **t)
     return o, lse

@@ -1,0 +1,120 @@
+"""LRA release: resumable download over HTTP (Range), selective extraction, locating each task's folder."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from longmixer.data import lra_release as lra
+
+
+def _release_tar() -> bytes:
+    """A tiny lra_release.gz with the real nesting `lra_release/lra_release/<part>/...`."""
+    files = {"listops-1000/basic_train.tsv": b"Source\tTarget\n( [MAX 2 9 ] )\t9\n",
+             "tsv_data/new_aan_pairs.train.tsv": b"1.0\ta\tb\tx\ty\n",
+             "pathfinder32/curv_contour_length_14/metadata/0.npy": b"imgs/0 sample_0.png 0 1\n"}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"lra_release/lra_release/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        # incompressible padding so the archive spans several download chunks
+        pad = tarfile.TarInfo("lra_release/lra_release/pathfinder32/noise.bin")
+        noise = bytes(hashlib.sha256(str(i).encode()).digest()[0] for i in range(50_000))
+        pad.size = len(noise)
+        tar.addfile(pad, io.BytesIO(noise))
+    return buf.getvalue()
+
+
+class _RangeHandler(http.server.BaseHTTPRequestHandler):
+    payload = b""
+    requests: list = []
+
+    def do_GET(self):  # noqa: N802 (http.server API)
+        rng = self.headers.get("Range")
+        type(self).requests.append(rng)
+        start = int(rng.split("=")[1].split("-")[0]) if rng else 0
+        body = self.payload[start:]
+        self.send_response(206 if rng else 200)
+        if rng:
+            self.send_header("Content-Range", f"bytes {start}-{len(self.payload) - 1}/{len(self.payload)}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    _RangeHandler.payload = _release_tar()
+    _RangeHandler.requests = []
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), _RangeHandler)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/lra_release.gz", _RangeHandler
+    httpd.shutdown()
+
+
+def test_download_resumes_a_partial_file(tmp_path, server):
+    url, handler = server
+    dest = tmp_path / "lra_release.gz"
+    (tmp_path / "lra_release.gz.part").write_bytes(handler.payload[:1000])
+    lra.download(url, dest, chunk=4096)
+    assert dest.read_bytes() == handler.payload
+    assert handler.requests == ["bytes=1000-"]
+    assert (tmp_path / "lra_release.gz.sha256").read_text().split()[0] == hashlib.sha256(handler.payload).hexdigest()
+    assert not (tmp_path / "lra_release.gz.part").exists()
+
+
+def test_download_with_wrong_size_keeps_the_partial_file(tmp_path, server):
+    url, handler = server
+    with pytest.raises(OSError, match="re-run the same command to resume"):
+        lra.download(url, tmp_path / "x.gz", expected_size=len(handler.payload) + 10)
+    assert (tmp_path / "x.gz.part").exists() and not (tmp_path / "x.gz").exists()
+
+
+def test_ensure_extracts_requested_parts_and_locates_tasks(tmp_path, server):
+    url, handler = server
+    release = lra.ensure_lra_release(tmp_path, parts=["listops-1000", "tsv_data"], url=url)
+    assert release == tmp_path / "lra_release" / "lra_release"
+    assert (lra.listops_dir(release) / "basic_train.tsv").read_bytes().startswith(b"Source\tTarget")
+    assert (lra.aan_dir(release) / "new_aan_pairs.train.tsv").exists()
+    assert not (release / "pathfinder32").exists()  # not requested, not extracted
+    with pytest.raises(FileNotFoundError, match="pathfinder32"):
+        lra.pathfinder_dir(release, 32, "curv_contour_length_14")
+    # a second call finds the extracted parts and downloads nothing
+    n_requests = len(handler.requests)
+    assert lra.ensure_lra_release(tmp_path, parts=["tsv_data"], url=url) == release
+    assert len(handler.requests) == n_requests
+    # a new part is extracted from the archive already on disk
+    lra.ensure_lra_release(tmp_path, parts=["pathfinder32"], url=url)
+    assert len(handler.requests) == n_requests
+    assert lra.pathfinder_dir(release, 32, "curv_contour_length_14").is_dir()
+
+
+def test_a_release_extracted_by_hand_is_used_as_is(tmp_path):
+    (tmp_path / "mine" / "listops-1000").mkdir(parents=True)
+    assert lra.ensure_lra_release(tmp_path, parts=["listops-1000"], url="http://127.0.0.1:9/none") == \
+        tmp_path / "mine"
+
+
+def test_unknown_part_is_rejected(tmp_path, server):
+    url, _ = server
+    with pytest.raises(ValueError, match="pathfinder512"):
+        lra.ensure_lra_release(tmp_path, parts=["pathfinder512"], url=url)
+
+
+def test_listops_official_mode_reads_the_release(tmp_path, server):
+    """The lead's ListOps calls `ensure_lra_release(data_dir / "lra_release") / "listops-1000"`."""
+    url, _ = server
+    release = lra.ensure_lra_release(tmp_path / "lra_release", url=url)
+    assert Path(release / "listops-1000" / "basic_train.tsv").exists()

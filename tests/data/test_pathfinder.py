@@ -1,0 +1,132 @@
+"""Pathfinder / Path-X reader: official layout (PNG + text metadata) -> packed uint8 splits -> batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from longmixer.data.pathfinder import PathX, Pathfinder, read_metadata
+from tests.data.fixtures import EMPTY_PNG, PATHFINDER_BATCHES, PATHFINDER_PER_BATCH, pathfinder_label, \
+    write_pathfinder_fixture
+
+N_IMAGES = PATHFINDER_BATCHES * PATHFINDER_PER_BATCH
+
+
+def _module(tmp_path, cls=Pathfinder, resolution=32, **overrides):
+    fixture = write_pathfinder_fixture(tmp_path / "raw", resolution)
+    dm = cls(data_dir=tmp_path / "data", batch_size=4, **{**fixture, **overrides})
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm
+
+
+def _index_of(pixels: np.ndarray, resolution: int) -> int:
+    """The fixture draws a 255 row at row index % resolution."""
+    return int(np.flatnonzero((pixels.reshape(resolution, resolution) == 255).all(axis=1))[0])
+
+
+def test_metadata_label_is_column_3_and_rows_in_batch_order(tmp_path):
+    folder = tmp_path / "raw" / "pathfinder32" / "curv_contour_length_14"
+    write_pathfinder_fixture(tmp_path / "raw")
+    entries = read_metadata(folder)
+    assert len(entries) == N_IMAGES + 1
+    assert [p.name for p, _ in entries[:2]] == ["sample_0.png", "sample_1.png"]
+    assert entries[PATHFINDER_PER_BATCH + 1][0] == folder / "imgs/1/sample_0.png"
+    assert [y for _, y in entries[:4]] == [pathfinder_label(i) for i in range(4)]
+
+
+def test_pack_skips_the_empty_png_and_splits_80_10_10(tmp_path):
+    dm = _module(tmp_path)
+    splits = dm.manifest["splits"]
+    assert [splits[s]["count"] for s in ("train", "val", "test")] == [16, 2, 2]
+    assert splits["train"]["skipped_empty"] == 1
+    seen = []
+    for split in ("train", "val", "test"):
+        images = np.load(dm.root / f"{split}.images.npy")
+        labels = np.load(dm.root / f"{split}.labels.npy")
+        assert images.dtype == np.uint8 and images.shape[1] == 1024
+        for pixels, label in zip(images, labels):
+            index = _index_of(pixels, 32)
+            assert label == pathfinder_label(index)  # image and label stay together through the shuffle
+            seen.append(index)
+    assert sorted(seen) == list(range(N_IMAGES))
+
+
+def test_real_and_token_batches(tmp_path):
+    batch = next(iter(_module(tmp_path / "real").train_dataloader()))
+    assert batch["inputs"].shape == (4, 1024, 1) and batch["inputs"].dtype == torch.float32
+    assert batch["inputs"].min() >= -1 and batch["inputs"].max() == 1  # (x / 255 - 0.5) / 0.5
+    assert batch["mask"].all() and batch["labels"].dtype == torch.long
+    tokens = _module(tmp_path / "tok", vocab_size=256, d_input=None).datasets["test"][0]["inputs"]
+    assert tokens.dtype == torch.long and tokens.shape == (1024,) and tokens.max() == 255
+
+
+def test_split_is_a_function_of_split_seed(tmp_path):
+    first = np.load(_module(tmp_path / "a").root / "val.labels.npy")
+    again = np.load(_module(tmp_path / "b").root / "val.images.npy")
+    other = np.load(_module(tmp_path / "c", split_seed=7).root / "val.images.npy")
+    assert len(first) == 2
+    assert np.array_equal(np.load(_module(tmp_path / "a").root / "val.images.npy"), again)
+    assert not np.array_equal(again, other)
+
+
+def test_numpy_metadata_from_the_upstream_generator_is_read(tmp_path):
+    folder = tmp_path / "raw" / "pathfinder32" / "curv_contour_length_14"
+    write_pathfinder_fixture(tmp_path / "raw")
+    rows = [line.split() for line in (folder / "metadata" / "1.npy").read_text().splitlines()]
+    with open(folder / "metadata" / "1.npy", "wb") as f:
+        np.save(f, np.array(rows))  # what snakes.save_metadata wrote
+    entries = read_metadata(folder)
+    assert len(entries) == N_IMAGES + 1
+    assert entries[-1] == (folder / "imgs/1/sample_9.png", pathfinder_label(N_IMAGES - 1))
+
+
+def test_path_x_reads_128(tmp_path):
+    dm = _module(tmp_path, cls=PathX, resolution=128)
+    item = dm.datasets["train"][0]
+    assert item["inputs"].shape == (16384, 1)
+    assert dm.root.parts[-2] == "pathx"
+
+
+def test_corrupt_png_names_the_file(tmp_path):
+    fixture = write_pathfinder_fixture(tmp_path / "raw")
+    bad = tmp_path / "raw" / "pathfinder32" / "curv_contour_length_14" / "imgs" / "1" / "sample_3.png"
+    bad.write_bytes(b"\x89PNG garbage")
+    with pytest.raises(ValueError, match="sample_3.png is not a readable image"):
+        Pathfinder(data_dir=tmp_path / "data", **fixture).prepare_data()
+
+
+def test_missing_png_is_a_clear_error(tmp_path):
+    fixture = write_pathfinder_fixture(tmp_path / "raw")
+    (tmp_path / "raw" / "pathfinder32" / "curv_contour_length_14" / "imgs" / "0" / "sample_2.png").unlink()
+    with pytest.raises(FileNotFoundError, match="1 images listed"):
+        Pathfinder(data_dir=tmp_path / "data", **fixture).prepare_data()
+
+
+def test_wrong_resolution_is_a_clear_error(tmp_path):
+    fixture = write_pathfinder_fixture(tmp_path / "raw")
+    img = tmp_path / "raw" / "pathfinder32" / "curv_contour_length_14" / "imgs" / "0" / "sample_0.png"
+    Image.fromarray(np.zeros((16, 16), np.uint8)).save(img)
+    with pytest.raises(ValueError, match="expected 32x32"):
+        Pathfinder(data_dir=tmp_path / "data", **fixture).prepare_data()
+
+
+def test_missing_difficulty_and_bad_metadata(tmp_path):
+    fixture = write_pathfinder_fixture(tmp_path / "raw")
+    with pytest.raises(FileNotFoundError, match="no metadata"):
+        Pathfinder(data_dir=tmp_path / "data", **{**fixture, "difficulty": "9"}).prepare_data()
+    meta = tmp_path / "raw" / "pathfinder32" / "curv_contour_length_14" / "metadata" / "0.npy"
+    meta.write_text("imgs/0 sample_0.png 0 7\n")
+    with pytest.raises(ValueError, match="0.npy:1"):
+        Pathfinder(data_dir=tmp_path / "data2", **fixture).prepare_data()
+
+
+@pytest.mark.parametrize("overrides, match", [
+    pytest.param({"seq_len": 1000}, "data.seq_len=1000", id="seq_len"),
+    pytest.param({"difficulty": "easy"}, "difficulty='easy'", id="difficulty"),
+    pytest.param({"num_classes": 10}, "data.num_classes", id="classes")])
+def test_config_errors(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        Pathfinder(data_dir=tmp_path, **overrides)

@@ -1,0 +1,145 @@
+"""CHELA layer (eqs. 8-15) against the mixer contract: shapes and aux, causality, padding, determinism, torch ==
+triton backends, reparameterization through the backbone, and short fits of a CHELA model."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from longmixer.mixers.chela import CHELA, laplace_feature
+from longmixer.models import SequenceModel
+
+CONVS = ["short_long", "long", "ema", "s4d"]
+
+
+def make(conv="short_long", attention="norm", causal=False, backend="torch", d=16, max_len=24, n_heads=2, seed=0):
+    torch.manual_seed(seed)
+    m = CHELA(d, causal=causal, max_len=max_len, n_heads=n_heads, attention=attention, conv=conv, chunk_size=16,
+              backend=backend)
+    with torch.no_grad():  # larger q/k scales than the GAU init, so attention terms are not vanishingly small
+        m.qk_weight.normal_(0.0, 1.0)
+        m.qk_bias.normal_(0.0, 0.5)
+    return m.double() if backend == "torch" else m
+
+
+@pytest.mark.parametrize("attention", ["norm", "laplace"])
+@pytest.mark.parametrize("conv", CONVS)
+def test_shapes_and_aux(conv, attention):
+    m = make(conv, attention)
+    x = torch.randn(2, 24, 16, dtype=torch.float64)
+    y, aux = m(x, torch.ones(2, 24, dtype=torch.bool), residual=x)
+    assert y.shape == x.shape and aux == {} and torch.isfinite(y).all()
+    assert CHELA.gated_residual is True
+
+
+@pytest.mark.parametrize("conv", CONVS)
+def test_causal_layer_is_causal(conv):
+    m = make(conv, "laplace", causal=True)
+    x = torch.randn(1, 20, 16, dtype=torch.float64, requires_grad=True)
+    jac = torch.autograd.functional.jacobian(lambda t: m(t)[0][0].sum(-1), x)[:, 0].abs().sum(-1)  # [L_out, L_in]
+    past = jac.tril(-1).abs().max()
+    assert past > 1e-3
+    assert jac.triu(1).abs().max() < 1e-10 * past, "dy_i/dx_j != 0 for j > i"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("conv", CONVS)
+def test_padding_does_not_change_real_outputs(conv, causal):
+    m = make(conv, "norm", causal=causal)
+    x = torch.randn(2, 24, 16, dtype=torch.float64)
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[0, 17:] = False
+    x2 = x.clone()
+    x2[0, 17:] = 50.0 * torch.randn(7, 16, dtype=torch.float64)
+    y1, _ = m(x, mask)
+    y2, _ = m(x2, mask)
+    torch.testing.assert_close(y1[0, :17], y2[0, :17])
+    y_short, _ = m(x[:1, :17], mask[:1, :17])
+    torch.testing.assert_close(y1[0, :17], y_short[0])
+
+
+def test_deterministic_under_seed():
+    x = torch.randn(2, 24, 16, dtype=torch.float64)
+    torch.testing.assert_close(make(seed=3)(x)[0], make(seed=3)(x)[0], rtol=0, atol=0)
+    assert not torch.allclose(make(seed=3)(x)[0], make(seed=4)(x)[0])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_torch_backend_equals_triton_backend(causal):
+    m = make("short_long", "laplace", causal=causal, backend="triton", d=24, max_len=40, n_heads=2)
+    x = torch.randn(2, 40, 24, requires_grad=True)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 29:] = False
+    y_tri, _ = m(x, mask)
+    g_tri = torch.autograd.grad(y_tri[mask].sum(), [x] + list(m.parameters()))
+    m.backend = "torch"
+    y_ref, _ = m(x, mask)
+    g_ref = torch.autograd.grad(y_ref[mask].sum(), [x] + list(m.parameters()))
+    torch.testing.assert_close(y_tri, y_ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(g_tri, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def _model(causal=False, **kw):
+    torch.manual_seed(0)
+    mixer = partial(CHELA, max_len=32, n_heads=2, attention="laplace", chunk_size=16, backend="torch")
+    if causal:
+        return SequenceModel(mixer, d_model=32, n_layers=2, vocab_size=11, causal=True, prenorm=True, d_ffn=64,
+                             pool="none", head="lm", **kw)
+    return SequenceModel(mixer, d_model=32, n_layers=2, vocab_size=11, num_classes=3, norm="batchnorm",
+                         prenorm=False, d_ffn=64, **kw)
+
+
+def test_model_reparameterize_keeps_outputs():
+    model = _model().eval()
+    tokens = torch.randint(1, 11, (3, 32))
+    mask = torch.ones(3, 32, dtype=torch.bool)
+    mask[2, 20:] = False
+    before, _ = model(tokens, mask)
+    model.reparameterize()
+    assert all(len(b.mixer.conv.short_weights) == 1 for b in model.blocks)
+    after, _ = model(tokens, mask)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["classification", "lm"])
+def test_fit_fixed_batch(causal):
+    """A few Adam steps on one batch must cut the loss: gradients reach every part of the layer."""
+    model = _model(causal=causal)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, 11, (8, 32), generator=gen)
+    labels = torch.randint(0, 3, (8,), generator=gen)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(25):
+        out, _ = model(tokens, torch.ones_like(tokens, dtype=torch.bool))
+        if causal:
+            loss = torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, 11), tokens[:, 1:].reshape(-1))
+        else:
+            loss = torch.nn.functional.cross_entropy(out, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    for name, p in model.named_parameters():
+        if "mixer" in name:
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+def test_laplace_feature_matches_mega():
+    mu = torch.tensor(0.5 ** 0.5)
+    torch.testing.assert_close(laplace_feature(mu), torch.tensor(0.5))
+    assert laplace_feature(torch.tensor(-5.0)) < 1e-6 and laplace_feature(torch.tensor(5.0)) > 1 - 1e-6
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(attention="softmax"), "attention='softmax'"),
+    (dict(conv="s4"), "conv='s4'"),
+    (dict(n_heads=3), "n_heads=3"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CHELA(16, max_len=8, **kwargs)
