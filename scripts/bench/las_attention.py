@@ -167,6 +167,22 @@ def speed(device: str, lengths, tokens: int, dtype, b: float, P: int, use_flex: 
     return rows
 
 
+def bwd_sweep(device: str, lengths, tokens: int, b: float, configs) -> list[dict]:
+    """Backward of the flash kernel alone (dq, dk, dv from saved o, lse), bf16, for several tile configurations."""
+    from longmixer.ops.las_attention.kernel import las_attention_bwd, las_attention_fwd
+    alpha = alphas(H, b).to(device)
+    rows = []
+    for L in lengths:
+        B = max(1, tokens // L)
+        q, k, v, do = (torch.randn(B, H, L, K, device=device, dtype=torch.bfloat16) for _ in range(4))
+        o, lse = las_attention_fwd(q, k, v, alpha, K ** -0.5)
+        for cfg in configs:
+            ms = timer(lambda: las_attention_bwd(q, k, v, alpha, o, lse, do, K ** -0.5, config=cfg))
+            rows.append(dict(T=L, B=B, config=list(cfg), bwd_ms=ms))
+            print(json.dumps(rows[-1]))
+    return rows
+
+
 def table(rows: list[dict], baseline_prefix: str) -> str:
     base = {r["T"]: r for r in rows if r["method"].startswith(baseline_prefix) and r.get("fwd_ms")}
     lines = ["| T | B | method | fwd ms | fwd+bwd ms | peak GiB | fwd / SDPA | fwd+bwd / SDPA |",
@@ -191,6 +207,7 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=3, help="the paper's P")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time the flash backward at several tile configs")
     ap.add_argument("--only", default="", help="comma-separated substrings: time only the methods matching one")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -213,6 +230,8 @@ def main() -> None:
     srows = speed(device, lengths, tokens, torch.bfloat16 if cuda else torch.float32, args.b, args.pool,
                   use_flex=cuda and not args.no_flex, sdpa_backends=backends, skip_materialized_above=8192,
                   only=[o for o in args.only.split(",") if o])
+    sweep_configs = [(64, 32, 4, 2), (128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 2), (128, 32, 8, 3)]
+    wrows = bwd_sweep(device, [4096, 16384], tokens, args.b, sweep_configs) if args.sweep and cuda else []
     md = table(srows, "sdpa_causal[" + ("cudnn" if cuda else "math"))
     worst = max((max(r[n] for n in ("o", "dq", "dk", "dv")) for r in prows), default=float("nan"))
     summary = f"parity: {len(prows)} checks, worst relative error {worst:.2e}, all finite: " \
@@ -220,7 +239,7 @@ def main() -> None:
     print("\n" + summary + "\n\n" + md)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "las_attention.json"), "w") as f:
-            json.dump(dict(parity=prows, speed=srows), f, indent=1)
+            json.dump(dict(parity=prows, speed=srows, bwd_sweep=wrows), f, indent=1)
         with open(os.path.join(os.environ["OUT"], "las_attention.md"), "w") as f:
             f.write(summary + "\n\n" + md + "\n")
 

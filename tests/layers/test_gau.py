@@ -34,7 +34,7 @@ def test_rotary_bias_equals_rotated_dot_products():
     """bias[i, j] = rot_i(a) . rot_j(b) (MEGA's RotaryRelativePositionalBias) depends on j - i only."""
     torch.manual_seed(0)
     S, n = 8, 6
-    rot = RotaryRelativePositionalBias(S, 16).double()
+    rot = RotaryRelativePositionalBias(S).double()
     half = S // 2
     freq = torch.exp(torch.arange(half, dtype=torch.float64) * -(math.log(10000.0) / half))
     ang = torch.arange(n, dtype=torch.float64)[:, None] * freq

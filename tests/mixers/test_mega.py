@@ -70,6 +70,25 @@ def test_torch_and_triton_backends_agree(attention, causal):
     torch.testing.assert_close(mixer(x, mask)[0], y_ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_dropout_only_in_training(backend):
+    mixer = _mixer(chunk_size=8, attention_dropout=0.5, backend=backend).float()
+    x = torch.randn(1, 16, 6)
+    y_eval = mixer(x)[0]
+    torch.testing.assert_close(mixer(x)[0], y_eval)
+    mixer.train()
+    torch.manual_seed(0)
+    y_train = mixer(x)[0]
+    assert not torch.allclose(y_train, y_eval)
+    y_train.sum().backward()
+    assert torch.isfinite(mixer.qk.gamma.grad).all()
+
+
+def test_rotary_bias_serves_any_length():
+    mixer = _mixer(rel_pos="rotary", causal=True, max_positions=4)
+    assert mixer(torch.randn(1, 12, 6, dtype=torch.float64))[0].shape == (1, 12, 6)
+
+
 def test_rejects_bad_rel_pos():
     with pytest.raises(ValueError, match="rel_pos"):
         MEGA(8, rel_pos="alibi")
@@ -103,9 +122,9 @@ def _build(family, task):
         chunk = OmegaConf.load(CONFIGS / "model" / "mega_chunk.yaml")
         base = OmegaConf.merge(base, {k: v for k, v in chunk.items() if k != "defaults"})
     recipe = OmegaConf.load(CONFIGS / "experiment" / family / f"{task}.yaml")
-    cfg = OmegaConf.merge({"data": {"seq_len": seq, "vocab_size": vocab, "num_classes": classes, "d_input": 1},
-                           "ops": {"backend": "torch"}}, {"model": base}, {k: v for k, v in recipe.items()
-                                                                             if k != "defaults"})
+    data = {"seq_len": seq, "num_classes": classes, **({"vocab_size": vocab} if vocab else {"d_input": 1})}
+    cfg = OmegaConf.merge({"data": data, "ops": {"backend": "torch"}}, {"model": base},
+                          {k: v for k, v in recipe.items() if k != "defaults"})
     return instantiate(cfg.model), cfg
 
 

@@ -56,7 +56,7 @@ def test_real_inputs_and_retrieval_head():
 
 
 def test_missing_shape_keys_name_the_interpolation():
-    with pytest.raises(ValueError, match=r"model.vocab_size \(e.g. \$\{data.vocab_size\}\)"):
+    with pytest.raises(ValueError, match=r"model.vocab_size \(token inputs, e.g. \$\{data.vocab_size\}\)"):
         SequenceModel(StatsMixer, d_model=8, n_layers=1)
     with pytest.raises(ValueError, match="model.pool='max'"):
         SequenceModel(StatsMixer, d_model=8, n_layers=1, vocab_size=3, num_classes=2, pool="max")

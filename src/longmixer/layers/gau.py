@@ -92,18 +92,18 @@ class SimpleRelativePositionalBias(nn.Module):
 class RotaryRelativePositionalBias(nn.Module):
     """MEGA's rotary bias: bias[i, j] = rot_i(a) . rot_j(b) with learned a, b [S] (RoPE rotation, base 10000,
     half-split). Rotations compose, so it equals a . rot_{j-i}(b), a function of j - i only: we return it as the
-    same [2C-1] vector as the simple bias, which lets the chunked kernel take either.
+    same [2C-1] vector as the simple bias, which lets the chunked kernel take either. The sinusoids are computed
+    per call, so unlike the official table (sized by max_positions) any length works.
 
     Args:
         dim: S (even).
-        max_positions: M, the longest sequence (or chunk) it serves.
     """
 
-    def __init__(self, dim: int, max_positions: int):
+    def __init__(self, dim: int):
         super().__init__()
         if dim % 2:
             raise ValueError(f"RotaryRelativePositionalBias dim={dim} must be even")
-        self.dim, self.max_positions = dim, max_positions
+        self.dim = dim
         self.alpha = nn.Parameter(torch.empty(dim))
         self.beta = nn.Parameter(torch.empty(dim))
         nn.init.normal_(self.alpha, mean=0.0, std=0.02)
@@ -111,9 +111,6 @@ class RotaryRelativePositionalBias(nn.Module):
 
     def forward(self, length: int) -> torch.Tensor:
         """[2C-1] vector, entry (C-1) + r = a . rot_r(b) for r = j - i in [-(C-1), C-1]."""
-        if length > self.max_positions:
-            raise ValueError(f"sequence (or chunk) length {length} exceeds the rotary bias size "
-                             f"max_positions={self.max_positions}; raise max_positions")
         half = self.dim // 2
         freq = torch.exp(torch.arange(half, device=self.alpha.device, dtype=torch.float32)
                          * (-math.log(10000.0) / half))

@@ -35,8 +35,8 @@ class MEGA(nn.Module):
             a shorter last chunk, which equals the official padding to a multiple of C with masked pad keys.
         truncation: EMA kernel length cap (None: the sequence length).
         rel_pos: simple | rotary relative-position bias.
-        max_positions: the longest sequence the relative bias serves (full attention); with chunking the bias is
-            sized to chunk_size, as in the official code.
+        max_positions: the longest sequence the simple relative bias serves (full attention); with chunking it
+            is sized to chunk_size, as in the official code. The rotary bias works at any length.
         dropout: on the EMA output and on h (the official `dropout`).
         hidden_dropout: on v (the official `hidden_dropout`).
         attention_dropout: on the attention weights (fused into the Triton kernel).
@@ -64,7 +64,7 @@ class MEGA(nn.Module):
         self.qk = ScaleOffset(zdim, heads=2)
         bias_len = max_positions if chunk_size is None else chunk_size
         self.rel_pos = (SimpleRelativePositionalBias(bias_len) if rel_pos == "simple"
-                        else RotaryRelativePositionalBias(zdim, bias_len))
+                        else RotaryRelativePositionalBias(zdim))
         self.attn = ChunkedAttention(attention, chunk_size, causal=causal, dropout=attention_dropout, backend=backend)
         self.dropout, self.hidden_dropout = nn.Dropout(dropout), nn.Dropout(hidden_dropout)
         for linear in (self.v_proj, self.h_proj):
@@ -73,7 +73,7 @@ class MEGA(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """x [B, L, D] (normalized when pre-norm), mask [B, L], residual [B, L] (the block input; None: x)
+        """x [B, L, D] (normalized when pre-norm), mask [B, L], residual [B, L, D] (the block input; None: x)
         -> (out [B, L, D], {})."""
         residual = x if residual is None else residual
         v = self.hidden_dropout(F.silu(self.v_proj(x)))  # [B, L, H]

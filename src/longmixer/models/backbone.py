@@ -32,7 +32,8 @@ class SequenceModel(nn.Module):
         causal: passed to every mixer; language modeling needs True.
         norm, prenorm: the norm type of every block and whether it is applied before (pre) or after (post).
         d_ffn: width of the normalized FFN sublayer; None leaves it out.
-        embedding: "token" | "real" | a factory called as `embedding(d_model=...)`.
+        embedding: "auto" (token when `vocab_size` is set, else real) | "token" | "real" | a factory called as
+            `embedding(d_model=...)`.
         embed_std: init std of the embedding (None: D^-0.5, MEGA).
         pos_encoding: "none" | "sinusoidal" | "learned" absolute positions (learned needs `max_len`).
         pool: "mean" over real tokens (classification) | "none" (per-token outputs).
@@ -45,7 +46,7 @@ class SequenceModel(nn.Module):
                  d_input: int | None = None, num_classes: int | None = None, causal: bool = False,
                  norm: str = "layernorm", prenorm: bool = True, d_ffn: int | None = None,
                  ffn_activation: str = "gelu", dropout: float = 0.0, ffn_hidden_dropout: float = 0.0,
-                 embed_dropout: float = 0.0, embedding: str | Callable[..., nn.Module] = "token",
+                 embed_dropout: float = 0.0, embedding: str | Callable[..., nn.Module] = "auto",
                  embed_std: float | None = None, pos_encoding: str = "none", max_len: int | None = None,
                  pool: str = "mean", head: str | Callable[..., nn.Module] = "classifier",
                  d_classifier: int | None = None, padding_idx: int = 0):
@@ -73,15 +74,22 @@ class SequenceModel(nn.Module):
     def _build_embedding(embedding, vocab_size, d_input, d_model, std, padding_idx):
         if callable(embedding):
             return embedding(d_model=d_model)
+        if embedding == "auto":
+            if vocab_size is not None and d_input is not None:
+                raise ValueError(f"model.vocab_size={vocab_size} and model.d_input={d_input} are both set; a task "
+                                 "has token inputs (vocab_size) or real-valued inputs (d_input), not both")
+            embedding = "token" if vocab_size is not None else "real"
         if embedding == "token":
             if vocab_size is None:
                 raise ValueError("model.embedding=token needs model.vocab_size (e.g. ${data.vocab_size})")
             return TokenEmbedding(vocab_size, d_model, padding_idx, std)
         if embedding == "real":
             if d_input is None:
-                raise ValueError("model.embedding=real needs model.d_input (e.g. ${data.d_input})")
+                raise ValueError("the model needs model.vocab_size (token inputs, e.g. ${data.vocab_size}) or "
+                                 "model.d_input (real-valued inputs, e.g. ${data.d_input})")
             return RealEmbedding(d_input, d_model, std)
-        raise ValueError(f"model.embedding={embedding!r} is not one of ['token', 'real'] or a _partial_ factory")
+        raise ValueError(f"model.embedding={embedding!r} is not one of ['auto', 'token', 'real'] or a _partial_ "
+                         "factory")
 
     def _build_head(self, head, d_model, num_classes, vocab_size, d_classifier):
         if callable(head):

@@ -267,14 +267,17 @@ def las_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: 
     return o, lse
 
 
-def las_attention_bwd(q, k, v, alpha, o, lse, do, scale: float):
-    """Flash-style backward: returns dq, dk, dv (shapes of q, k, v). `delta = rowsum(o * do)` is formed here."""
+def las_attention_bwd(q, k, v, alpha, o, lse, do, scale: float, config: tuple[int, int, int, int] | None = None):
+    """Flash-style backward: returns dq, dk, dv (shapes of q, k, v). `delta = rowsum(o * do)` is formed here.
+    config: (outer tile, inner tile, num_warps, num_stages) of both kernels; None picks the default for the device
+    (scripts/bench/las_attention.py sweeps the alternatives)."""
     B, H, L, _ = q.shape
     do = do.contiguous()
     delta = (o.float() * do.float()).sum(-1)  # [B, H, L]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     args = _launch_args(q, v)
-    big, small, warps, stages = (64, 32, 4, 2) if q.is_cuda else (32, 16, 4, 1)
+    # (128, 32, 4, 3): the fastest of the sweep on an H200 (bf16, d 64; docs/notes/las.md)
+    big, small, warps, stages = config or ((128, 32, 4, 3) if q.is_cuda else (32, 16, 4, 1))
     _las_attention_bwd_dkdv_kernel[(triton.cdiv(L, big), B * H)](
         q, k, v, alpha, do, lse, delta, dk, dv, L, H, scale * LOG2E, BLOCK_M=small, BLOCK_N=big,
         num_warps=warps, num_stages=stages, **args)

@@ -147,7 +147,7 @@ def _linear_attention_bwd_dkdv_kernel(q, k, v, dp, p, s_pbh, s_ps, dk, dv, scale
                                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                                       BV: tl.constexpr, CAUSAL: tl.constexpr, LOAD_P: tl.constexpr,
                                       DOT_PRECISION: tl.constexpr):
-    """Reverse walk: state P = sum_{later i} q_i^T dp_i; dk = V P^T + (masked V dP^T) Q, dv = K P + (masked K Q^T) dP."""
+    """Reverse walk with P = sum_{later i} q_i^T dp_i: dk = V P^T + (masked V dp^T) Q, dv = K P + (masked K Q^T) dp."""
     i_bh, i_s = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     if LOAD_P:

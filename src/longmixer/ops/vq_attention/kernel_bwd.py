@@ -1,6 +1,6 @@
 """Triton backward kernels of LongVQ's blockwise VQ attention (arXiv:2404.11163, eq. 18): one pass per query tile
-for dq, the codebook value-sum gradient and the local-bias gradient, one pass per key tile for dk and dv. Scores
-are recomputed from q, k and the saved log-sum-exp, as in FlashAttention-2."""
+for dq, the codebook value-sum gradient and the local-bias gradient; one pass per (key tile, value tile) for dv and
+dk. Scores are recomputed from q, k and the saved log-sum-exp, as in FlashAttention-2."""
 
 from __future__ import annotations
 

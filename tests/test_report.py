@@ -1,0 +1,156 @@
+"""The report and the results notebook on real tiny runs (two models x two seeds of tiny generated ListOps), and the
+reproduce scripts' experiment names."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from longmixer.report import build_report, main
+from longmixer.utils.tables import collect_runs, group_runs
+from tests.conftest import TINY_LISTOPS, TINY_TRAINER, compose_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MODELS = {
+    "transformer": ["model=transformer", "model.d_model=16", "model.d_ffn=32", "model.mixer.n_heads=2"],
+    "seqboat": ["model=seqboat", "model.d_model=16", "model.n_layers=2", "model.mixer.d_qk=8", "model.mixer.d_v=32",
+                "model.mixer.ndim=2", "model.mixer.window=8", "callbacks=activation_stats",
+                "callbacks.activation_stats.plot=false"],
+}
+SEEDS = (0, 1)
+# A paper table for the generated-ListOps data the tiny runs use, so the test can check the paper columns.
+TINY_PAPER = """
+tables:
+  - id: tiny
+    paper: Tiny
+    source: "a test table"
+    layout: lra
+    metric: test/acc
+    scale: 100
+    columns: [listops_gen]
+    average: true
+    rows:
+      - {label: Transformer, model: transformer, values: {listops_gen: 50.0, avg: 50.0}}
+      - {label: SeqBoat, model: seqboat, values: {listops_gen: 40.0}}
+      - {label: Absent, model: chela, values: {listops_gen: 30.0}}
+"""
+
+
+def make_tiny_runs(root: Path) -> Path:
+    """Train every TINY_MODELS entry for every seed; each run dir lands under `root/runs/<model>_seed<s>/run`."""
+    from longmixer.train import train
+
+    for name, overrides in TINY_MODELS.items():
+        for seed in SEEDS:
+            # 4 steps with validation every 2: a learning curve of two points, and the best checkpoint is tested
+            cfg = compose_config([*TINY_LISTOPS, *TINY_TRAINER, *overrides, f"seed={seed}", "trainer.max_steps=4"],
+                                 root / "runs" / f"{name}_seed{seed}", data_dir=root / "data")
+            train(cfg)
+    return root / "runs"
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    return make_tiny_runs(tmp_path_factory.mktemp("report"))
+
+
+@pytest.mark.xdist_group("report")
+def test_report_groups_seeds_and_compares_with_the_paper(tiny_runs, tmp_path):
+    runs = collect_runs(tiny_runs)
+    groups = group_runs(runs)
+    assert sorted((g.model, tuple(g.seeds)) for g in groups) == [("seqboat", SEEDS), ("transformer", SEEDS)]
+
+    paper = tmp_path / "paper.yaml"
+    paper.write_text(TINY_PAPER)
+    paths = build_report(tiny_runs, tmp_path / "out", paper_results=paper)
+    cells = {(r["row"], r["column"]): r for r in csv.DictReader(paths["tables"].open())}
+    accs = [json.loads(p.read_text())["metrics"]["test/acc"] * 100
+            for p in sorted(tiny_runs.glob("transformer_seed*/run/results.json"))]
+    transformer = cells[("Transformer", "listops_gen")]
+    mean = sum(accs) / 2
+    assert float(transformer["ours_mean"]) == pytest.approx(mean)
+    assert float(transformer["ours_std"]) == pytest.approx(abs(accs[0] - accs[1]) / 2 ** 0.5)
+    assert float(transformer["diff"]) == pytest.approx(mean - 50.0)
+    assert int(transformer["n_seeds"]) == 2
+    assert float(cells[("Transformer", "avg")]["ours_mean"]) == pytest.approx(mean)
+    assert cells[("Absent", "listops_gen")]["ours_mean"] == ""  # no chela run: the paper's number stands alone
+    md = paths["markdown"].read_text()
+    assert f"{mean:.2f}" in md and "(50.00, " in md and "– (30.00)" in md
+    assert r"\begin{tabular}" in paths["latex"].read_text()
+    # every metric of every group in groups.csv; val/acc_best comes from results.json
+    metrics = {(r["model"], r["metric"]) for r in csv.DictReader(paths["groups"].open())}
+    assert {("transformer", "test/acc"), ("seqboat", "val/acc_best"), ("seqboat", "test/stats/act_rate/layer_00")} \
+        <= metrics
+
+
+@pytest.mark.xdist_group("report")
+def test_report_cli_with_the_packaged_paper_tables(tiny_runs, tmp_path):
+    paths = main(["--runs", str(tiny_runs), "--out", str(tmp_path / "out"), "--papers", "seqboat"])
+    md = paths["markdown"].read_text()
+    assert "SeqBoat Table 1" in md and "CHELA" not in md and "| SeqBoat (`seqboat`) | – (61.70)" in md
+    with pytest.raises(FileNotFoundError, match="--runs"):
+        main(["--runs", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
+
+
+@pytest.mark.xdist_group("report")
+def test_wandb_summary_and_overrides_fill_a_run(tiny_runs, tmp_path):
+    src = next(tiny_runs.glob("transformer_seed0/run"))
+    run = tmp_path / "runs" / "x" / "abc_seed0"
+    shutil.copytree(src, run, ignore=shutil.ignore_patterns("*.ckpt", "checkpoints"))
+    results = json.loads((run / "results.json").read_text())
+    del results["metrics"]["test/loss"]
+    (run / "results.json").write_text(json.dumps(results))
+    (run / "csv" / "metrics.csv").unlink()
+    (run / "wandb" / "offline-run-1" / "files").mkdir(parents=True)
+    (run / "wandb" / "offline-run-1" / "files" / "wandb-summary.json").write_text(json.dumps({"test/loss": 1.5}))
+    (run / ".hydra").mkdir(exist_ok=True)
+    (run / ".hydra" / "overrides.yaml").write_text("- +ablation=seqboat/gumbel\n- optim.lr=0.01\n- seed=0\n")
+    (loaded,) = collect_runs(tmp_path / "runs")
+    assert loaded.metrics["test/loss"] == 1.5
+    assert (loaded.ablation, loaded.variant) == ("seqboat/gumbel", "optim.lr=0.01")
+
+
+@pytest.mark.xdist_group("report")
+@pytest.mark.timeout(300)
+def test_notebook_runs_top_to_bottom_on_the_tiny_runs(tiny_runs, tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("pandas")
+    nb = nbformat.read(ROOT / "notebooks" / "results.ipynb", as_version=4)
+    env = {"LONGMIXER_RUNS": str(tiny_runs), "LONGMIXER_REPORT": str(tmp_path / "report"),
+           "LONGMIXER_BENCH": str(ROOT / "notebooks" / "example_runs" / "bench.json"), "MPLBACKEND": "Agg"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        nbclient.NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+                                ).execute()
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    text = "\n".join(str(o.get("text", "")) for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "runs: 4" in text and "activation rows:" in text
+    assert (tmp_path / "report" / "tables.csv").exists()
+
+
+def _experiments_in(script: Path) -> list[str]:
+    return re.findall(r"experiment=([\w/]+)", script.read_text())
+
+
+@pytest.mark.parametrize("paper", ["chela", "longvq", "las", "seqboat", "mega"])
+def test_reproduce_scripts_name_existing_experiments(paper):
+    script = ROOT / "scripts" / f"reproduce_{paper}.sh"
+    names = _experiments_in(script)
+    assert names, f"{script} names no experiment"
+    for name in names:
+        assert (ROOT / "configs" / "experiment" / f"{name}.yaml").exists(), f"{script}: experiment={name} is missing"
+    for model in re.findall(r"\bmodel=(\w+)", script.read_text()):
+        assert (ROOT / "configs" / "model" / f"{model}.yaml").exists(), f"{script}: model={model} is missing"
+    for ablation in re.findall(r"\+ablation=([\w/]+)", script.read_text()):
+        assert (ROOT / "configs" / "ablation" / f"{ablation}.yaml").exists(), f"{script}: ablation={ablation}"
