@@ -6,8 +6,8 @@ from __future__ import annotations
 import csv
 import json
 import os
-import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -139,18 +139,25 @@ def test_notebook_runs_top_to_bottom_on_the_tiny_runs(tiny_runs, tmp_path):
     assert (tmp_path / "report" / "tables.csv").exists()
 
 
-def _experiments_in(script: Path) -> list[str]:
-    return re.findall(r"experiment=([\w/]+)", script.read_text())
+def _commands(script: Path) -> list[list[str]]:
+    """The training commands a reproduce script runs, loops expanded: the script run with PY=echo."""
+    proc = subprocess.run(["bash", str(script)], env={**os.environ, "PY": "echo"}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [line.split() for line in proc.stdout.splitlines() if "longmixer.train" in line]
 
 
 @pytest.mark.parametrize("paper", ["chela", "longvq", "las", "seqboat", "mega"])
 def test_reproduce_scripts_name_existing_experiments(paper):
     script = ROOT / "scripts" / f"reproduce_{paper}.sh"
-    names = _experiments_in(script)
-    assert names, f"{script} names no experiment"
-    for name in names:
-        assert (ROOT / "configs" / "experiment" / f"{name}.yaml").exists(), f"{script}: experiment={name} is missing"
-    for model in re.findall(r"\bmodel=(\w+)", script.read_text()):
-        assert (ROOT / "configs" / "model" / f"{model}.yaml").exists(), f"{script}: model={model} is missing"
-    for ablation in re.findall(r"\+ablation=([\w/]+)", script.read_text()):
-        assert (ROOT / "configs" / "ablation" / f"{ablation}.yaml").exists(), f"{script}: ablation={ablation}"
+    commands = _commands(script)
+    assert commands, f"{script} runs no training command"
+    groups = {"experiment": "experiment", "model": "model", "+ablation": "ablation"}
+    for command in commands:
+        assert command[:3] == ["-m", "longmixer.train", "-m"], command  # every line is a multirun
+        choices = dict(arg.split("=", 1) for arg in command[3:] if "=" in arg)
+        assert "experiment" in choices and "seed" in choices, command
+        for key, folder in groups.items():
+            for name in choices.get(key, "").split(",") if key in choices else []:
+                path = ROOT / "configs" / folder / f"{name}.yaml"
+                assert path.exists(), f"{script}: {key}={name} names no config ({path})"

@@ -227,7 +227,7 @@ def run(args) -> dict:
         except torch.OutOfMemoryError:
             row["status"] = "OOM"
         except Exception as err:  # recorded, so one broken family does not stop the table (the row says why)
-            row["status"] = f"error: {type(err).__name__}: {str(err)[:200]}"
+            row["status"] = "error: " + " ".join(f"{type(err).__name__}: {err}".split())[-240:].replace("|", "/")
             log.exception("%s failed", job["model"])
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -237,6 +237,10 @@ def run(args) -> dict:
     result["wall_s"] = time.perf_counter() - start
     out.write_text(json.dumps(result, indent=1))
     return result
+
+
+def _mib(value: float) -> str:
+    return "–" if math.isnan(value) else f"{value:,.0f}"
 
 
 def _ratio(a, b):
@@ -264,20 +268,20 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
         speed = _ratio(r["train_tokens_per_s"], base and base["train_tokens_per_s"])
         mem = _ratio(r["peak_mem_mib"], base and base["peak_mem_mib"])
         vs_sdpa = _ratio(r["train_tokens_per_s"], sdpa and sdpa["train_tokens_per_s"])
-        f = lambda v, s="x": "–" if v is None else f"{v:.2f}{s}"  # noqa: E731
+        f = lambda v, s="x": "–" if v is None or math.isnan(v) else f"{v:.2f}{s}"  # noqa: E731
         lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['train_ms']:.1f} | {r['train_tokens_per_s']:,.0f}"
-                     f" | {r['peak_mem_mib']:,.0f} | {r['eval_tokens_per_s']:,.0f} | {f(speed)} | {f(mem)} | "
+                     f" | {_mib(r['peak_mem_mib'])} | {r['eval_tokens_per_s']:,.0f} | {f(speed)} | {f(mem)} | "
                      f"{f(vs_sdpa)} | {said or '–'} |")
     lengths = sorted({r["length"] for r in result["rows"] if r["setting"] in ("text", "length") and "length" in r})
     models = list(dict.fromkeys(r["model"] for r in result["rows"] if r["setting"] in ("text", "length")))
     cell = {(r["model"], r["length"]): r for r in result["rows"] if r["setting"] in ("text", "length")}
     lines += ["", "Training tokens/s (peak MiB) across lengths, 32K tokens per step:", "",
-              "| Model | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+              "| Model | " + " | ".join(f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
     for m in models:
         texts = []
         for n in lengths:
             r = cell.get((m, n), {})
-            texts.append(f"{r['train_tokens_per_s']:,.0f} ({r['peak_mem_mib']:,.0f})" if r.get("status") == "ok"
+            texts.append(f"{r['train_tokens_per_s']:,.0f} ({_mib(r['peak_mem_mib'])})" if r.get("status") == "ok"
                          else str(r.get("status", "–")))
         lines.append(f"| {m} | " + " | ".join(texts) + " |")
     t6 = [r for r in result["rows"] if r["setting"] == "table6"]
@@ -295,7 +299,7 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
                     texts.append(str(r.get("status", "–")) if r.get("status") != "ok" else f"MEGA {ref.get('status')}")
                     continue
                 text = (f"{r['train_tokens_per_s'] / ref['train_tokens_per_s']:.2f} / "
-                        f"{r['peak_mem_mib'] / ref['peak_mem_mib']:.2f} / "
+                        f"{_ratio(r['peak_mem_mib'], ref['peak_mem_mib']):.2f} / "
                         f"{r['eval_tokens_per_s'] / ref['eval_tokens_per_s']:.2f}")
                 c = claims6.get((m, t))
                 texts.append(text + (f" [{c['speed']} / {c['memory']} / {c['eval_speed']}]" if c else ""))

@@ -139,8 +139,8 @@ def test_lra_recipe_parameter_count(family, task):
     official = _official_encoder_params(m.d_model, m.n_layers, m.mixer.zdim, m.norm, m.prenorm, M, seq, vocab)
     ours = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("head."))
     assert abs(ours - official) / official < 0.02, (ours, official)
-    if task != "retrieval":  # the official AAN classifier reads [u, v] (2D); our nli head [u, v, uv, u-v] (4D)
-        Hc = m.d_classifier
-        official += m.d_model * Hc + Hc + Hc * classes
-        total = sum(p.numel() for p in model.parameters())
-        assert abs(total - official) / official < 0.02, (total, official)
+    Hc = m.d_classifier
+    d_features = 2 * m.d_model if task == "retrieval" else m.d_model  # the official AAN head reads [u, v]
+    official += d_features * Hc + Hc + Hc * classes
+    total = sum(p.numel() for p in model.parameters())
+    assert abs(total - official) / official < 0.02, (total, official)

@@ -17,7 +17,7 @@ from longmixer.models.embeddings import (POS_ENCODINGS, LearnedPositions, RealEm
 from longmixer.models.heads import ClassifierHead, LMHead, NLIHead
 
 POOLS = ("mean", "none")
-HEADS = ("classifier", "nli", "lm", "lm_tied", "none")
+HEADS = ("classifier", "nli", "nli_concat", "lm", "lm_tied", "none")
 
 
 class SequenceModel(nn.Module):
@@ -37,7 +37,8 @@ class SequenceModel(nn.Module):
         embed_std: init std of the embedding (None: D^-0.5, MEGA).
         pos_encoding: "none" | "sinusoidal" | "learned" absolute positions (learned needs `max_len`).
         pool: "mean" over real tokens (classification) | "none" (per-token outputs).
-        head: "classifier" | "nli" | "lm" | "lm_tied" | "none" | a factory called as
+        head: "classifier" | "nli" ([u, v, u*v, u-v]) | "nli_concat" ([u, v], MEGA's AAN head) | "lm" | "lm_tied" |
+            "none" | a factory called as
             `head(d_model=..., embedding=<embedding module>)`.
         d_classifier: hidden width of the classifier MLP (None: D).
     """
@@ -96,12 +97,12 @@ class SequenceModel(nn.Module):
             return head(d_model=d_model, embedding=self.embedding)
         if head not in HEADS:
             raise ValueError(f"model.head={head!r} is not one of {HEADS} or a _partial_ factory")
-        if head in ("classifier", "nli") and num_classes is None:
+        if head in ("classifier", "nli", "nli_concat") and num_classes is None:
             raise ValueError(f"model.head={head} needs model.num_classes (e.g. ${{data.num_classes}})")
         if head == "classifier":
             return ClassifierHead(d_model, num_classes, d_classifier)
-        if head == "nli":
-            return NLIHead(d_model, num_classes, d_classifier)
+        if head in ("nli", "nli_concat"):
+            return NLIHead(d_model, num_classes, d_classifier, fusion="nli" if head == "nli" else "concat")
         if head in ("lm", "lm_tied"):
             if vocab_size is None:
                 raise ValueError(f"model.head={head} needs model.vocab_size")

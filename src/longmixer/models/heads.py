@@ -24,14 +24,20 @@ class ClassifierHead(nn.Module):
 
 
 class NLIHead(nn.Module):
-    """Two pooled documents u, v -> classifier over [u, v, u*v, u-v] (LRA retrieval, frameworks.md section 2.3)."""
+    """Two pooled documents u, v -> classifier over [u, v, u*v, u-v] (LRA retrieval, frameworks.md section 2.3),
+    or over [u, v] alone (`fusion="concat"`, the head of MEGA's official AAN model)."""
 
-    def __init__(self, d_model: int, num_classes: int, d_hidden: int | None = None):
+    def __init__(self, d_model: int, num_classes: int, d_hidden: int | None = None, fusion: str = "nli"):
         super().__init__()
-        self.classifier = ClassifierHead(4 * d_model, num_classes, d_hidden or d_model)
+        if fusion not in ("nli", "concat"):
+            raise ValueError(f"NLI fusion={fusion!r} is not one of ['nli', 'concat']")
+        self.fusion = fusion
+        width = 4 * d_model if fusion == "nli" else 2 * d_model
+        self.classifier = ClassifierHead(width, num_classes, d_hidden or d_model)
 
     def forward(self, u, v):
-        return self.classifier(torch.cat([u, v, u * v, u - v], dim=-1))
+        features = [u, v, u * v, u - v] if self.fusion == "nli" else [u, v]
+        return self.classifier(torch.cat(features, dim=-1))
 
 
 class LMHead(nn.Module):

@@ -196,9 +196,16 @@ def _plan(q: torch.Tensor, v: torch.Tensor, chunk_size: int, num_segments: int |
     num_segments = min(max(1, num_segments), n_chunks)
     NC = triton.cdiv(n_chunks, num_segments)
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    return dict(NS=triton.cdiv(n_chunks, NC), NC=NC, BK=BK, BV=BV, K=K, V=V, H=H, L=L, BH=B * H,
+    return dict(NS=triton.cdiv(n_chunks, NC), NC=NC, BK=BK, BV=BV, K=K, V=V, H=H, L=L, BH=B * H, C=chunk_size,
                 num_warps=8 if BK * BV >= 128 * 128 else 4,
                 precision="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def _stages(c: dict, esize: int, n_k_tiles: int, n_v_tiles: int) -> int:
+    """Software-pipelining depth that keeps the staged [C, BK] / [C, BV] input tiles within ~200 KB of shared memory
+    (the H100/H200 limit is 227 KB): the gated causal dq kernel at K = V = 128 in bf16 needs 240 KB at 3 stages."""
+    per_stage = c["C"] * esize * (n_k_tiles * c["BK"] + n_v_tiles * c["BV"])
+    return max(1, min(3, (200 * 1024) // per_stage))
 
 
 def _exclusive_cumsum(x: torch.Tensor, reverse: bool) -> torch.Tensor:
@@ -216,16 +223,18 @@ def linear_attention_fwd(q, k, v, g, *, causal: bool, scale: float, normalize: b
     meta = dict(H=c["H"], K=c["K"], V=c["V"], C=chunk_size, BK=c["BK"], BV=c["BV"],
                 DOT_PRECISION=c["precision"], num_warps=c["num_warps"])
     grid = (c["BH"], c["NS"])
+    es = q.element_size()
     h, s_hbh, s_hs, load_h = q, 0, 0, False
     if not causal or c["NS"] > 1:
         sums = q.new_empty(c["BH"], c["NS"], c["K"], c["V"], dtype=torch.float32)  # [B*H, NS, K, V]
-        _linear_attention_state_kernel[grid](k, v, sums, c["L"], c["NC"], **meta)
+        _linear_attention_state_kernel[grid](k, v, sums, c["L"], c["NC"], num_stages=_stages(c, es, 1, 1), **meta)
         h = _exclusive_cumsum(sums, reverse=False) if causal else sums.sum(1, keepdim=True)
         s_hbh, s_hs, load_h = h.shape[1] * c["K"] * c["V"], (c["K"] * c["V"] if causal else 0), True
     o = torch.empty_like(v)
     _linear_attention_fwd_kernel[grid](q, k, v, g if g is not None else v, o, h, s_hbh, s_hs, scale, eps, c["L"],
                                        c["NC"], CAUSAL=causal, NORMALIZE=normalize, USE_GATE=g is not None,
-                                       LOAD_H=load_h, **meta)
+                                       LOAD_H=load_h, num_stages=_stages(c, es, 1 + causal, causal + (g is not None)),
+                                       **meta)
     return o, (h if load_h else None)
 
 
@@ -236,6 +245,7 @@ def linear_attention_bwd(q, k, v, g, do, h, *, causal: bool, scale: float, norma
     meta = dict(H=c["H"], K=c["K"], V=c["V"], C=chunk_size, BK=c["BK"], BV=c["BV"],
                 DOT_PRECISION=c["precision"], num_warps=c["num_warps"])
     grid = (c["BH"], c["NS"])
+    es = q.element_size()
     KV = c["K"] * c["V"]
     s_hbh, s_hs = (0, 0) if h is None else (h.shape[1] * KV, KV if causal else 0)
     store_p = not causal or c["NS"] > 1
@@ -249,15 +259,16 @@ def linear_attention_bwd(q, k, v, g, do, h, *, causal: bool, scale: float, norma
                                           h if h is not None else q, s_hbh, s_hs, dq,
                                           dg if dg is not None else dq, dp, sums, scale, eps, c["L"], c["NC"],
                                           CAUSAL=causal, NORMALIZE=normalize, USE_GATE=g is not None,
-                                          LOAD_H=h is not None, STORE_P=fuse_p, **meta)
+                                          LOAD_H=h is not None, STORE_P=fuse_p,
+                                          num_stages=_stages(c, es, 1 + causal, 2 + (g is not None)), **meta)
     if store_p and not fuse_p:
-        _linear_attention_state_kernel[grid](q, dp, sums, c["L"], c["NC"], **meta)
+        _linear_attention_state_kernel[grid](q, dp, sums, c["L"], c["NC"], num_stages=_stages(c, es, 1, 1), **meta)
         sums = sums * scale
     p, s_pbh, s_ps = q, 0, 0
     if store_p:
         p = _exclusive_cumsum(sums, reverse=True) if causal else sums.sum(1, keepdim=True)
         s_pbh, s_ps = p.shape[1] * KV, (KV if causal else 0)
     _linear_attention_bwd_dkdv_kernel[grid](q, k, v, dp, p, s_pbh, s_ps, dk, dv, scale, c["L"], c["NC"],
-                                            CAUSAL=causal, LOAD_P=store_p, **meta)
+                                            CAUSAL=causal, LOAD_P=store_p, num_stages=_stages(c, es, 2, 2), **meta)
     return dq, dk, dv, dg
 
