@@ -107,7 +107,9 @@ def make_batch(cfg, batch: int, length: int, device):
 
 
 def _forward(model, cfg, x, mask):
-    extra = {"inputs2": x, "mask2": mask} if cfg.model.get("head") == "nli" else {}
+    head = cfg.model.get("head")
+    # two-document heads (Retrieval): the same random document twice costs what two documents cost
+    extra = {"inputs2": x, "mask2": mask} if isinstance(head, str) and head.startswith("nli") else {}
     out, aux = model(x, mask, **extra)
     return out, aux
 
