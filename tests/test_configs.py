@@ -75,3 +75,18 @@ def test_impossible_values_fail_with_the_key(compose, override, message):
 
 def test_seed_zero_is_valid(compose):
     validate_config(compose(["seed=0"]))
+
+
+def test_slurm_launcher_config_composes(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from longmixer.utils.resolvers import register_resolvers
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
+                      return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+    assert cfg.hydra.launcher.partition == "gpu" and cfg.hydra.launcher.gpus_per_node == 1

@@ -172,17 +172,20 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int) -> di
 
 
 def plan(quick: bool) -> list[dict]:
-    """Every measurement, in priority order."""
-    lengths = (64, 128) if quick else LENGTHS
+    """Every measurement, in priority order: the Text setting, the sweep's ends (1K, 16K), Table 6, the sweep's
+    middle (2K, 8K); a time budget cuts from the end."""
+    lengths = (64, 128, 32) if quick else LENGTHS
     tokens = 256 if quick else TOKENS_PER_STEP
     text_len = 128 if quick else 4096
+
+    def sweep(points):
+        return [{"setting": "length", "model": n, "overrides": o + [f"data.seq_len={length}"], "length": length,
+                 "batch": tokens // length} for length in points for n, o in model_specs("length", quick)]
+
     jobs = [{"setting": "text", "model": n, "overrides": o + [f"data.seq_len={text_len}"], "length": text_len,
              "batch": tokens // text_len} for n, o in model_specs("text", quick)]
-    for length in lengths:
-        if length == text_len:
-            continue  # the text setting is this length's point of the sweep
-        jobs += [{"setting": "length", "model": n, "overrides": o + [f"data.seq_len={length}"], "length": length,
-                  "batch": tokens // length} for n, o in model_specs("length", quick)]
+    others = [n for n in lengths if n != text_len]
+    jobs += sweep([min(others), max(others)])
     for task in TABLE6_TASKS:
         if not (CONFIG_DIR / "experiment" / "mega" / f"{task}.yaml").exists():
             continue
@@ -194,6 +197,7 @@ def plan(quick: bool) -> list[dict]:
             if quick:
                 overrides += ["model.d_model=32", "model.n_layers=1", "data.seq_len=64"]
             jobs.append({"setting": "table6", "task": task, "model": name, "overrides": overrides})
+    jobs += sweep([n for n in others if n not in (min(others), max(others))])
     return jobs
 
 
