@@ -281,7 +281,8 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
     lengths = sorted({r["length"] for r in result["rows"] if r["setting"] in ("text", "length") and "length" in r})
     models = list(dict.fromkeys(r["model"] for r in result["rows"] if r["setting"] in ("text", "length")))
     cell = {(r["model"], r["length"]): r for r in result["rows"] if r["setting"] in ("text", "length")}
-    lines += ["", "Training tokens/s (peak MiB) across lengths, 32K tokens per step:", "",
+    per_step = sorted({r["batch"] * r["length"] for r in result["rows"] if r["setting"] == "length" and "batch" in r})
+    lines += ["", f"Training tokens/s (peak MiB) across lengths, {', '.join(map(str, per_step))} tokens per step:", "",
               "| Model | " + " | ".join(f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
     for m in models:
         texts = []

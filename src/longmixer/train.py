@@ -18,8 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
-from longmixer.utils.run import (instantiate_group, resolved_config, result_table, select_resume_checkpoint,
-                                 to_number, write_results)
+from longmixer.utils.run import (instantiate_group, majority_rates, resolved_config, result_table,
+                                 select_resume_checkpoint, to_number, write_results)
 from longmixer.utils.run_info import write_run_info
 
 log = logging.getLogger("longmixer")
@@ -67,11 +67,7 @@ def train(cfg: DictConfig) -> dict:
         for result in trainer.test(task, datamodule=datamodule, ckpt_path=best_ckpt or None, weights_only=False):
             metrics.update({k: to_number(v) for k, v in result.items()})
 
-    majority = None
-    splits = (getattr(datamodule, "manifest", None) or {}).get("splits", {})
-    if "labels" in splits.get("test", {}):
-        counts = splits["test"]["labels"].values()
-        majority = max(counts) / sum(counts)
+    majority = majority_rates(getattr(datamodule, "manifest", None))
     results = write_results(run_dir, cfg, choices, metrics, best_ckpt, majority) if trainer.is_global_zero else {}
     if trainer.is_global_zero:
         log.info(result_table(results))

@@ -52,8 +52,18 @@ def to_number(value) -> float:
     return float(value.item() if hasattr(value, "item") else value)
 
 
+def majority_rates(manifest: dict | None) -> dict[str, float]:
+    """The majority-class rate of each split whose manifest records label counts (the accuracy to beat)."""
+    rates = {}
+    for split, info in ((manifest or {}).get("splits") or {}).items():
+        counts = list((info.get("labels") or {}).values()) if isinstance(info, dict) else []
+        if counts and sum(counts) > 0:
+            rates[split] = max(counts) / sum(counts)
+    return rates
+
+
 def write_results(run_dir: Path, cfg: DictConfig, choices: dict, metrics: dict[str, float], best_ckpt: str | None,
-                  majority_rate: float | None = None) -> dict:
+                  majority_rate: dict[str, float] | None = None) -> dict:
     """`<run_dir>/results.json`: what report.py collects (experiment, model, data, seed, metrics)."""
     results = {"run_name": cfg.run_name, "experiment": choices.get("experiment"), "model": choices.get("model"),
                "data": choices.get("data"), "seed": cfg.seed, "tags": list(cfg.tags), "metrics": metrics,
@@ -66,8 +76,9 @@ def result_table(results: dict) -> str:
     """The final metrics as an aligned text table."""
     rows = [("run", results["run_name"]), ("seed", str(results["seed"]))]
     rows += [(k, f"{v:.4f}") for k, v in sorted(results["metrics"].items())]
-    if results.get("majority_rate") is not None:
-        rows.append(("majority-class rate (test)", f"{results['majority_rate']:.4f}"))
+    for split in ("val", "test"):
+        if split in (results.get("majority_rate") or {}):
+            rows.append((f"majority-class rate ({split})", f"{results['majority_rate'][split]:.4f}"))
     width = max(len(k) for k, _ in rows)
     lines = ["", "=" * (width + 20), *(f"{k:<{width}}  {v}" for k, v in rows), "=" * (width + 20)]
     return "\n".join(lines)
