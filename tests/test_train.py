@@ -128,3 +128,38 @@ def test_ddp_two_cpu_processes_share_one_run_dir(tmp_path):
     run_dirs = [p.parent for p in (tmp_path / "logs" / "runs").rglob("results.json")]
     assert len(run_dirs) == 1
     assert (run_dirs[0] / "checkpoints" / "last.ckpt").exists()
+
+
+def test_wandb_offline_run_keeps_its_id_across_resume(compose, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))
+    overrides = ["logger=wandb", *TINY_LISTOPS, *TINY_TRAINER]
+    train(compose(overrides))
+    run_dir = tmp_path / "run"
+    run_id = (run_dir / "wandb_id.txt").read_text().strip()
+    offline = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(offline) == 1
+    record = next(offline[0].glob("run-*.wandb")).read_bytes()  # offline runs keep the config in this log
+    assert b"warmup_init_lr" in record and b"listops_gen" in record  # the full resolved config is the run config
+    train(compose([*overrides, "trainer.max_steps=4"]))  # same run dir: resumes, same W&B id
+    assert (run_dir / "wandb_id.txt").read_text().strip() == run_id
+    assert len(list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))) == 2
+
+
+def test_evaluate_rescores_the_best_checkpoint(compose, tmp_path):
+    from longmixer.evaluate import evaluate
+
+    results = train(compose([*TINY_LISTOPS, *TINY_TRAINER]))
+    metrics = evaluate(compose([*TINY_LISTOPS, *TINY_TRAINER, f"ckpt_path={results['best_ckpt']}"]))
+    assert metrics["test/acc"] == pytest.approx(results["metrics"]["test/acc"])
+    assert "val/acc" in metrics and (tmp_path / "run" / "eval_results.json").exists()
+
+
+def test_throughput_and_params_are_logged(compose, tmp_path):
+    import csv
+
+    train(compose([*TINY_LISTOPS, *TINY_TRAINER, "callbacks.throughput.window=1"]))
+    rows = list(csv.DictReader(open(tmp_path / "run" / "csv" / "metrics.csv")))
+    speeds = [float(r["train/speed/tokens_per_s"]) for r in rows if r.get("train/speed/tokens_per_s")]
+    assert len(speeds) == 2 and all(s > 0 for s in speeds)
+    assert any(r.get("model/params/total") for r in rows)
