@@ -77,3 +77,26 @@ def ema_ref(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_ou
     K = L if truncation is None else min(truncation, L)
     kernel = ema_kernel_ref(coef_in, decay, coef_out, K)
     return ema_conv(x, kernel, bidirectional).to(x.dtype)
+
+
+def ema_scan_ref(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: torch.Tensor) -> torch.Tensor:
+    """Causal, untruncated MD-EMA as the plain recurrence (MEGA eq. 2), one step at a time: the oracle of the scan.
+
+    h_t[b, d, n] = decay[d, n] h_{t-1}[b, d, n] + coef_in[d, n] x_t[b, d];  y_t[b, d] = sum_n coef_out[d, n] h_t.
+    Equal to `ema_ref(..., bidirectional=False, truncation=None)`. O(L) Python steps: small inputs only.
+
+    Args:
+        x: [B, L, D] float (zero at padded positions); coef_in, decay, coef_out: [D, N].
+
+    Returns:
+        [B, L, D] in x's dtype, computed in the promoted dtype of x and the coefficients (float64 stays float64).
+    """
+    B, L, D = x.shape
+    out_dtype, dtype = x.dtype, torch.promote_types(x.dtype, coef_in.dtype)
+    x, coef_in, decay, coef_out = (t.to(dtype) for t in (x, coef_in, decay, coef_out))
+    h = x.new_zeros(B, D, coef_in.shape[-1])
+    ys = []
+    for t in range(L):
+        h = decay * h + coef_in * x[:, t, :, None]
+        ys.append(torch.einsum("bdn,dn->bd", h, coef_out))
+    return torch.stack(ys, dim=1).to(out_dtype)
