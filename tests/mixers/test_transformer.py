@@ -37,3 +37,16 @@ def test_causal_outputs_ignore_the_future():
 def test_width_must_divide_heads():
     with pytest.raises(ValueError, match="divisible by model.mixer.n_heads=3"):
         Transformer(16, n_heads=3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_materialized_equals_sdpa(causal):
+    torch.manual_seed(0)
+    fused = Transformer(16, n_heads=2, causal=causal).eval()
+    written_out = Transformer(16, n_heads=2, causal=causal, implementation="materialized").eval()
+    written_out.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 7, 16)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    for m in (None, mask):
+        assert torch.allclose(fused(x, m)[0], written_out(x, m)[0], atol=1e-5)

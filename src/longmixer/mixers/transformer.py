@@ -3,9 +3,13 @@ baseline of every paper's tables."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+IMPLEMENTATIONS = ("sdpa", "materialized")
 
 
 class Transformer(nn.Module):
@@ -16,14 +20,19 @@ class Transformer(nn.Module):
         n_heads: heads H; D must be divisible by H.
         causal: mask future keys (language modeling).
         attn_dropout: dropout on the attention weights (training only).
+        implementation: "sdpa" (PyTorch's fused attention) or "materialized" (the L x L matrix written out as two
+            matmuls and a softmax: the Transformer the papers' speed and memory tables compare against).
         backend: unused by SDPA itself; kept so every mixer yaml can carry `backend: ${ops.backend}`.
     """
 
     gated_residual = False
 
     def __init__(self, d_model: int, n_heads: int = 8, *, causal: bool = False, attn_dropout: float = 0.0,
-                 bias: bool = True, backend: str = "auto"):
+                 bias: bool = True, implementation: str = "sdpa", backend: str = "auto"):
         super().__init__()
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"model.mixer.implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+        self.implementation = implementation
         if d_model % n_heads:
             raise ValueError(f"model.d_model={d_model} must be divisible by model.mixer.n_heads={n_heads}")
         self.n_heads, self.causal, self.attn_dropout = n_heads, causal, attn_dropout
@@ -38,7 +47,20 @@ class Transformer(nn.Module):
             attn_mask = mask[:, None, None, :]  # [B, 1, 1, L] keys
             if self.causal:
                 attn_mask = attn_mask & torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                           dropout_p=self.attn_dropout if self.training else 0.0,
-                                           is_causal=self.causal and attn_mask is None)
+        dropout = self.attn_dropout if self.training else 0.0
+        if self.implementation == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout,
+                                               is_causal=self.causal and attn_mask is None)
+        else:
+            y = self._materialized(q, k, v, attn_mask, dropout)
         return self.out(y.transpose(1, 2).reshape(B, L, D)), {}
+
+    def _materialized(self, q, k, v, keep, dropout):
+        """softmax(Q K^T / sqrt(d)) V with the [B, H, L, L] scores in memory (Vaswani et al. 2017, eq. 1)."""
+        L = q.shape[2]
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, H, L, L]
+        if keep is None and self.causal:
+            keep = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        return F.dropout(scores.softmax(-1), dropout, self.training) @ v  # [B, H, L, K]
