@@ -3,8 +3,10 @@
 # Each line is one Hydra multirun; run dirs land in logs/runs/<experiment>/<hash>_seed<N>, and
 #   python -m longmixer.report --runs logs/runs --out reports/ --papers chela
 # puts ours beside the paper's numbers. Data first: `make data TASK=<task>` (docs/data.md).
-# GPU counts are what one job needs (80 GB A100/H100); times are rough per-seed estimates on one H100
-# (recipe max_steps x the step time of docs/benchmarks.md "Model-level"), not measured end to end.
+# GPU counts are what one job needs (80 GB A100/H100). Times are per-seed estimates on one H200, training steps only
+# (no validation, no data loading): recipe max_steps x the step time of docs/benchmarks.md "Model-level" (measured at
+# the recipe batch for MEGA, MEGA-chunk, SeqBoat(-full); other families scaled by their tokens/s ratio to MEGA at the
+# same length). Not measured end to end.
 # Pass extra overrides after the script name, e.g. `bash scripts/reproduce_chela.sh trainer.devices=1`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +16,7 @@ TABLE=${1:-all}
 shift || true
 
 if [[ $TABLE == all || $TABLE == lra ]]; then
-  # Table 1 (LRA). 1 GPU each; ListOps ~3 h, Text ~2 h, Retrieval ~8 h, Image ~6 h, Pathfinder ~8 h, Path-X ~30 h.
+  # Table 1 (LRA). 1 GPU each; ListOps ~2 h, Text ~0.6 h, Retrieval ~8 h, Image ~4 h, Pathfinder ~6 h, Path-X ~24 h.
   $PY -m longmixer.train -m experiment=chela/listops seed=$SEEDS "$@"
   $PY -m longmixer.train -m experiment=chela/text seed=$SEEDS "$@"
   $PY -m longmixer.train -m experiment=chela/retrieval seed=$SEEDS "$@"
@@ -24,11 +26,11 @@ if [[ $TABLE == all || $TABLE == lra ]]; then
   # The Mega-chunk row of the same table: scripts/reproduce_mega.sh lra.
 fi
 if [[ $TABLE == all || $TABLE == sc10 ]]; then
-  # Table 2 (Speech Commands SC10 raw, length 16000). 1 GPU, ~20 h per seed.
+  # Table 2 (Speech Commands SC10 raw, length 16000). 1 GPU, ~10 h per seed.
   $PY -m longmixer.train -m experiment=chela/sc10 seed=$SEEDS "$@"
 fi
 if [[ $TABLE == all || $TABLE == scifar ]]; then
-  # Table 3 (sCIFAR). 1 GPU, ~6 h per seed.
+  # Table 3 (sCIFAR). 1 GPU, ~4 h per seed.
   $PY -m longmixer.train -m experiment=chela/scifar seed=$SEEDS "$@"
 fi
 if [[ $TABLE == all || $TABLE == lm ]]; then
@@ -38,7 +40,7 @@ if [[ $TABLE == all || $TABLE == lm ]]; then
   $PY -m longmixer.train -m experiment=chela/enwik8 seed=0 trainer=ddp trainer.devices=8 "$@"
 fi
 if [[ $TABLE == all || $TABLE == ablation ]]; then
-  # Table 6 (structured mixer ablation on Text, Image, Path-X): 1 GPU; ~2 h / ~6 h / ~30 h per seed and mixer.
+  # Table 6 (structured mixer ablation on Text, Image, Path-X): 1 GPU; ~1 h / ~4 h / ~25 h per seed and mixer.
   for task in text image pathx; do
     $PY -m longmixer.train -m experiment=chela/$task model=chela_ema,chela_s4d,chela_longconv seed=$SEEDS "$@"
   done

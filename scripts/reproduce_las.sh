@@ -3,8 +3,10 @@
 # average; we run three (appendix C averages two). Run dirs land in logs/runs/<experiment>/<hash>_seed<N>, and
 #   python -m longmixer.report --runs logs/runs --out reports/ --papers las
 # puts ours beside the paper's numbers. Data first: `make data TASK=<task>` (docs/data.md).
-# GPU counts are what one job needs (80 GB A100/H100); times are rough per-seed estimates on one H100
-# (recipe max_steps x the step time of docs/benchmarks.md "Model-level"), not measured end to end.
+# GPU counts are what one job needs (80 GB A100/H100). Times are per-seed estimates on one H200, training steps only
+# (no validation, no data loading): recipe max_steps x the step time of docs/benchmarks.md "Model-level" (measured at
+# the recipe batch for MEGA, MEGA-chunk, SeqBoat(-full); other families scaled by their tokens/s ratio to MEGA at the
+# same length). Not measured end to end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
@@ -14,7 +16,7 @@ shift || true
 
 if [[ $TABLE == all || $TABLE == lra ]]; then
   # Table 1 (LRA), LaS rows (full L x L attention: Text and Retrieval at 4K are the heavy ones).
-  # 1 GPU each; ListOps ~6 h, Text ~1 h, Retrieval ~8 h, Image ~4 h, Pathfinder ~10 h. No Path-X (the paper has none).
+  # 1 GPU each; ListOps ~2 h, Text ~0.5 h, Retrieval ~7 h, Image ~3 h, Pathfinder ~5 h. No Path-X (the paper has none).
   $PY -m longmixer.train -m experiment=las/listops seed=$SEEDS "$@"
   $PY -m longmixer.train -m experiment=las/text seed=$SEEDS "$@"
   $PY -m longmixer.train -m experiment=las/retrieval seed=$SEEDS "$@"
@@ -35,7 +37,7 @@ if [[ $TABLE == all || $TABLE == mnist ]]; then
 fi
 if [[ $TABLE == all || $TABLE == ablation ]]; then
   # Table 3 (smooth / local operators on chunked attention, cT = chunk 128): ListOps, Text, Retrieval, Image.
-  # 1 GPU; ~3 h / ~1 h / ~4 h / ~2 h per seed and variant. The LaS-attention row is the las_chunk run above.
+  # 1 GPU; ~1 h / ~0.5 h / ~4 h / ~2 h per seed and variant. The LaS-attention row is the las_chunk run above.
   for task in listops text retrieval image; do
     $PY -m longmixer.train -m experiment=las_chunk/$task \
       model=las_alibi_chunk,las_l_chunk,las_s_chunk,las_smooth_alibi_chunk seed=$SEEDS "$@"

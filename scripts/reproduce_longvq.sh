@@ -3,8 +3,10 @@
 # Each line is one Hydra multirun; run dirs land in logs/runs/<experiment>/<hash>_seed<N>, and
 #   python -m longmixer.report --runs logs/runs --out reports/ --papers longvq
 # puts ours beside the paper's numbers. Data first: `make data TASK=<task>` (docs/data.md).
-# GPU counts are what one job needs (80 GB A100/H100); times are rough per-seed estimates on one H100
-# (recipe max_steps x the step time of docs/benchmarks.md "Model-level"), not measured end to end.
+# GPU counts are what one job needs (80 GB A100/H100). Times are per-seed estimates on one H200, training steps only
+# (no validation, no data loading): recipe max_steps x the step time of docs/benchmarks.md "Model-level" (measured at
+# the recipe batch for MEGA, MEGA-chunk, SeqBoat(-full); other families scaled by their tokens/s ratio to MEGA at the
+# same length). Not measured end to end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
@@ -13,11 +15,11 @@ TABLE=${1:-all}
 shift || true
 
 if [[ $TABLE == all || $TABLE == scifar ]]; then
-  # Table 1 (sCIFAR). 1 GPU, ~5 h per seed.
+  # Table 1 (sCIFAR). 1 GPU, ~30 h per seed.
   $PY -m longmixer.train -m experiment=longvq/scifar seed=$SEEDS "$@"
 fi
 if [[ $TABLE == all || $TABLE == lra ]]; then
-  # Table 2 (LRA). 1 GPU each; ListOps ~2 h, Text ~1 h, Retrieval ~6 h, Image ~5 h, Pathfinder ~10 h, Path-X ~30 h.
+  # Table 2 (LRA). 1 GPU each; ListOps ~7 h, Text ~2.5 h, Retrieval ~32 h, Image ~15 h, Pathfinder ~23 h, Path-X ~90 h.
   $PY -m longmixer.train -m experiment=longvq/listops seed=$SEEDS "$@"
   $PY -m longmixer.train -m experiment=longvq/text seed=$SEEDS "$@"
   $PY -m longmixer.train -m experiment=longvq/retrieval seed=$SEEDS "$@"
@@ -32,12 +34,12 @@ if [[ $TABLE == all || $TABLE == lm ]]; then
   $PY -m longmixer.train -m experiment=longvq/enwik8 seed=0 trainer=ddp trainer.devices=8 "$@"
 fi
 if [[ $TABLE == all || $TABLE == sc10 ]]; then
-  # Table 5 (Speech Commands SC10 raw). 1 GPU, ~15 h per seed.
+  # Table 5 (Speech Commands SC10 raw). 1 GPU, ~30 h per seed.
   $PY -m longmixer.train -m experiment=longvq/sc10 seed=$SEEDS "$@"
 fi
 if [[ $TABLE == all || $TABLE == ablation ]]; then
   # Table 6 (codebook size 256 / 512 / 1024 and laplace attention on Image, Text, ListOps). 1 GPU;
-  # ~5 h / ~1 h / ~2 h per seed and variant.
+  # ~15 h / ~2.5 h / ~7 h per seed and variant.
   for task in image text listops; do
     $PY -m longmixer.train -m experiment=longvq/$task \
       model=longvq_codebook256,longvq_codebook512,longvq_codebook1024,longvq_laplace seed=$SEEDS "$@"

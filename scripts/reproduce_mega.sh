@@ -3,8 +3,10 @@
 # quote: LRA, sCIFAR, SC10, WikiText-103, enwik8. Recipes follow the official facebookresearch/mega scripts; the
 # MEGA paper averages five seeds on LRA. Run dirs land in logs/runs/<experiment>/<hash>_seed<N>, and
 # `python -m longmixer.report --runs logs/runs --out reports/` shows the MEGA rows of every paper's tables.
-# GPU counts are what one job needs (80 GB A100/H100); times are rough per-seed estimates on one H100
-# (recipe max_steps x the step time of docs/benchmarks.md "Model-level"), not measured end to end.
+# GPU counts are what one job needs (80 GB A100/H100). Times are per-seed estimates on one H200, training steps only
+# (no validation, no data loading): recipe max_steps x the step time of docs/benchmarks.md "Model-level" (measured at
+# the recipe batch for MEGA, MEGA-chunk, SeqBoat(-full); other families scaled by their tokens/s ratio to MEGA at the
+# same length). Not measured end to end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
@@ -14,7 +16,8 @@ shift || true
 
 if [[ $TABLE == all || $TABLE == lra ]]; then
   # LRA, MEGA (full attention) and MEGA-chunk. 1 GPU each; per seed, MEGA:
-  # ListOps ~4 h, Text ~2 h, Retrieval ~10 h, Image ~6 h, Pathfinder ~8 h, Path-X ~40 h; MEGA-chunk about half.
+  # ListOps ~2.2 h, Text ~1.1 h, Retrieval ~14 h, Image ~4.2 h, Pathfinder ~6.7 h, Path-X ~110 h;
+  # MEGA-chunk: ~1 h, ~0.4 h, ~5 h, ~3 h, ~5 h, ~37 h.
   for family in mega mega_chunk; do
     for task in listops text retrieval image pathfinder pathx; do
       $PY -m longmixer.train -m experiment=$family/$task seed=$SEEDS "$@"
@@ -22,14 +25,14 @@ if [[ $TABLE == all || $TABLE == lra ]]; then
   done
 fi
 if [[ $TABLE == all || $TABLE == scifar ]]; then
-  # sCIFAR (the LRA Image recipe on colour pixels). 1 GPU, ~6 h per seed and model.
+  # sCIFAR (the LRA Image recipe on colour pixels). 1 GPU, ~4 h (MEGA) / ~3 h (MEGA-chunk) per seed.
   $PY -m longmixer.train -m experiment=mega/scifar seed=$SEEDS "$@"
   $PY -m longmixer.train -m experiment=mega_chunk/scifar seed=$SEEDS "$@"
 fi
 if [[ $TABLE == all || $TABLE == sc10 ]]; then
-  # Speech Commands SC10 raw (16000 samples): MEGA-chunk (chunk 1000) is the row the papers quote. 1 GPU, ~20 h.
+  # Speech Commands SC10 raw (16000 samples): MEGA-chunk (chunk 1000) is the row the papers quote. 1 GPU, ~12 h.
   $PY -m longmixer.train -m experiment=mega_chunk/sc10 seed=$SEEDS "$@"
-  # full-attention MEGA at 16K: the papers mark it as not run (memory); 1 GPU, 80 GB, ~40 h.
+  # full-attention MEGA at 16K: the papers mark it as not run (memory); 1 GPU, 80 GB, ~35 h.
   $PY -m longmixer.train -m experiment=mega/sc10 seed=$SEEDS "$@"
 fi
 if [[ $TABLE == all || $TABLE == lm ]]; then

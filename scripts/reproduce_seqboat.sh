@@ -4,8 +4,10 @@
 #   python -m longmixer.report --runs logs/runs --out reports/ --papers seqboat
 # puts ours beside the paper's numbers; the activation_stats callback writes each run's per-layer activation CSV
 # (Figs. 3 and 6; notebooks/results.ipynb draws it). Data first: `make data TASK=<task>` (docs/data.md).
-# GPU counts are what one job needs (80 GB A100/H100); times are rough per-seed estimates on one H100
-# (recipe max_steps x the step time of docs/benchmarks.md "Model-level"), not measured end to end.
+# GPU counts are what one job needs (80 GB A100/H100). Times are per-seed estimates on one H200, training steps only
+# (no validation, no data loading): recipe max_steps x the step time of docs/benchmarks.md "Model-level" (measured at
+# the recipe batch for MEGA, MEGA-chunk, SeqBoat(-full); other families scaled by their tokens/s ratio to MEGA at the
+# same length). Not measured end to end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
@@ -15,14 +17,15 @@ shift || true
 
 if [[ $TABLE == all || $TABLE == lra ]]; then
   # Table 1 (LRA): SeqBoat and SeqBoat-full rows. 1 GPU each;
-  # ListOps ~3 h, Text ~1 h, Retrieval ~6 h, Image ~5 h, Pathfinder ~8 h, Path-X ~30 h (per model and seed).
+  # SeqBoat: ListOps ~1.7 h, Text ~0.6 h, Retrieval ~8.5 h, Image ~6 h, Pathfinder ~6 h, Path-X ~55 h;
+  # SeqBoat-full: ~3 h, ~2 h, ~26 h, ~10 h, ~10 h, ~62 h (per seed).
   for task in listops text retrieval image pathfinder pathx; do
     $PY -m longmixer.train -m experiment=seqboat/$task model=seqboat,seqboat_full seed=$SEEDS "$@"
   done
   # The MEGA and MEGA-chunk rows: scripts/reproduce_mega.sh lra.
 fi
 if [[ $TABLE == all || $TABLE == sc10 ]]; then
-  # Table 2 (Speech Commands SC10 raw). 1 GPU, ~15 h per seed.
+  # Table 2 (Speech Commands SC10 raw). 1 GPU, ~15 h per seed (Path-X-like cost at 16K, batch 20).
   $PY -m longmixer.train -m experiment=seqboat/sc10 seed=$SEEDS "$@"
 fi
 if [[ $TABLE == all || $TABLE == lm ]]; then
@@ -30,13 +33,13 @@ if [[ $TABLE == all || $TABLE == lm ]]; then
   $PY -m longmixer.train -m experiment=seqboat/enwik8 seed=0 trainer=ddp trainer.devices=8 "$@"
 fi
 if [[ $TABLE == all || $TABLE == ablation ]]; then
-  # Table 7 (SeqBoat-full ablations on Image and ListOps; validation accuracy). 1 GPU; ~5 h / ~3 h per run.
+  # Table 7 (SeqBoat-full ablations on Image and ListOps; validation accuracy). 1 GPU; ~6-10 h / ~2-3 h per run.
   for task in image listops; do
     for ablation in always_activated gumbel s4d; do
       $PY -m longmixer.train -m experiment=seqboat/$task model=seqboat_full +ablation=seqboat/$ablation seed=$SEEDS "$@"
     done
   done
-  # Table 8 (SeqBoat ablations on Image, ListOps, Pathfinder; validation accuracy). 1 GPU; ~5 h / ~3 h / ~8 h per run.
+  # Table 8 (SeqBoat ablations on Image, ListOps, Pathfinder; validation accuracy). 1 GPU; ~6 h / ~2 h / ~6 h per run.
   for task in image listops pathfinder; do
     for ablation in ffn gau_ffn sigmoid moe local chunk mem32 local32; do
       $PY -m longmixer.train -m experiment=seqboat/$task +ablation=seqboat/$ablation seed=$SEEDS "$@"

@@ -1,5 +1,5 @@
-"""The model-level benchmark: the materialized-attention baseline equals the SDPA Transformer, one tiny measurement
-through the Hydra-composed model, and the markdown table."""
+"""The model-level benchmark: the job plan, the Transformer baselines' composition, one tiny measurement through the
+Hydra-composed model, merging with an earlier run, and the markdown table."""
 
 from __future__ import annotations
 
@@ -8,23 +8,7 @@ import math
 import pytest
 import torch
 
-from longmixer.bench import MaterializedAttention, compose_model_config, markdown, measure, model_specs, plan
-from longmixer.mixers.transformer import Transformer
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_materialized_attention_matches_sdpa(causal):
-    torch.manual_seed(0)
-    sdpa = Transformer(32, n_heads=4, causal=causal).double()
-    materialized = MaterializedAttention(32, n_heads=4, causal=causal).double()
-    materialized.load_state_dict(sdpa.state_dict())
-    x = torch.randn(3, 17, 32, dtype=torch.float64)
-    mask = torch.ones(3, 17, dtype=torch.bool)
-    mask[1, 11:] = False  # a padded sequence
-    y_ref, _ = sdpa(x, mask)
-    y, aux = materialized(x, mask)
-    assert aux == {}
-    torch.testing.assert_close(y[mask], y_ref[mask])
+from longmixer.bench import _slot, compose_model_config, markdown, measure, model_specs, plan
 
 
 def test_plan_covers_every_family_with_a_text_recipe_and_both_transformers():
@@ -39,7 +23,10 @@ def test_plan_covers_every_family_with_a_text_recipe_and_both_transformers():
 def test_measure_a_tiny_composed_model():
     name, overrides = model_specs("text", quick=True)[0]
     cfg = compose_model_config([*overrides, "data.seq_len=16"])
-    assert cfg.model.mixer._target_ == "longmixer.bench.MaterializedAttention"
+    # the default experiment (quickstart, another family's mixer keys) must not leak into the baselines
+    assert cfg.model.mixer._target_ == "longmixer.mixers.transformer.Transformer"
+    assert cfg.model.mixer.implementation == "materialized" and "attention" not in cfg.model.mixer
+    assert cfg.model.d_model == 32 and cfg.model.n_layers == 1  # quick mode shrinks the LRA Text Transformer
     row = measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=1)
     assert row["params"] > 0 and row["train_ms"] > 0 and row["eval_tokens_per_s"] > 0
     result = {"environment": {"device": "cpu", "torch": "t", "triton": "t", "cuda": None, "dtype": "d",
@@ -49,3 +36,11 @@ def test_measure_a_tiny_composed_model():
     table = markdown(result, [{"paper": "P", "model": name, "baseline": "transformer", "speed": 1.5}])
     assert f"| {name} | " in table and "1.00x" in table and "P 1.5x" in table and "| mega | OOM |" in table
     assert math.isnan(row["peak_mem_mib"])  # no CUDA here
+
+
+def test_slots_tell_settings_apart():
+    text = {"setting": "text", "model": "mega", "length": 4096}
+    sweep = {"setting": "length", "model": "mega", "length": 4096}
+    t6 = {"setting": "table6", "model": "mega", "task": "text", "length": 4096}
+    assert len({_slot(text), _slot(sweep), _slot(t6)}) == 3
+    assert _slot(t6) == _slot({"setting": "table6", "model": "mega", "task": "text"})  # a job has no length yet

@@ -17,9 +17,10 @@ from longmixer.utils.tables import collect_runs, group_runs
 from tests.conftest import TINY_LISTOPS, TINY_TRAINER, compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
+# `~experiment`: without the default experiment (quickstart, whose model keys belong to its own family)
 TINY_MODELS = {
-    "transformer": ["model=transformer", "model.d_model=16", "model.d_ffn=32", "model.mixer.n_heads=2"],
-    "seqboat": ["model=seqboat", "model.d_model=16", "model.n_layers=2", "model.mixer.d_qk=8", "model.mixer.d_v=32",
+    "transformer": ["~experiment", "model=transformer", "model.d_model=16", "model.d_ffn=32", "model.mixer.n_heads=2"],
+    "seqboat": ["~experiment", "model=seqboat", "model.d_model=16", "model.n_layers=2", "model.mixer.d_qk=8", "model.mixer.d_v=32",
                 "model.mixer.ndim=2", "model.mixer.window=8", "callbacks=activation_stats",
                 "callbacks.activation_stats.plot=false"],
 }

@@ -27,8 +27,6 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from longmixer.mixers.transformer import Transformer
-
 log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
@@ -37,29 +35,9 @@ TABLE6_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 TABLE6_MODELS = ("mega", "mega_chunk", "seqboat_full", "seqboat")
 # The Transformer of the LRA Text task (Tay et al. 2020, the baseline every paper's Table 1 quotes): 4 layers,
 # width 256, 4 heads, MLP 1024. No Transformer recipe exists in configs/experiment, so its dims are set here.
-TRANSFORMER_TEXT = ["model=transformer", "model.d_model=256", "model.n_layers=4", "model.mixer.n_heads=4",
+# `~experiment` drops the default experiment (quickstart), whose model overrides belong to another family.
+TRANSFORMER_TEXT = ["~experiment", "model=transformer", "model.d_model=256", "model.n_layers=4", "model.mixer.n_heads=4",
                     "model.d_ffn=1024", "model.dropout=0.0"]
-
-
-class MaterializedAttention(Transformer):
-    """The Transformer mixer with the L x L attention matrix written out: softmax(Q K^T / sqrt(d)) V (Vaswani et al.
-    2017, eq. 1) as two matmuls and a softmax, the way the papers' Transformer baseline computed it (no fused kernel).
-    Same parameters and signature as `longmixer.mixers.transformer.Transformer`."""
-
-    def forward(self, x, mask=None, residual=None):
-        B, L, D = x.shape
-        q, k, v = self.qkv(x).view(B, L, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)  # [B, H, L, K]
-        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, H, L, L]
-        keep = None
-        if mask is not None:
-            keep = mask[:, None, None, :]
-        if self.causal:
-            tril = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-            keep = tril if keep is None else keep & tril
-        if keep is not None:
-            scores = scores.masked_fill(~keep, float("-inf"))
-        weights = F.dropout(scores.softmax(-1), self.attn_dropout, self.training)
-        return self.out((weights @ v).transpose(1, 2).reshape(B, L, D)), {}
 
 
 def compose_model_config(overrides: list[str]):
@@ -83,7 +61,7 @@ def families() -> list[str]:
 def model_specs(setting: str, quick: bool) -> list[tuple[str, list[str]]]:
     """(name, overrides) of each model of a setting; the Transformer baselines first."""
     specs = [("transformer_materialized", ["data=text", *TRANSFORMER_TEXT,
-                                           "model.mixer._target_=longmixer.bench.MaterializedAttention"]),
+                                           "+model.mixer.implementation=materialized"]),
              ("transformer_sdpa", ["data=text", *TRANSFORMER_TEXT])]
     for family in families():
         specs.append((family, [f"experiment={family}/text"]))
@@ -201,6 +179,10 @@ def plan(quick: bool) -> list[dict]:
     return jobs
 
 
+def _slot(row: dict) -> tuple:
+    return row["setting"], row["model"], row.get("task"), row.get("length") if row["setting"] != "table6" else None
+
+
 def environment(device) -> dict:
     import triton
 
@@ -216,7 +198,13 @@ def run(args) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    for job in plan(args.quick):
+    jobs = [j for j in plan(args.quick) if (not args.models or j["model"] in args.models)
+            and (not args.settings or j["setting"] in args.settings)]
+    if args.merge:
+        # keep the earlier run's rows for what this run does not measure again
+        again = {_slot(j) for j in jobs}
+        result["rows"] = [r for r in json.loads(Path(args.merge).read_text())["rows"] if _slot(r) not in again]
+    for job in jobs:
         row = {k: v for k, v in job.items() if k != "overrides"}
         if time.perf_counter() - start > args.budget_s:
             row["status"] = "skipped (time budget)"
@@ -321,6 +309,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget-s", type=float, default=230.0, help="skip what is left after this many seconds")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--models", nargs="*", default=None, help="only these models (e.g. transformer_sdpa chela)")
+    parser.add_argument("--settings", nargs="*", default=None, choices=("text", "length", "table6"))
+    parser.add_argument("--merge", default=None, help="an earlier JSON: its rows stay for what is not measured again")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     result = run(args)

@@ -323,7 +323,7 @@ def groups_markdown(groups: list[Group]) -> str:
         mean, std, n = g.stats(metric)
         scale = 100 if metric.endswith("/acc") or metric.endswith("acc_best") else 1
         text = f"{mean * scale:.3f}" + (f" ± {std * scale:.3f}" if std is not None else "")
-        lines.append(f"| {g.experiment} | {g.model} | {g.data} | {g.ablation or ''} | {g.variant} | "
+        lines.append(f"| {g.experiment or '–'} | {g.model} | {g.data} | {g.ablation or ''} | {g.variant} | "
                      f"{' '.join(map(str, g.seeds))} | {metric}{' (%)' if scale == 100 else ''} | {text} |")
     return "\n".join(lines) + "\n"
 
