@@ -140,7 +140,7 @@ def test_wandb_offline_run_keeps_its_id_across_resume(compose, tmp_path, monkeyp
     offline = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(offline) == 1
     record = next(offline[0].glob("run-*.wandb")).read_bytes()  # offline runs keep the config in this log
-    assert b"warmup_init_lr" in record and b"listops_gen" in record  # the full resolved config is the run config
+    assert b"warmup_init_lr" in record and b"GeneratedListOps" in record  # the full resolved config is the run config
     train(compose([*overrides, "trainer.max_steps=4"]))  # same run dir: resumes, same W&B id
     assert (run_dir / "wandb_id.txt").read_text().strip() == run_id
     assert len(list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))) == 2
