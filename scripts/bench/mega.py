@@ -16,41 +16,7 @@ import torch
 from longmixer.ops.ema import ema, ema_ref
 from longmixer.ops.local_attention import local_attention, local_attention_ref
 
-ROWS: list[str] = []
-
-
-def row(line: str) -> None:
-    """Keep a table row for the summary and print it now (a run cut short still shows what it measured)."""
-    ROWS.append(line)
-    print(line)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def bench(fn, quick: bool) -> float:
-    """Median ms (triton.testing.do_bench; a single timed call under --quick on CPU)."""
-    if quick:
-        import time
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])[0]
-
-
-def peak_mem(fn, device) -> float:
-    """Peak memory in GiB above the memory in use before `fn` (CUDA only)."""
-    if device.type != "cuda":
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+from _common import ROWS, bench, peak_mem, rel, row  # scripts/bench/_common.py (this folder is sys.path[0])
 
 
 def fwd_bwd(fn, inputs):

@@ -1,0 +1,44 @@
+"""Helpers shared by the kernel benchmark scripts in this folder (imported as `_common`; `make bench` skips it)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+ROWS: list[str] = []
+
+
+def row(line: str) -> None:
+    """Keep a table row for the summary and print it now (a run cut short still shows what it measured)."""
+    ROWS.append(line)
+    print(line)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error of `a` against the reference `b`, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def bench(fn, quick: bool) -> float:
+    """Median ms (triton.testing.do_bench; one timed call under --quick on CPU)."""
+    if quick:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=60, quantiles=[0.5, 0.2, 0.8])[0]
+
+
+def peak_mem(fn, device) -> float:
+    """Peak memory in GiB above the memory in use before `fn` (CUDA only)."""
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
