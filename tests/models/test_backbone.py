@@ -74,3 +74,15 @@ def test_masked_batchnorm_ignores_padding():
     x2[1, 3:] = 1e3  # garbage in the padding
     y2 = MaskedBatchNorm(4).train()(x2, mask)
     assert torch.allclose(y1[mask], y2[mask], atol=1e-5)
+
+
+def test_mega_initialisation_options():
+    model = SequenceModel(StatsMixer, d_model=64, n_layers=2, d_input=1, num_classes=2, d_ffn=512,
+                          ffn_init_std=0.02, embed_bias_std=0.1, final_norm_affine=False, classifier_dropout=0.1)
+    fc1 = model.blocks[0].ffn.fc1
+    assert fc1.weight.std().item() == pytest.approx(0.02, rel=0.1) and fc1.bias.abs().max() == 0
+    assert model.embedding.proj.bias.std().item() == pytest.approx(0.1, rel=0.35)
+    assert sum(p.numel() for p in model.final_norm.parameters()) == 0
+    with pytest.raises(ValueError, match="only defined for layernorm"):
+        SequenceModel(StatsMixer, d_model=8, n_layers=1, vocab_size=3, num_classes=2, norm="rmsnorm",
+                      final_norm_affine=False)

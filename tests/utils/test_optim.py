@@ -45,3 +45,10 @@ def test_optimizers_build(name):
 def test_unknown_optimizer_names_the_key():
     with pytest.raises(ValueError, match="optim.optimizer='sgdd'"):
         build_optimizer(Tiny(), {"optimizer": "sgdd", "lr": 1e-3})
+
+
+def test_polynomial_warmup_power():
+    """MEGA's Path-X recipe warms up with power 2."""
+    kw = dict(scheduler="linear_decay", total_steps=100, warmup_steps=10, lr=1.0, warmup_init_lr=0.0, end_lr=0.0)
+    assert lr_factor(5, **kw, warmup_power=2.0) == pytest.approx(0.25)
+    assert lr_factor(5, **kw) == pytest.approx(0.5)

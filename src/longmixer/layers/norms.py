@@ -12,8 +12,8 @@ EPS = 1e-5
 
 
 class LayerNorm(nn.LayerNorm):
-    def __init__(self, d_model: int, eps: float = EPS):
-        super().__init__(d_model, eps=eps)
+    def __init__(self, d_model: int, eps: float = EPS, affine: bool = True):
+        super().__init__(d_model, eps=eps, elementwise_affine=affine)
 
     def forward(self, x, mask=None):
         return super().forward(x)
@@ -76,14 +76,17 @@ class MaskedBatchNorm(nn.Module):
         return (y * self.weight + self.bias).type_as(x)
 
 
-def build_norm(kind: str, d_model: int) -> nn.Module:
-    """A norm module over [B, L, D] with `forward(x, mask=None)`.
+def build_norm(kind: str, d_model: int, affine: bool = True) -> nn.Module:
+    """A norm module over [B, L, D] with `forward(x, mask=None)`; `affine=False` (layernorm only, MEGA's
+    `--no-affine-final-norm`) drops the learned scale and shift.
 
     Raises:
         ValueError: unknown `kind`; the message lists the allowed names.
     """
+    if not affine and kind != "layernorm":
+        raise ValueError(f"a norm without affine parameters is only defined for layernorm, not norm={kind!r}")
     if kind == "layernorm":
-        return LayerNorm(d_model)
+        return LayerNorm(d_model, affine=affine)
     if kind == "scalenorm":
         return ScaleNorm(d_model)
     if kind == "rmsnorm":

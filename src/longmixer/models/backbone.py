@@ -41,6 +41,11 @@ class SequenceModel(nn.Module):
             "none" | a factory called as
             `head(d_model=..., embedding=<embedding module>)`.
         d_classifier: hidden width of the classifier MLP (None: D).
+        classifier_dropout: dropout between the classifier's hidden layer and its activation (MEGA's placement).
+        embed_bias_std: init std of the real-valued embedding's bias (MEGA: 0.1; 0 = zeros).
+        ffn_init_std: N(0, std) init of the FFN weights with zero biases (MEGA: 0.02; None = PyTorch's default).
+        final_norm_affine: whether the pre-norm model's final norm has learned scale / shift (MEGA's LM recipes
+            use `--no-affine-final-norm`: False).
     """
 
     def __init__(self, mixer: Callable[..., nn.Module], d_model: int, n_layers: int, vocab_size: int | None = None,
@@ -50,7 +55,8 @@ class SequenceModel(nn.Module):
                  embed_dropout: float = 0.0, embedding: str | Callable[..., nn.Module] = "auto",
                  embed_std: float | None = None, pos_encoding: str = "none", max_len: int | None = None,
                  pool: str = "mean", head: str | Callable[..., nn.Module] = "classifier",
-                 d_classifier: int | None = None, padding_idx: int = 0):
+                 d_classifier: int | None = None, padding_idx: int = 0, classifier_dropout: float = 0.0,
+                 embed_bias_std: float = 0.0, ffn_init_std: float | None = None, final_norm_affine: bool = True):
         super().__init__()
         if n_layers < 1 or d_model < 1:
             raise ValueError(f"model.n_layers={n_layers} and model.d_model={d_model} must be >= 1")
@@ -59,7 +65,8 @@ class SequenceModel(nn.Module):
         if pos_encoding not in POS_ENCODINGS:
             raise ValueError(f"model.pos_encoding={pos_encoding!r} is not one of {POS_ENCODINGS}")
         self.d_model, self.causal, self.pool, self.prenorm = d_model, causal, pool, prenorm
-        self.embedding = self._build_embedding(embedding, vocab_size, d_input, d_model, embed_std, padding_idx)
+        self.embedding = self._build_embedding(embedding, vocab_size, d_input, d_model, embed_std, padding_idx,
+                                               embed_bias_std)
         if pos_encoding == "learned" and max_len is None:
             raise ValueError("model.pos_encoding=learned needs model.max_len (e.g. ${data.seq_len})")
         self.positions = {"none": lambda: None, "sinusoidal": lambda: SinusoidalPositions(d_model),
@@ -67,12 +74,12 @@ class SequenceModel(nn.Module):
         self.embed_dropout = nn.Dropout(embed_dropout)
         self.blocks = nn.ModuleList(
             Block(mixer(d_model=d_model, causal=causal), d_model, norm, prenorm, d_ffn, ffn_activation, dropout,
-                  ffn_hidden_dropout) for _ in range(n_layers))
-        self.final_norm = build_norm(norm, d_model) if prenorm else None
-        self.head = self._build_head(head, d_model, num_classes, vocab_size, d_classifier)
+                  ffn_hidden_dropout, ffn_init_std) for _ in range(n_layers))
+        self.final_norm = build_norm(norm, d_model, affine=final_norm_affine) if prenorm else None
+        self.head = self._build_head(head, d_model, num_classes, vocab_size, d_classifier, classifier_dropout)
 
     @staticmethod
-    def _build_embedding(embedding, vocab_size, d_input, d_model, std, padding_idx):
+    def _build_embedding(embedding, vocab_size, d_input, d_model, std, padding_idx, bias_std):
         if callable(embedding):
             return embedding(d_model=d_model)
         if embedding == "auto":
@@ -88,11 +95,11 @@ class SequenceModel(nn.Module):
             if d_input is None:
                 raise ValueError("the model needs model.vocab_size (token inputs, e.g. ${data.vocab_size}) or "
                                  "model.d_input (real-valued inputs, e.g. ${data.d_input})")
-            return RealEmbedding(d_input, d_model, std)
+            return RealEmbedding(d_input, d_model, std, bias_std)
         raise ValueError(f"model.embedding={embedding!r} is not one of ['auto', 'token', 'real'] or a _partial_ "
                          "factory")
 
-    def _build_head(self, head, d_model, num_classes, vocab_size, d_classifier):
+    def _build_head(self, head, d_model, num_classes, vocab_size, d_classifier, dropout):
         if callable(head):
             return head(d_model=d_model, embedding=self.embedding)
         if head not in HEADS:
@@ -100,9 +107,10 @@ class SequenceModel(nn.Module):
         if head in ("classifier", "nli", "nli_concat") and num_classes is None:
             raise ValueError(f"model.head={head} needs model.num_classes (e.g. ${{data.num_classes}})")
         if head == "classifier":
-            return ClassifierHead(d_model, num_classes, d_classifier)
+            return ClassifierHead(d_model, num_classes, d_classifier, dropout)
         if head in ("nli", "nli_concat"):
-            return NLIHead(d_model, num_classes, d_classifier, fusion="nli" if head == "nli" else "concat")
+            return NLIHead(d_model, num_classes, d_classifier, fusion="nli" if head == "nli" else "concat",
+                           dropout=dropout)
         if head in ("lm", "lm_tied"):
             if vocab_size is None:
                 raise ValueError(f"model.head={head} needs model.vocab_size")

@@ -23,13 +23,16 @@ class TokenEmbedding(nn.Embedding):
 
 class RealEmbedding(nn.Module):
     """Real-valued inputs [B, L, d_input] -> [B, L, D]; MEGA's RealNumberEmbedding for d_input = 1 (weight
-    N(0, D^-0.5), zero bias)."""
+    N(0, std), default D^-0.5; bias N(0, bias_std), MEGA 0.1, default zeros)."""
 
-    def __init__(self, d_input: int, d_model: int, std: float | None = None):
+    def __init__(self, d_input: int, d_model: int, std: float | None = None, bias_std: float = 0.0):
         super().__init__()
         self.proj = nn.Linear(d_input, d_model)
         nn.init.normal_(self.proj.weight, mean=0.0, std=d_model ** -0.5 if std is None else std)
-        nn.init.zeros_(self.proj.bias)
+        if bias_std > 0:
+            nn.init.normal_(self.proj.bias, mean=0.0, std=bias_std)
+        else:
+            nn.init.zeros_(self.proj.bias)
 
     def forward(self, x):
         if x.ndim == 2:  # [B, L] scalars

@@ -8,32 +8,34 @@ from torch.nn import functional as F
 
 
 class ClassifierHead(nn.Module):
-    """Linear(D, H) -> GELU -> Linear(H, classes, bias=False); the hidden layer xavier-initialised as MEGA's LRA
-    classifier (models.md section 1.7)."""
+    """Linear(D, H) -> dropout -> GELU -> Linear(H, classes, bias=False); the hidden layer xavier-initialised and the
+    dropout placed before the activation, as MEGA's LRA classifier (models.md section 1.7)."""
 
-    def __init__(self, d_in: int, num_classes: int, d_hidden: int | None = None):
+    def __init__(self, d_in: int, num_classes: int, d_hidden: int | None = None, dropout: float = 0.0):
         super().__init__()
         d_hidden = d_hidden or d_in
         self.hidden = nn.Linear(d_in, d_hidden)
+        self.dropout = nn.Dropout(dropout)
         self.out = nn.Linear(d_hidden, num_classes, bias=False)
         nn.init.xavier_uniform_(self.hidden.weight)
         nn.init.zeros_(self.hidden.bias)
 
     def forward(self, x):
-        return self.out(F.gelu(self.hidden(x)))
+        return self.out(F.gelu(self.dropout(self.hidden(x))))
 
 
 class NLIHead(nn.Module):
     """Two pooled documents u, v -> classifier over [u, v, u*v, u-v] (LRA retrieval, frameworks.md section 2.3),
     or over [u, v] alone (`fusion="concat"`, the head of MEGA's official AAN model)."""
 
-    def __init__(self, d_model: int, num_classes: int, d_hidden: int | None = None, fusion: str = "nli"):
+    def __init__(self, d_model: int, num_classes: int, d_hidden: int | None = None, fusion: str = "nli",
+                 dropout: float = 0.0):
         super().__init__()
         if fusion not in ("nli", "concat"):
             raise ValueError(f"NLI fusion={fusion!r} is not one of ['nli', 'concat']")
         self.fusion = fusion
         width = 4 * d_model if fusion == "nli" else 2 * d_model
-        self.classifier = ClassifierHead(width, num_classes, d_hidden or d_model)
+        self.classifier = ClassifierHead(width, num_classes, d_hidden or d_model, dropout)
 
     def forward(self, u, v):
         features = [u, v, u * v, u - v] if self.fusion == "nli" else [u, v]

@@ -85,11 +85,12 @@ def build_optimizer(model: nn.Module, cfg: Mapping[str, Any]) -> torch.optim.Opt
 
 
 def lr_factor(step: int, *, scheduler: str, total_steps: int, warmup_steps: int, lr: float,
-              warmup_init_lr: float, end_lr: float) -> float:
+              warmup_init_lr: float, end_lr: float, warmup_power: float = 1.0) -> float:
     """The multiplier of the base lr at optimizer step `step` (0-based).
 
     `linear_decay` follows fairseq's polynomial_decay with power 1 as the MEGA / SeqBoat recipes use it: linear
-    warmup from `warmup_init_lr` to `lr` over `warmup_steps`, then linear decay to `end_lr` at `total_steps`.
+    warmup from `warmup_init_lr` to `lr` over `warmup_steps` (polynomial with `warmup_power`; MEGA's Path-X recipe
+    uses 2), then linear decay to `end_lr` at `total_steps`.
     `cosine`: the same warmup, then half a cosine down to `end_lr`.
     """
     if scheduler not in SCHEDULERS:
@@ -98,7 +99,7 @@ def lr_factor(step: int, *, scheduler: str, total_steps: int, warmup_steps: int,
         return 1.0
     if step < warmup_steps:
         start = warmup_init_lr / lr
-        return start + (1.0 - start) * step / warmup_steps
+        return start + (1.0 - start) * (step / warmup_steps) ** warmup_power
     if scheduler == "constant":
         return 1.0
     span = max(1, total_steps - warmup_steps)
@@ -118,7 +119,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Mapping[str, Any],
     lr = float(cfg["lr"])
     kwargs = dict(scheduler=cfg.get("scheduler", "linear_decay"), total_steps=max(total_steps, 1),
                   warmup_steps=warmup, lr=lr, warmup_init_lr=float(cfg.get("warmup_init_lr", 0.0)),
-                  end_lr=float(cfg.get("end_lr", 0.0)))
+                  end_lr=float(cfg.get("end_lr", 0.0)), warmup_power=float(cfg.get("warmup_power", 1.0)))
     lr_factor(0, **kwargs)  # validates the scheduler name now, not at the first step
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, **kwargs))
 
