@@ -25,18 +25,29 @@ def test_every_model_fits_two_steps_on_listops(compose, model):
     assert 0.0 <= metrics["test/acc"] <= 1.0
 
 
+def write_listops_fixture(root: Path) -> dict:
+    from tests.data.test_listops import _write_official
+
+    _write_official(Path(root) / "listops-1000")
+    return {"source_dir": str(Path(root) / "listops-1000"), "seq_len": 10}
+
+
+SMALL_CHUNKED = ["model=mega_chunk", "model.n_layers=1", "model.d_model=16", "model.mixer.zdim=8", "model.mixer.ndim=2",
+                 "model.d_ffn=16"]
+
 TASKS = {
     # task: (fixture writer, extra overrides)
+    "listops": (write_listops_fixture, []),
     "text": (fixtures.write_text_fixture, ["data.seq_len=64"]),
     "retrieval": (fixtures.write_retrieval_fixture, ["data.seq_len=64", "model.head=nli"]),
     "image": (fixtures.write_image_fixture, []),
     "pathfinder": (lambda root: fixtures.write_pathfinder_fixture(root, 32), []),
     "pathfinder_gen": (lambda root: fixtures.pathfinder_gen_overrides(), []),
+    # 16,384 pixels: a small chunked MEGA keeps the CPU fit short
+    "pathx": (lambda root: fixtures.write_pathfinder_fixture(root, 128), [*SMALL_CHUNKED, "model.mixer.chunk_size=1024"]),
     "scifar": (fixtures_extra.write_scifar_fixture, REAL_VALUED),
     # 16,000-sample clips: a small chunked MEGA keeps the CPU fit short
-    "sc10": (fixtures_extra.write_sc10_fixture, ["model=mega_chunk", "model.n_layers=1", "model.d_model=16",
-                                                 "model.mixer.zdim=8", "model.mixer.ndim=2", "model.d_ffn=16",
-                                                 "model.mixer.chunk_size=1000"]),
+    "sc10": (fixtures_extra.write_sc10_fixture, [*SMALL_CHUNKED, "model.mixer.chunk_size=1000"]),
     "smnist": (fixtures_extra.write_mnist_fixture, REAL_VALUED),
     "pmnist": (fixtures_extra.write_mnist_fixture, REAL_VALUED),
     "wikitext103": (fixtures_extra.write_wikitext_fixture, LM),
