@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import sys
+import urllib.error
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -54,7 +55,15 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = compose_data(args.task, args.overrides)
     datamodule = instantiate(cfg.data)
-    datamodule.prepare_data()
+    try:
+        datamodule.prepare_data()
+    except (ConnectionError, TimeoutError, urllib.error.URLError) as err:
+        # A download failed: say so in one line with the two ways out, not a library traceback.
+        print(f"error: could not download the data for {args.task!r}: {err}\n"
+              f"  check the network (or a proxy) and run this command again (partial downloads resume), or put the "
+              f"original files in a folder and pass data.source_dir=<folder> (docs/data.md lists what each task "
+              f"expects)", file=sys.stderr)
+        return 2
     datamodule.setup("fit")
     print(f"{args.task}: prepared at {datamodule.root}")
     print(summary(datamodule.manifest))
