@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from longmixer.data.lm_stream import LMDataModule
-from longmixer.data.scifar import download, extract
+from longmixer.data.download import download, extract
 
 ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
 ENWIK8_BYTES = 100_000_000

@@ -19,7 +19,8 @@ import torch
 from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
-from longmixer.data.scifar import CIFAR10_URL, download, extract, holdout_split, read_cifar_batch
+from longmixer.data.download import download, extract
+from longmixer.data.scifar import CIFAR10_URL, holdout_split, read_cifar_batch
 
 log = logging.getLogger(__name__)
 

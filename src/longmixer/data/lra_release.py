@@ -9,82 +9,18 @@ published; the download is checked against the server's Content-Length and its s
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import tarfile
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+from longmixer.data.download import download, progress_bar
 
 log = logging.getLogger(__name__)
 
 LRA_URL = "https://storage.googleapis.com/long-range-arena/lra_release.gz"
 ARCHIVE_NAME = "lra_release.gz"
 PARTS = ("listops-1000", "tsv_data", "pathfinder32", "pathfinder64", "pathfinder128", "pathfinder256")
-
-
-def _progress(description: str, total: int | None):
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, \
-        TransferSpeedColumn
-
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TimeRemainingColumn(), transient=True)
-    return bar, bar.add_task(description, total=total)
-
-
-def download(url: str, dest: Path, expected_size: int | None = None, chunk: int = 1 << 20) -> Path:
-    """Download `url` to `dest`, resuming a partial `dest.part` with an HTTP Range request.
-
-    The file keeps its final name only once its size equals the server's Content-Length (or `expected_size`);
-    a server that ignores the Range header makes the download restart from zero.
-
-    Raises:
-        OSError: the transfer ended short of the announced size (re-run to resume).
-    """
-    dest = Path(dest)
-    if dest.exists():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(dest.name + ".part")
-    have = part.stat().st_size if part.exists() else 0
-    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
-    try:
-        response = urllib.request.urlopen(request)
-    except urllib.error.HTTPError as err:
-        if err.code != 416:  # 416: the partial file is already complete
-            raise
-        response = None
-    if response is None:
-        total = have
-    else:
-        with response:
-            resumed = response.status == 206
-            if have and not resumed:
-                log.info("server ignored the Range request; restarting %s", dest.name)
-                have = 0
-            length = int(response.headers.get("Content-Length") or 0)
-            total = have + length if length else expected_size
-            log.info("downloading %s -> %s (%s bytes, resuming at %d)", url, dest, total, have)
-            bar, task = _progress(dest.name, total)
-            with bar, open(part, "ab" if resumed else "wb") as f:
-                bar.update(task, completed=have)
-                while block := response.read(chunk):
-                    f.write(block)
-                    bar.advance(task, len(block))
-    size = part.stat().st_size
-    expected = expected_size or total
-    if expected is not None and size != expected:
-        raise OSError(f"download of {url} stopped at {size} of {expected} bytes; re-run the same command to resume "
-                      f"(the partial file is {part})")
-    os.replace(part, dest)
-    digest = hashlib.sha256()
-    with open(dest, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    dest.with_name(dest.name + ".sha256").write_text(f"{digest.hexdigest()}  {dest.name}\n")
-    return dest
 
 
 def find_release_dir(root: Path) -> Path | None:
@@ -107,7 +43,7 @@ def extract(archive: Path, dest: Path, parts: Sequence[str] | None = None) -> No
     unknown = [p for p in wanted if p not in PARTS]
     if unknown:
         raise ValueError(f"parts={unknown} are not in the LRA release; choose from {PARTS}")
-    bar, task = _progress(f"extracting {archive.name}", archive.stat().st_size)
+    bar, task = progress_bar(f"extracting {archive.name}", archive.stat().st_size)
     with bar, open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r|gz") as tar:
         for member in tar:
             if any(part in Path(member.name).parts for part in wanted):

@@ -21,7 +21,8 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
-from longmixer.data.scifar import PixelSequenceDataset, check_shapes, download, holdout_split
+from longmixer.data.download import download
+from longmixer.data.scifar import PixelSequenceDataset, check_shapes, holdout_split
 
 MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
 MNIST_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import tarfile
-import urllib.request
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
+from longmixer.data.download import download, extract
 
 log = logging.getLogger(__name__)
 
@@ -32,36 +30,6 @@ CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.247, 0.243, 0.261)
 SIDE = 32
-
-
-def download(url: str, dest: Path) -> Path:
-    """Download `url` to `dest` (skipped if it exists) with a progress bar; a partial file never keeps the name."""
-    if dest.exists():
-        return dest
-    from tqdm.auto import tqdm  # tqdm comes with Lightning; only needed when downloading
-
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".part")
-    log.info("downloading %s -> %s", url, dest)
-    with urllib.request.urlopen(url) as response, open(tmp, "wb") as f:
-        total = int(response.headers.get("Content-Length") or 0) or None
-        with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name) as bar:
-            while block := response.read(1 << 20):
-                f.write(block)
-                bar.update(len(block))
-    tmp.replace(dest)
-    return dest
-
-
-def extract(archive: Path, dest: Path) -> None:
-    """Unpack a .tar(.gz) or .zip archive into `dest`."""
-    log.info("extracting %s -> %s", archive, dest)
-    if archive.suffix == ".zip":
-        with zipfile.ZipFile(archive) as z:
-            z.extractall(dest)
-    else:
-        with tarfile.open(archive) as t:
-            t.extractall(dest, filter="data")
 
 
 def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:

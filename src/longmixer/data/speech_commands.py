@@ -27,7 +27,8 @@ import torch
 from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
-from longmixer.data.scifar import check_shapes, download, extract
+from longmixer.data.download import download, extract
+from longmixer.data.scifar import check_shapes
 
 log = logging.getLogger(__name__)
 

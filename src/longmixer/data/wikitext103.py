@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from longmixer.data.lm_stream import LMDataModule
-from longmixer.data.scifar import download, extract
+from longmixer.data.download import download, extract
 
 log = logging.getLogger(__name__)
 
