@@ -44,18 +44,19 @@ class SequenceTask(pl.LightningModule):
         self.optim_cfg = dict(optim)
         self.monitor, self.mode = monitor, mode
         self.best_score: float | None = None
+        self.total_steps = 1
 
     # --- optimization ------------------------------------------------------------------------------------------
     def configure_optimizers(self):
         optimizer = build_optimizer(self.model, self.optim_cfg)
-        total = int(self.trainer.estimated_stepping_batches) if self.trainer is not None else 1
-        scheduler = build_scheduler(optimizer, self.optim_cfg, total)
+        # computed once here (it can walk the dataloaders), then reused by every training step
+        self.total_steps = int(self.trainer.estimated_stepping_batches) if self.trainer is not None else 1
+        scheduler = build_scheduler(optimizer, self.optim_cfg, self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_train_batch_start(self, batch, batch_idx):
-        total = int(self.trainer.estimated_stepping_batches) if self.trainer is not None else 1
         if hasattr(self.model, "set_progress"):
-            self.model.set_progress(self.global_step, total)
+            self.model.set_progress(self.global_step, self.total_steps)
 
     # --- aux losses and statistics (docs/architecture.md) ----------------------------------------------------------
     def add_aux(self, loss: torch.Tensor, aux: Mapping[str, torch.Tensor], stage: str, batch_size: int):
