@@ -28,7 +28,7 @@ class MultiHeadEMA(nn.Module):
         bidirectional: two-sided kernel (the centre tap is counted by both directions, as the official code does).
         truncation: cap on the kernel length, min(truncation, L); None means the full length.
         silu: apply the SiLU inside (MEGA); False returns EMA(x) + omega * x (SeqBoat applies SiLU outside).
-        backend: auto | torch | triton for the kernel generation (`longmixer.ops.ema`).
+        backend: auto | torch | triton for the convolution (`longmixer.ops.ema.ema`).
     """
 
     def __init__(self, d_model: int, ndim: int = 16, *, bidirectional: bool = False,

@@ -1,7 +1,6 @@
-"""Public, dispatching MD-EMA ops: `ema_kernel` (Triton kernel generation, no (D, N, L) tensor) and `ema` (kernel
-generation + FFT long convolution through cuFFT), and `ema_scan` (the causal, untruncated EMA as a Triton scan of
-the recurrence: no FFT, 7x less memory, but slower than `ema` on an H200; see README.md). MEGA, arXiv:2209.10655,
-section 2.2."""
+"""Public, dispatching MD-EMA ops: `ema_kernel` (Triton kernel generation, no (D, N, L) tensor) and `ema` (the long
+convolution: chunked state-passing Triton kernels for untruncated kernels, kernel generation + cuFFT for truncated
+ones; see README.md). MEGA, arXiv:2209.10655, section 2.2."""
 
 from __future__ import annotations
 
@@ -33,32 +32,32 @@ class EMAKernelFunction(torch.autograd.Function):
         return dc.to(ctx.dtype), dq.to(ctx.dtype), None
 
 
-class EMAScanFunction(torch.autograd.Function):
-    """Causal, untruncated y_t = sum_n coef_out h_t, h_t = decay h_{t-1} + coef_in x_t by the Triton scan of
-    `scan.py` (MEGA eq. 2), forward and adjoint; no FFT and no (B, L, D, N) tensor."""
+class EMAChunkFunction(torch.autograd.Function):
+    """The untruncated EMA convolution (causal or two-sided) by the chunked state-passing kernels of `chunked.py`:
+    no FFT and no (D, N, L) tensor. Gradients for x, c = coef_in * coef_out and q (decay)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor,
-                coef_out: torch.Tensor) -> torch.Tensor:
-        from longmixer.ops.ema import scan  # lazy: Triton is imported only when the triton backend runs
+    def forward(ctx, x: torch.Tensor, c: torch.Tensor, q: torch.Tensor, bidirectional: bool) -> torch.Tensor:
+        from longmixer.ops.ema import chunked, kernel  # lazy: Triton is imported only when the triton backend runs
 
-        # x64 runs the scan in float32, like the FFT path; the kernels read coefficients as [N, D]
-        xc = x.float().contiguous() if x.dtype == torch.float64 else x.contiguous()
-        pb, q, g = (t.float().t().contiguous() for t in (coef_in, decay, coef_out))
-        y, states = scan.ema_scan_fwd(xc, pb, q, g, save=any(ctx.needs_input_grad))
-        if states is not None:
-            ctx.save_for_backward(xc, pb, q, g, states)
-        ctx.dtypes = x.dtype, coef_in.dtype
-        return y.to(x.dtype)
+        # the kernels read rows of the transposed input; float64 runs in float32, like the FFT path
+        xt = chunked.transpose(x, torch.float32 if x.dtype == torch.float64 else None)  # [B, D, L]
+        c32, q32 = c.float().contiguous(), q.float().contiguous()
+        k = kernel.ema_kernel_fwd(c32, q32, chunked.CHUNK)  # the first CHUNK taps: the intra-chunk Toeplitz tile
+        yt = chunked.ema_chunk_fwd(xt, k, c32, q32, bidirectional, out_dtype=xt.dtype)
+        ctx.save_for_backward(xt, k, c32, q32)
+        ctx.bidirectional = bidirectional
+        ctx.dtypes = x.dtype, c.dtype
+        return chunked.transpose(yt, x.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        from longmixer.ops.ema import scan
+        from longmixer.ops.ema import chunked
 
-        xc, pb, q, g, states = ctx.saved_tensors
+        xt, k, c32, q32 = ctx.saved_tensors
         x_dtype, c_dtype = ctx.dtypes
-        dx, dpb, dq, dg = scan.ema_scan_bwd(xc, dy.to(xc.dtype), pb, q, g, states)
-        return dx.to(x_dtype), dpb.t().to(c_dtype), dq.t().to(c_dtype), dg.t().to(c_dtype)
+        dxt, dc, dq = chunked.ema_chunk_bwd(xt, chunked.transpose(dy, xt.dtype), k, c32, q32, ctx.bidirectional)
+        return chunked.transpose(dxt, x_dtype), dc.to(c_dtype), dq.to(c_dtype), None
 
 
 def fft_length(n: int) -> int:
@@ -148,10 +147,10 @@ def ema(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: t
         coef_in, decay, coef_out: [Dk, N], Dk = 2D if bidirectional else D.
         bidirectional: two-sided kernel (first D rows look back, last D rows look ahead; centre tap counted twice).
         truncation: cap on the kernel length K = min(truncation, L); None means L.
-        backend: auto | torch | triton. Triton generates the kernel without the (Dk, N, K) Vandermonde tensor
-            and convolves through cuFFT at the smallest safe FFT size (`ema_conv_fast`); torch is the official
-            computation (`ema_ref`). The causal case stays on cuFFT here, not on `ema_scan`: the scan measured
-            1.7x slower at B8 L4K D1024 and 6x slower at B1 L16K on an H200 (docs/notes/mega.md).
+        backend: auto | torch | triton. torch is the official computation (`ema_ref`). Triton runs the untruncated
+            convolution (K = L, the default) by the chunked state-passing kernels of `chunked.py` (no FFT, no
+            (Dk, N, L) tensor), and a truncated one (K < L) by `ema_fft` (kernel generation in Triton, cuFFT at
+            the smallest safe size).
 
     Returns:
         [B, L, D] in x's dtype.
@@ -169,38 +168,17 @@ def ema(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: t
     if resolve_backend("ema", backend, x, coef_in) == "torch":
         return ema_ref(x, coef_in, decay, coef_out, bidirectional=bidirectional, truncation=truncation)
     _check(coef_in, decay, coef_out, K)
+    if K == L:
+        return EMAChunkFunction.apply(x, coef_in * coef_out, decay, bidirectional)
+    return ema_fft(x, coef_in, decay, coef_out, bidirectional=bidirectional, truncation=K)
+
+
+def ema_fft(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: torch.Tensor, *,
+            bidirectional: bool = False, truncation: int | None = None) -> torch.Tensor:
+    """The Triton path for any truncation: the kernel generated in Triton (no (Dk, N, K) tensor), the convolution
+    by cuFFT at the smallest safe size (`ema_conv_fast`). `ema` takes it for truncated kernels (K < L), where the
+    chunked state-passing kernels do not apply."""
+    L = x.shape[1]
+    K = L if truncation is None else min(truncation, L)
     kernel = EMAKernelFunction.apply(coef_in * coef_out, decay, K)  # [Dk, K]
     return ema_conv_fast(x, kernel, bidirectional).to(x.dtype)
-
-
-def ema_scan(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: torch.Tensor, *,
-             backend: str = "auto") -> torch.Tensor:
-    """Causal, untruncated MD-EMA by the recurrence h_t = decay h_{t-1} + coef_in x_t, y_t = sum_n coef_out h_t
-    (MEGA eq. 2): the same result as `ema(x, ..., bidirectional=False, truncation=None)`.
-
-    The Triton backend scans in time with the states on chip (`scan.py`): no FFT, no (D, N, L) or (B, L, D, N)
-    tensor, peak memory about 7x below `ema` (0.25 vs 1.69 GiB at B8 L4K D1024), but one sequential step per
-    time index per program, which measured slower than `ema` on an H200. The torch backend is `ema_ref`.
-
-    Args:
-        x: [B, L, D] float, zero at padded positions.
-        coef_in, decay, coef_out: [D, N] (p * beta, q, gamma * scale).
-        backend: auto | torch | triton.
-
-    Returns:
-        [B, L, D] in x's dtype (float32 arithmetic on the triton backend).
-
-    Raises:
-        ValueError: coefficients that are not all [D, N].
-
-    Example:
-        >>> c = torch.rand(4, 16); ema_scan(torch.randn(2, 8, 4), c, c * 0.9, c, backend="torch").shape
-        torch.Size([2, 8, 4])
-    """
-    _check(coef_in, decay, coef_out, 1)
-    if coef_in.shape[0] != x.shape[-1]:
-        raise ValueError(f"ema_scan coefficients have {coef_in.shape[0]} rows; expected D={x.shape[-1]} "
-                         f"(ema_scan is causal only: use ema(..., bidirectional=True) for the two-sided EMA)")
-    if resolve_backend("ema_scan", backend, x, coef_in) == "torch":
-        return ema_ref(x, coef_in, decay, coef_out)
-    return EMAScanFunction.apply(x, coef_in, decay, coef_out)

@@ -80,7 +80,8 @@ def ema_ref(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_ou
 
 
 def ema_scan_ref(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: torch.Tensor) -> torch.Tensor:
-    """Causal, untruncated MD-EMA as the plain recurrence (MEGA eq. 2), one step at a time: the oracle of the scan.
+    """Causal, untruncated MD-EMA as the plain recurrence (MEGA eq. 2), one step at a time: an oracle of the chunked
+    state-passing kernels independent of the FFT.
 
     h_t[b, d, n] = decay[d, n] h_{t-1}[b, d, n] + coef_in[d, n] x_t[b, d];  y_t[b, d] = sum_n coef_out[d, n] h_t.
     Equal to `ema_ref(..., bidirectional=False, truncation=None)`. O(L) Python steps: small inputs only.

@@ -1,0 +1,161 @@
+"""GPU parity and speed of the MD-EMA convolution (`longmixer.ops.ema.ema`): the chunked state-passing kernels
+(`chunked.py`, what `ema` runs for untruncated kernels) against the official torch computation (`ema_ref`:
+Vandermonde + FFT) and the Triton kernel generation + cuFFT path (`ema_fft`, what `ema` runs for truncated ones).
+
+Run on the GPU:  PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/ema_chunked.py
+Smoke test here: TRITON_INTERPRET=1 PYTHONPATH=src python scripts/bench/ema_chunked.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from longmixer.ops.ema import ema, ema_ref
+from longmixer.ops.ema.function import ema_fft
+
+from _common import ROWS, bench, peak_mem, rel, row  # scripts/bench/_common.py (this folder is sys.path[0])
+
+
+def inputs(B, L, D, N, bidirectional, device, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed + L + D)
+    Dk = 2 * D if bidirectional else D
+    x = torch.randn(B, L, D, generator=g).to(device, dtype).requires_grad_()
+    coef_in = torch.randn(Dk, N, generator=g).to(device).requires_grad_()
+    decay = (torch.rand(Dk, N, generator=g) * 0.5 + 0.49).to(device).requires_grad_()
+    coef_out = (torch.randn(Dk, N, generator=g) * 0.25).to(device).requires_grad_()
+    return x, coef_in, decay, coef_out
+
+
+def parity(device, quick) -> dict:
+    """Worst relative error of y and every gradient (fp32 and bf16 x) against the float64 official reference."""
+    shapes = [(2, 70, 5, 16), (1, 130, 3, 2)] if quick else [
+        (2, 1000, 96, 16), (1, 4097, 130, 16), (3, 333, 64, 2), (1, 65, 1000, 16), (2, 8191, 40, 8)]
+    worst = {}
+    for B, L, D, N in shapes:
+        for bidir in (False, True):
+            x, ci, q, co = inputs(B, L, D, N, bidir, device, torch.float64)
+            dy = torch.randn(B, L, D, device=device, dtype=torch.float64)
+            for dtype in (torch.float32, torch.bfloat16):
+                xs = x.detach().to(dtype).requires_grad_()
+                cs = [t.detach().float().requires_grad_() for t in (ci, q, co)]
+                y = ema(xs, *cs, bidirectional=bidir, backend="triton")
+                g_tri = torch.autograd.grad(y, [xs, *cs], dy.to(dtype))
+                # the reference sees the same rounded input and output gradient
+                xr = xs.detach().double().requires_grad_()
+                ref = ema_ref(xr, ci, q, co, bidirectional=bidir)
+                g_ref = torch.autograd.grad(ref, [xr, ci, q, co], dy.to(dtype).double())
+                errs = [rel(y, ref)] + [rel(a, b) for a, b in zip(g_tri, g_ref)]
+                key = f"{'bidir' if bidir else 'causal'} {str(dtype)[6:]}"
+                worst[key] = max(worst.get(key, 0.0), max(errs))
+                print(f"parity B{B} L{L} D{D} N{N} {key}: y dx dcoef_in ddecay dcoef_out = "
+                      + " ".join(f"{e:.1e}" for e in errs))
+    print("ema parity worst rel err vs float64: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    return worst
+
+
+def fwd_bwd(fn, tensors):
+    def run():
+        out = fn()
+        out.backward(torch.ones_like(out))
+        for t in tensors:
+            t.grad = None
+    return run
+
+
+def speed(device, quick, dtype):
+    shapes = [(1, 64, 16)] if quick else [(8, 1024, 1024), (8, 4096, 1024), (8, 16384, 1024), (1, 16384, 1024),
+                                          (1, 65536, 1024)]
+    for B, L, D in shapes:
+        for bidir in (False, True):
+            ins = inputs(B, L, D, 16, bidir, device, dtype)
+            res = {}
+            fns = {"official torch": lambda: ema_ref(*ins, bidirectional=bidir),
+                   "kernel-gen + cuFFT": lambda: ema_fft(*ins, bidirectional=bidir),
+                   "chunked (ema)": lambda: ema(*ins, bidirectional=bidir, backend="triton")}
+            for name, fn in fns.items():
+                try:
+                    with torch.no_grad():
+                        f_ms = bench(fn, quick)
+                    fb = fwd_bwd(fn, ins)
+                    res[name] = (f_ms, bench(fb, quick), peak_mem(fb, device))
+                except torch.OutOfMemoryError:
+                    res[name] = (float("nan"),) * 3
+                    torch.cuda.empty_cache()
+            ref = res["official torch"]
+            for name, (f_ms, fb_ms, mem) in res.items():
+                row(f"| {'bidir' if bidir else 'causal'} | B{B} L{L} D{D} N16 {str(dtype)[6:]} | {name} | "
+                    f"{f_ms:.3f} | {fb_ms:.3f} | {ref[0] / f_ms:.2f}x / {ref[1] / fb_ms:.2f}x | {mem:.2f} |")
+
+
+def sweep(device, quick):
+    """Tile variants of the chunked kernels alone (transposed rows, kernel taps precomputed): fwd / bwd ms."""
+    from longmixer.ops.ema import chunked, kernel
+
+    shapes = [(1, 64, 16)] if quick else [(8, 4096, 1024), (1, 16384, 1024)]
+    variants = [(32, 16, 1, 1), (16, 32, 1, 1)] if quick else [
+        (32, 32, 1, 1), (32, 64, 1, 1), (16, 32, 1, 1), (16, 64, 1, 1), (64, 32, 1, 1), (32, 32, 2, 2),
+        (32, 16, 1, 1), (64, 16, 2, 2)]
+    for B, L, D in shapes:
+        x, ci, q, co = inputs(B, L, D, 16, False, device, torch.bfloat16)
+        xt = x.detach().transpose(1, 2).contiguous()
+        dyt = torch.randn_like(xt)
+        c32, q32 = (ci * co).detach().float().contiguous(), q.detach().float().contiguous()
+        row(f"| sweep B{B} L{L} D{D} | transpose [B, L, D] -> [B, D, L]: ours {bench(lambda: chunked.transpose(x), quick):.3f} "
+            f"ms, torch {bench(lambda: x.transpose(1, 2).contiguous(), quick):.3f} ms, copy {bench(x.clone, quick):.3f} ms |")
+        for C, J, wf, wb in variants:
+            k = kernel.ema_kernel_fwd(c32, q32, C)
+            try:
+                f_ms = bench(lambda: chunked.ema_chunk_fwd(xt, k, c32, q32, False, out_dtype=xt.dtype, block_j=J,
+                                                           num_warps=wf), quick)
+                b_ms = bench(lambda: chunked.ema_chunk_bwd(xt, dyt, k, c32, q32, False, block_j=J, num_warps=wb),
+                             quick)
+            except Exception as e:  # a tile that does not fit the chip: report and go on
+                print(f"variant C{C} J{J} warps {wf}/{wb}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            row(f"| sweep causal B{B} L{L} D{D} | C{C} J{J} warps fwd {wf} bwd {wb} | {f_ms:.3f} | {b_ms:.3f} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU interpreter): check the script runs")
+    ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--skip-sweep", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        print(torch.cuda.get_device_name(), torch.__version__)
+    worst = {} if args.skip_parity else parity(device, args.quick)
+    print("| direction | shape | path | fwd ms | fwd+bwd ms | speedup vs official fwd / fwd+bwd | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    speed(device, args.quick, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if device.type == "cuda" and not args.quick:
+        speed_fp32_row(device)
+    if not args.skip_sweep:
+        sweep(device, args.quick)
+    print("\n".join(["", "summary:"] + ROWS))
+    return 1 if any(v > (1e-5 if "float32" in k else 2e-2) for k, v in worst.items()) else 0
+
+
+def speed_fp32_row(device):
+    """float32 x (3xTF32 dots) at B8 L4096 D1024: the training dtype of MEGA's fp32 recipes."""
+    for bidir in (False, True):
+        ins = inputs(8, 4096, 1024, 16, bidir, device, torch.float32)
+        res = {}
+        for name, fn in (("official torch", lambda: ema_ref(*ins, bidirectional=bidir)),
+                         ("kernel-gen + cuFFT", lambda: ema_fft(*ins, bidirectional=bidir)),
+                         ("chunked (ema)", lambda: ema(*ins, bidirectional=bidir, backend="triton"))):
+            with torch.no_grad():
+                f_ms = bench(fn, False)
+            fb = fwd_bwd(fn, ins)
+            res[name] = (f_ms, bench(fb, False), peak_mem(fb, device))
+        ref = res["official torch"]
+        for name, (f_ms, fb_ms, mem) in res.items():
+            row(f"| {'bidir' if bidir else 'causal'} | B8 L4096 D1024 N16 float32 | {name} | {f_ms:.3f} | "
+                f"{fb_ms:.3f} | {ref[0] / f_ms:.2f}x / {ref[1] / fb_ms:.2f}x | {mem:.2f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
