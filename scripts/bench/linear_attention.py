@@ -8,6 +8,9 @@
 4. markdown tables at the end.
 
 GPU:  PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/linear_attention.py
+      --tables b --skip-parity: the issue's B8 grid alone; --only "T4096 H16" keeps the matching shapes;
+      --sweep: our tile / segment configurations per shape (kernel.py's `tune`); --profile: per-kernel device
+      times of one fwd+bwd; --old FILE: also time a saved copy of an earlier kernel.py (the before column).
 CPU:  TRITON_INTERPRET=1 PYTHONPATH=src python scripts/bench/linear_attention.py --quick  (tiny sizes, no timings
       worth reading; checks the script runs)
 """
@@ -15,13 +18,16 @@ CPU:  TRITON_INTERPRET=1 PYTHONPATH=src python scripts/bench/linear_attention.py
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
+from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 import triton
 
 from longmixer.ops.linear_attention import linear_attention, linear_attention_ref
+from longmixer.ops.linear_attention.function import LinearAttentionFunction
 
 
 def load_fla():
@@ -34,31 +40,59 @@ def load_fla():
     return chunk_simple_gla
 
 
+def load_old(path):
+    """An earlier kernel.py (its launchers `linear_attention_fwd(q, k, v, g, **opts) -> (o, h)` and
+    `linear_attention_bwd(q, k, v, g, do, h, **opts)`), wrapped in autograd: the before column of a comparison."""
+    spec = importlib.util.spec_from_file_location("la_old_kernel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Old(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, scale):
+            ctx.opts = dict(causal=True, scale=scale, normalize=False, eps=1e-5, chunk_size=64, num_segments=None)
+            o, h = mod.linear_attention_fwd(q, k, v, None, **ctx.opts)
+            ctx.save_for_backward(q, k, v, h)
+            return o
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, h = ctx.saved_tensors
+            dq, dk, dv, _ = mod.linear_attention_bwd(q, k, v, None, do, h, **ctx.opts)
+            return dq, dk, dv, None
+
+    return lambda q, k, v: Old.apply(q, k, v, q.shape[-1] ** -0.5)
+
+
 def rel_err(ref, out):
     return ((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-6)).item()
 
 
 def parity(device, quick):
-    """Max relative error of o, dq, dk, dv, dg per case."""
+    """Max relative error of o, dq, dk, dv, dg per case: fp32 against the float64 reference; bf16 against the fp32
+    reference of the fp32 inputs, and of the bf16-rounded inputs ("rounded"), which leaves out what rounding the
+    inputs costs every bf16 implementation (the norm's backward amplifies it on rows of small norm)."""
     cases = [(2, 50, 2, 20, 24, 16), (1, 70, 1, 16, 16, 16)] if quick else [
         (2, 1000, 4, 64, 64, 64), (1, 4133, 2, 80, 80, 64), (2, 777, 3, 128, 128, 64), (1, 16384, 2, 64, 64, 64)]
     rows = []
     for B, L, H, K, V, C in cases:
         for causal in (True, False):
-            pairs = [(torch.float32, torch.float64)] + ([] if quick else [(torch.bfloat16, torch.float32)])
-            for dtype, ref_dtype in pairs:  # the interpreter has no bfloat16
+            pairs = [(torch.float32, torch.float64, False)] + (  # the interpreter has no bfloat16
+                [] if quick else [(torch.bfloat16, torch.float32, False), (torch.bfloat16, torch.float32, True)])
+            for dtype, ref_dtype, rounded in pairs:
                 gen = torch.Generator(device=device).manual_seed(0)
                 ins = [torch.randn(B, L, H, d, device=device, generator=gen) for d in (K, K, V, V)]
-                ref_in = [t.to(ref_dtype).requires_grad_() for t in ins]
+                ref_in = [(t.to(dtype) if rounded else t).to(ref_dtype).requires_grad_() for t in ins]
                 ref = linear_attention_ref(*ref_in, causal=causal, chunk_size=C)
                 do = torch.randn_like(ref)
+                do = do.to(dtype).to(ref_dtype) if rounded else do
                 ref_g = torch.autograd.grad(ref, ref_in, do)
                 tri_in = [t.to(dtype).requires_grad_() for t in ins]
                 out = linear_attention(*tri_in, causal=causal, chunk_size=C, backend="triton")
                 tri_g = torch.autograd.grad(out, tri_in, do.to(dtype))
                 errs = [rel_err(ref, out)] + [rel_err(r, t) for r, t in zip(ref_g, tri_g)]
                 rows.append((f"B{B}-L{L}-H{H}-K{K}-V{V}", "causal" if causal else "bidir",
-                             str(dtype).split(".")[-1], errs))
+                             str(dtype).split(".")[-1] + (" rounded" if rounded else ""), errs))
                 print("parity", rows[-1][:3], " ".join(f"{e:.1e}" for e in errs), flush=True)
     return rows
 
@@ -103,7 +137,10 @@ def bench(fn, quick):
 
 
 def fwd_bwd(f, ins, grad_out):
+    """One forward+backward; the gradients are dropped first, so the timing holds no accumulation into .grad."""
     def run():
+        for t in ins:
+            t.grad = None
         out = f(*ins)
         out.backward(grad_out)
     return run
@@ -120,7 +157,7 @@ def peak_mib(fn, device):
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
-def time_shape(B, T, H, D, device, dtype, fla, quick, with_ref, with_sdpa, fused):
+def time_shape(B, T, H, D, device, dtype, fla, quick, with_ref, with_sdpa, fused, old=None):
     """ms for forward and forward+backward of every implementation at one shape (causal)."""
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v, g = (torch.randn(B, T, H, D, device=device, dtype=dtype, generator=gen).requires_grad_()
@@ -130,6 +167,8 @@ def time_shape(B, T, H, D, device, dtype, fla, quick, with_ref, with_sdpa, fused
                      (q, k, v)),
             "ours bidir": (lambda q, k, v: linear_attention(q, k, v, causal=False, normalize=False,
                                                             backend="triton"), (q, k, v))}
+    if old is not None:
+        impl["old"] = (old, (q, k, v))
     if fused:  # CHELA's full op: Norm(.) * G fused in our epilogue; FLA + the same epilogue in torch
         impl["ours+norm+gate"] = (lambda q, k, v, g: linear_attention(q, k, v, g, causal=True, backend="triton"),
                                   (q, k, v, g))
@@ -163,6 +202,73 @@ def time_shape(B, T, H, D, device, dtype, fla, quick, with_ref, with_sdpa, fused
     return res
 
 
+DEFAULT_TILES = {64: "32,4,64,3;64,4,64,3;32,4,128,3", 128: "64,4,64,3;64,8,64,3;128,8,64,3"}
+
+
+def sweep_configs(B, T, H, D, quick, tiles=None, segments=(1, 2, 4, 8, 16, 32)):
+    """Configurations to time at one shape: `tiles` is "block,warps,chunk,stages;..." (DEFAULT_TILES by width),
+    crossed with the segment counts that keep <= ~8 programs per SM and >= 2 chunks per segment."""
+    if quick:
+        return [dict(block=16, warps=4, chunk=16, stages=2, segments=s) for s in (1, 2)]
+    tiles = tiles or DEFAULT_TILES[64 if D <= 64 else 128]
+    out = []
+    for spec in tiles.split(";"):
+        block, warps, chunk, stages = (int(x) for x in spec.split(","))
+        programs = B * H * triton.cdiv(D, block)
+        for seg in segments:
+            if seg == 1 or (programs * seg <= 8 * 132 and T // chunk >= 2 * seg):
+                out.append(dict(block=block, warps=warps, chunk=chunk, stages=stages, segments=seg))
+    return out
+
+
+def sweep(B, T, H, D, device, dtype, quick, tiles=None, segments=(1, 2, 4, 8, 16, 32)):
+    """ms (fwd, fwd+bwd) of LinearAttentionFunction at each configuration of `sweep_configs`."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
+    do = torch.randn(B, T, H, D, device=device, dtype=dtype, generator=gen)
+    rows = []
+    for cfg in sweep_configs(B, T, H, D, quick, tiles, segments):
+        tune = {key: cfg[key] for key in ("block", "warps", "stages", "segments")}
+
+        def f(q, k, v, chunk=cfg["chunk"], tune=tune):
+            return LinearAttentionFunction.apply(q, k, v, None, True, D ** -0.5, False, 1e-5, chunk, tune)
+
+        with torch.no_grad():
+            t_f = bench(lambda: f(q, k, v), quick)
+        t_fb = bench(fwd_bwd(f, (q, k, v), do), quick)
+        rows.append((cfg, t_f, t_fb))
+        print(f"sweep B{B} T{T} H{H} D{D} {cfg} fwd {t_f:.3f} fwd+bwd {t_fb:.3f}", flush=True)
+    del q, k, v, do
+    return rows
+
+
+def profile(B, T, H, D, device, dtype, fla):
+    """Device time per kernel (mean over 5 fwd+bwd calls) of ours and FLA's, from torch.profiler."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
+    do = torch.randn(B, T, H, D, device=device, dtype=dtype, generator=gen)
+    impls = {"ours": lambda: linear_attention(q, k, v, causal=True, normalize=False, backend="triton")}
+    if fla is not None:
+        impls["fla"] = lambda: fla(q, k, v, scale=D ** -0.5)[0]
+    for name, f in impls.items():
+        step = fwd_bwd(lambda *_: f(), (q, k, v), do)
+        step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        per = defaultdict(float)
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_async:
+                per[e.name[:60]] += e.device_time_total / 5 / 1e3
+        total = sum(per.values())
+        print(f"\nprofile B{B} T{T} H{H} D{D} {name}: {total:.3f} ms of kernels per fwd+bwd")
+        for kname, ms in sorted(per.items(), key=lambda kv: -kv[1]):
+            print(f"  {ms:8.3f} ms  {kname}")
+        q.grad = k.grad = v.grad = None
+
+
 def table(title, rows, names):
     lines = [f"\n### {title}\n", "| shape | " + " | ".join(f"{n} fwd / fwd+bwd ms" for n in names)
              + " | ours vs fla fwd / fwd+bwd | ours ns/token fwd+bwd |",
@@ -175,38 +281,86 @@ def table(title, rows, names):
     return "\n".join(lines)
 
 
+def sweep_table(rows):
+    lines = ["\n### sweep (ours; fwd / fwd+bwd ms; best of each column in bold)\n",
+             "| shape | block, warps, chunk, stages | segments: fwd / fwd+bwd ms |", "|---|---|---|"]
+    for shape, res in rows:
+        best_f, best_fb = min(r[1] for r in res), min(r[2] for r in res)
+        groups = defaultdict(list)
+        for cfg, t_f, t_fb in res:
+            cell = (f"**{t_f:.3f}**" if t_f == best_f else f"{t_f:.3f}") + " / " + \
+                (f"**{t_fb:.3f}**" if t_fb == best_fb else f"{t_fb:.3f}")
+            groups[(cfg["block"], cfg["warps"], cfg["chunk"], cfg["stages"])].append(f"s{cfg['segments']}: {cell}")
+        for key, cells in groups.items():
+            lines.append(f"| {shape} | {key} | " + ", ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU interpreter): check the script runs")
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--skip-layer", action="store_true")
     ap.add_argument("--tables", default="ab", help="which timing tables: a (64K tokens per call), b (B8 grid)")
+    ap.add_argument("--only", action="append", default=[], help="keep shapes whose name contains this (repeatable)")
+    ap.add_argument("--sweep", action="store_true", help="time our tile / segment configurations per B8 shape")
+    ap.add_argument("--sweep-tiles", action="append", default=[],
+                    help='WIDTH=block,warps,chunk,stages;... (e.g. 64=64,4,64,3;32,4,64,4); default DEFAULT_TILES')
+    ap.add_argument("--sweep-segments", default="1,2,4,8,16,32")
+    ap.add_argument("--sweep-only", action="append", default=[], help="sweep only shapes containing this")
+    ap.add_argument("--profile", action="append", default=[], help="per-kernel times at a shape 'B,T,H,D'")
+    ap.add_argument("--old", default=None, help="path of an earlier kernel.py to time beside ours")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--no-ref", action="store_true", help="skip the torch reference and SDPA columns")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no new grid shape after this many seconds")
     args = ap.parse_args()
+    t_start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)"
     print(f"device: {name}; torch {torch.__version__}; triton {triton.__version__}", flush=True)
-    fla = None if args.quick else load_fla()
+    fla = None if args.quick or args.no_fla else load_fla()
+    old = load_old(args.old) if args.old else None
     par = [] if args.skip_parity else parity(device, args.quick)
-    layer = [] if args.skip_parity else layer_check(device, args.quick)
+    layer = [] if args.skip_parity or args.skip_layer else layer_check(device, args.quick)
     dtype = torch.float32 if args.quick else torch.bfloat16
 
-    # (A) 64K tokens per call, H16 D64: the issue's reference points; time per token vs T (Fig. 4 claim: flat)
+    def keep(shape):
+        return not args.only or any(o in shape for o in args.only)
+
+    # (B) the issue's B8 grid: H {8, 16} x D {64, 128} x T {1K, 4K, 16K, 64K} (SDPA and the reference up to 4K)
+    grid = [(2, 32, 2, 32)] if args.quick else [
+        (8, T, H, D) for (H, D) in ((8, 64), (16, 64), (8, 128), (16, 128)) for T in (1024, 4096, 16384, 65536)]
+    grid = [s for s in grid if keep(f"B{s[0]} T{s[1]} H{s[2]} D{s[3]}")]
+    rows_b, rows_s = [], []
+    for B, T, H, D in grid:
+        shape = f"B{B} T{T} H{H} D{D}"
+        if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
+            print(f"time budget spent: {shape} and later shapes skipped", flush=True)
+            break
+        if args.sweep and (not args.sweep_only or any(o in shape for o in args.sweep_only)):
+            segs = tuple(int(x) for x in args.sweep_segments.split(","))
+            tiles = dict(spec.split("=", 1) for spec in args.sweep_tiles).get(str(D))
+            rows_s.append((shape, sweep(B, T, H, D, device, dtype, args.quick, tiles, segs)))
+        if "b" in args.tables:
+            res = time_shape(B, T, H, D, device, dtype, fla, args.quick, with_ref=T <= 4096 and not args.no_ref,
+                             with_sdpa=T <= 4096 and not args.no_ref, fused=False, old=old)
+            rows_b.append((shape, B * T, res))
+    # (A) after the grid: 64K tokens per call, H16 D64, the issue's reference points; time per token vs T (Fig. 4)
     fixed = [(4, 16, 2, 32)] if args.quick else [(64, 1024), (16, 4096), (4, 16384), (1, 65536)]
     fixed = fixed if "a" in args.tables else []
     rows_a = []
     for item in fixed:
         B, T, H, D = item if args.quick else (*item, 16, 64)
-        res = time_shape(B, T, H, D, device, dtype, fla, args.quick, with_ref=T <= 16384, with_sdpa=T <= 16384,
-                         fused=True)
-        rows_a.append((f"B{B} T{T} H{H} D{D}", B * T, res))
-    # (B) the B8 grid of the issue, trimmed to fit the time budget (SDPA and the reference up to 16K)
-    grid = [(2, 32, 2, 32)] if args.quick else [
-        (8, T, H, D) for (H, D) in ((8, 64), (16, 128)) for T in (1024, 4096, 16384, 65536)]
-    grid = grid if "b" in args.tables else []
-    rows_b = []
-    for B, T, H, D in grid:
-        res = time_shape(B, T, H, D, device, dtype, fla, args.quick, with_ref=T <= 4096, with_sdpa=T <= 4096,
-                         fused=False)
-        rows_b.append((f"B{B} T{T} H{H} D{D}", B * T, res))
+        shape = f"B{B} T{T} H{H} D{D}"
+        if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
+            print(f"time budget spent: {shape} and later shapes skipped", flush=True)
+            break
+        if keep(shape):
+            res = time_shape(B, T, H, D, device, dtype, fla, args.quick, with_ref=T <= 16384 and not args.no_ref,
+                             with_sdpa=T <= 16384 and not args.no_ref, fused=True, old=old)
+            rows_a.append((shape, B * T, res))
+    for spec in args.profile:
+        profile(*(int(x) for x in spec.split(",")), device, dtype, fla)
 
     print(f"\n## linear_attention on {name}, {str(dtype).split('.')[-1]}, causal\n")
     if par:
@@ -218,13 +372,19 @@ def main():
               "\n|---|---|---|---|---|---|")
         for shape, mode, ey, edx, tt, tr in layer:
             print(f"| {shape} | {mode} | {ey:.1e} | {edx:.1e} | {tt:.2f} | {tr:.2f} |")
-    names_a = ["ours", "fla", "ours bidir", "ours+norm+gate", "fla+norm+gate", "torch ref", "sdpa causal"]
-    print(table("64K tokens per call (B x T = 65536), H16, D64", rows_a, names_a))
-    print(table("B8 grid", rows_b, ["ours", "fla", "ours bidir", "torch ref", "sdpa causal"]))
-    print("\n| shape | ours peak MiB (fwd+bwd) | fla peak MiB |\n|---|---|---|")
-    for shape, _, res in rows_a + rows_b:
-        fla_mem = f"{res['fla'][2]:.0f}" if "fla" in res else "n/a"
-        print(f"| {shape} | {res['ours'][2]:.0f} | {fla_mem} |")
+    if rows_s:
+        print(sweep_table(rows_s))
+    names = ["ours", "old", "fla", "ours bidir", "torch ref", "sdpa causal"]
+    if rows_a:
+        print(table("64K tokens per call (B x T = 65536), H16, D64", rows_a,
+                    names[:4] + ["ours+norm+gate", "fla+norm+gate"] + names[4:]))
+    if rows_b:
+        print(table("B8 grid", rows_b, names))
+    if rows_a or rows_b:
+        print("\n| shape | ours peak MiB (fwd+bwd) | old peak MiB | fla peak MiB |\n|---|---|---|---|")
+        for shape, _, res in rows_a + rows_b:
+            cells = [f"{res[n][2]:.0f}" if n in res else "n/a" for n in ("ours", "old", "fla")]
+            print(f"| {shape} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

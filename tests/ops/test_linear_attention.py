@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from longmixer.ops.linear_attention import linear_attention, linear_attention_ref
+from longmixer.ops.linear_attention.function import LinearAttentionFunction
 from longmixer.ops.linear_attention.reference import linear_attention_quadratic
 
 TOL_FP32 = 2e-4  # kernel (float32, IEEE dots) vs float64 reference, relative to the reference's largest entry
@@ -98,14 +99,61 @@ def test_kernel_parity_forward_backward(causal, B, L, H, K, V, chunk, segments, 
         assert_close(name, r, t, TOL_FP32)
 
 
+TILED = [  # B, L, H, K, V, chunk, tune, gate, normalize: column tiles narrower than the head, both sum paths
+    pytest.param(1, 75, 2, 40, 24, 16, dict(block=16, segments=3), True, True, id="L75-K40-V24-BC16-seg3-gate-norm"),
+    pytest.param(2, 40, 1, 24, 40, 16, dict(block=16, segments=2, fuse_sums=False), True, False,
+                 id="L40-K24-V40-BC16-seg2-gate-unfused"),
+    pytest.param(1, 96, 1, 32, 32, 32, dict(block=16, segments=2), False, False, id="L96-K32-V32-C32-BC16-seg2-plain"),
+    pytest.param(1, 50, 2, 16, 48, 16, dict(block=32, segments=4, warps=2), False, True,
+                 id="L50-K16-V48-BC32-seg4-norm"),
+]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("B,L,H,K,V,chunk,tune,gate,normalize", TILED)
+def test_kernel_tiles_parity(causal, B, L, H, K, V, chunk, tune, gate, normalize):
+    """Column tiles, segment sums fused into the dq walk or in their own pass, forward-only without saving."""
+    ins = [t for t in _inputs(B, L, H, K, V, gate, seed=1) if t is not None]
+    ref_in = [t.clone().requires_grad_() for t in ins]
+    ref = linear_attention_ref(*ref_in, causal=causal, normalize=normalize, chunk_size=chunk)
+    do = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, ref_in, do)
+    tri_in = [t.float().requires_grad_() for t in ins]
+    q, k, v = tri_in[:3]
+    g = tri_in[3] if gate else None
+    args = (causal, K ** -0.5, normalize, 1e-5, chunk, tune)
+    out = LinearAttentionFunction.apply(q, k, v, g, *args)
+    tri_grads = torch.autograd.grad(out, tri_in, do.float())
+    assert_close("o", ref, out, TOL_FP32)
+    for name, r, t in zip(("dq", "dk", "dv", "dg"), ref_grads, tri_grads):
+        assert_close(name, r, t, TOL_FP32)
+    with torch.no_grad():
+        assert_close("o (no grad)", ref, LinearAttentionFunction.apply(q, k, v, g, *args), TOL_FP32)
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 def test_kernel_segments_agree(causal):
     """Splitting the sequence across programs must not change the result (the prefix/suffix state hand-off)."""
     q, k, v, g = (t.float() for t in _inputs(1, 96, 1, 16, 16, gate=True))
     outs = [linear_attention(q, k, v, g, causal=causal, chunk_size=16, backend="triton", num_segments=s)
-            for s in (1, 2, 6)]
+            for s in (1, 2, 6)]  # no input needs a gradient: the inference path, without an autograd node
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
+    ref = linear_attention_ref(q.double(), k.double(), v.double(), g.double(), causal=causal, chunk_size=16)
+    assert_close("o", ref, outs[0], TOL_FP32)
+
+
+def test_split_policy():
+    """Programs are added only where batch*heads leaves SMs idle: column tiles for short sequences, segments
+    (>= 16 chunks each) for long ones; the H200 numbers behind it are in docs/notes/chela.md."""
+    from longmixer.ops.linear_attention.kernel import _split
+
+    assert _split(programs=128, n_chunks=1024, sms=132) == (64, 1)  # B8 H16 D64: already ~one program per SM
+    assert _split(programs=64, n_chunks=64, sms=132) == (32, 1)  # B8 H8 D64 T4K
+    assert _split(programs=64, n_chunks=256, sms=132) == (64, 2)  # B8 H8 D64 T16K
+    assert _split(programs=16, n_chunks=64, sms=132) == (32, 1)
+    assert _split(programs=16, n_chunks=1024, sms=132) == (64, 8)  # B1 H16 D64 T64K
+    assert _split(programs=4, n_chunks=40, sms=132) == (32, 1)
 
 
 def test_dispatch_torch_backend_is_reference():

@@ -8,20 +8,23 @@ from torch import Tensor
 from longmixer.ops.backend import resolve_backend
 from longmixer.ops.linear_attention.reference import linear_attention_ref
 
-MAX_HEAD_DIM = 128  # the K x V float32 state lives in registers; wider heads spill
+MAX_HEAD_DIM = 128  # a program keeps a [head width, column tile] float32 state in registers; wider heads spill
 
 
 class LinearAttentionFunction(torch.autograd.Function):
+    """Autograd over the Triton launchers; `tune` (dict or None) overrides kernel._plan's tiles, warps, stages and
+    segments (benchmark sweeps and tests; None keeps the measured defaults)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, g, causal, scale, normalize, eps, chunk_size, num_segments):
+    def forward(ctx, q, k, v, g, causal, scale, normalize, eps, chunk_size, tune):
         from longmixer.ops.linear_attention import kernel  # Triton is imported only when this backend runs
 
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         g = g.contiguous() if g is not None else None
-        opts = dict(causal=causal, scale=scale, normalize=normalize, eps=eps, chunk_size=chunk_size,
-                    num_segments=num_segments)
-        o, h = kernel.linear_attention_fwd(q, k, v, g, **opts)
-        ctx.save_for_backward(q, k, v, g, h)
+        opts = dict(causal=causal, scale=scale, normalize=normalize, eps=eps, chunk_size=chunk_size, tune=tune)
+        # the backward goes through norm and gate from the raw output, saved rather than recomputed
+        o, h, raw = kernel.linear_attention_fwd(q, k, v, g, save_raw=any(ctx.needs_input_grad[:4]), **opts)
+        ctx.save_for_backward(q, k, v, g, h, raw)
         ctx.opts = opts
         return o
 
@@ -29,9 +32,9 @@ class LinearAttentionFunction(torch.autograd.Function):
     def backward(ctx, do):
         from longmixer.ops.linear_attention import kernel
 
-        q, k, v, g, h = ctx.saved_tensors
-        dq, dk, dv, dg = kernel.linear_attention_bwd(q, k, v, g, do, h, **ctx.opts)
-        # one gradient per forward input: q, k, v, g, causal, scale, normalize, eps, chunk_size, num_segments
+        q, k, v, g, h, raw = ctx.saved_tensors
+        dq, dk, dv, dg = kernel.linear_attention_bwd(q, k, v, g, do, h, raw, **ctx.opts)
+        # one gradient per forward input: q, k, v, g, causal, scale, normalize, eps, chunk_size, tune
         return dq, dk, dv, dg, None, None, None, None, None, None
 
 
@@ -92,4 +95,13 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None, *
     if dtype == torch.float64:
         raise ValueError("linear_attention: float64 inputs run only on backend=torch (the kernel accumulates in "
                          "float32); cast to float32 or set ops.backend=torch")
-    return LinearAttentionFunction.apply(q, k, v, g, causal, scale, normalize, eps, chunk_size, num_segments)
+    tune = None if num_segments is None else {"segments": num_segments}
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        # inference: no autograd node, and nothing kept for a backward (Function.forward cannot tell no_grad apart)
+        from longmixer.ops.linear_attention import kernel
+
+        g = g.contiguous() if g is not None else None
+        return kernel.linear_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), g, causal=causal,
+                                           scale=scale, normalize=normalize, eps=eps, chunk_size=chunk_size,
+                                           save_raw=False, tune=tune)[0]
+    return LinearAttentionFunction.apply(q, k, v, g, causal, scale, normalize, eps, chunk_size, tune)
