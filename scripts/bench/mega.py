@@ -92,14 +92,23 @@ def attn_inputs(B, H, L, K, V, C, device, dtype):
     return q, k, v, bias
 
 
-def attn_parity(device, quick, subset=False):
+def attn_parity_cases(quick, subset=False):
+    """((B, H, L, K, V, C), attentions) pairs for `attn_parity`."""
     shapes = [(1, 1, 40, 16, 16, 16)] if quick else [(2, 1, 1000, 64, 160, 128), (1, 2, 777, 32, 64, 100),
                                                     (2, 1, 300, 96, 320, None)]
-    attentions = ("softmax", "relu2", "laplace")
+    cases = [(shape, ("softmax", "relu2", "laplace")) for shape in shapes]
     if subset:
-        shapes, attentions = shapes[:1], ("softmax", "laplace")
+        cases = [(shapes[0], ("softmax", "laplace"))]
+    if not quick:
+        # MEGA's full-length (non-chunk) element attention, ragged batch: the split backward (dq + dk/dv kernels)
+        cases.append(((2, 1, 1000, 64, 64, None), ("laplace", "relu2")))
+    return cases
+
+
+def attn_parity(device, quick, subset=False, cases=None):
+    cases = attn_parity_cases(quick, subset) if cases is None else cases
     worst = {}
-    for B, H, L, K, V, C in shapes:
+    for (B, H, L, K, V, C), attentions in cases:
         for attention in attentions:
             for causal in (False, True):
                 # the CPU interpreter mishandles bfloat16 (float16 runs there instead)
@@ -147,6 +156,9 @@ def flex_fn(q, k, v, bias, C, causal, options):
         return same & (kv_idx <= q_idx) if causal else same
 
     block_mask = create_block_mask(mask_mod, None, None, L, L, device=q.device)
+    # each shape and tile option recompiles flex_attention (twice: no_grad, then grad); past dynamo's recompile
+    # limit (8) it falls back to an eager path that materializes L x L, so every configuration starts afresh
+    torch._dynamo.reset()
     compiled = torch.compile(flex_attention, dynamic=False)
     scale = q.shape[-1] ** -0.5
     return lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
@@ -187,7 +199,7 @@ def attn_speed(device, quick):
         (8, 1, 4096, 64, 256, 128)]
     dtype = torch.bfloat16 if cuda else torch.float32
     for B, H, L, K, V, C in shapes:
-        for attention in ("softmax", "laplace"):
+        for attention in ("softmax", "laplace", "relu2"):
             causal = C >= 1024  # the LM shapes are causal, the LRA ones bidirectional
             q, k, v, bias = attn_inputs(B, H, L, K, V, C, device, dtype)
             ins = [q, k, v, bias]

@@ -1,10 +1,11 @@
 """ops/local_attention: the Triton kernels (under TRITON_INTERPRET=1 on CPU) against the float64 torch reference,
-forward and every gradient, with ragged chunks, padding, causal masks and the relative bias."""
+forward and every gradient, with ragged chunks, padding, causal masks and the relative bias, through both backward
+paths (one fused kernel when a key span holds whole chunks; dq + dk/dv kernels with bias atomics otherwise)."""
 
 import pytest
 import torch
 
-from longmixer.ops.local_attention import local_attention, local_attention_ref
+from longmixer.ops.local_attention import kernel, local_attention, local_attention_ref
 
 
 def _rel(a, b):
@@ -31,6 +32,8 @@ CASES = [
     pytest.param(2, 2, 50, 8, 20, 16, 0, True, id="B2-H2-L50-K8-V20-C16-mask"),
     pytest.param(1, 1, 70, 12, 130, 32, 0, False, id="B1-H1-L70-K12-V130-C32"),
     pytest.param(2, 3, 33, 16, 16, None, 3, True, id="B2-H3-L33-full-headbias-mask"),
+    # a chunk longer than any key span: the split backward (dq kernel, then dk/dv with bias atomics)
+    pytest.param(2, 1, 150, 8, 24, None, 0, True, id="B2-H1-L150-K8-V24-full-mask"),
 ]
 
 
@@ -47,6 +50,41 @@ def test_parity_fwd_bwd(attention, causal, B, H, L, K, V, C, bias_heads, masked)
     g_tri = torch.autograd.grad(tri, [q, k, v, bias], do)
     assert _rel(tri, ref) < 1e-5, "o"
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), g_tri, g_ref):
+        assert _rel(a, b) < 1e-5, name
+
+
+@pytest.mark.parametrize("span,block_m,scratch", [(16, 16, False), (64, 16, True), (64, 16, False), (16, 16, True)],
+                         ids=["split-gather", "fused-scratch", "fused-gather", "split-scratch"])
+@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_backward_tilings(monkeypatch, span, block_m, scratch, attention, causal):
+    """Other backward tiles on one ragged case: chunks of 20 longer than a 16-key span (split path, a query block
+    spanning two chunks, value blocks of 16 for V = 20), and spans of five chunks of 12 (fused, two value blocks);
+    the bias gradient's diagonal sums by register gather and by scratch tile."""
+    monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(span=span, BLOCK_M=block_m, BLOCK_V_MAX=16,
+                                                                     num_warps=4, num_stages=2, scratch=scratch))
+    C = 12 if span == 64 else 20
+    (q, k, v, bias), mask = _case(2, 2, 45, 8, 20, C, bias_heads=2)
+    kw = dict(chunk_size=C, attention=attention, causal=causal, bias=bias, mask=mask)
+    ref = local_attention_ref(q, k, v, **kw)
+    tri = local_attention(q, k, v, backend="triton", **kw)
+    do = torch.randn_like(ref)
+    assert _rel(tri, ref) < 1e-5, "o"
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), torch.autograd.grad(tri, [q, k, v, bias], do),
+                          torch.autograd.grad(ref, [q, k, v, bias], do)):
+        assert _rel(a, b) < 1e-5, name
+
+
+def test_bias_without_grad():
+    """A bias that needs no gradient skips the bias-gradient pass (BIAS_GRAD off) and leaves dq, dk, dv as they are."""
+    (q, k, v, bias), mask = _case(2, 2, 50, 8, 20, 16)
+    bias = bias.detach()
+    kw = dict(chunk_size=16, attention="softmax", causal=False, bias=bias, mask=mask)
+    ref = local_attention_ref(q, k, v, **kw)
+    tri = local_attention(q, k, v, backend="triton", **kw)
+    do = torch.randn_like(ref)
+    for name, a, b in zip(("dq", "dk", "dv"), torch.autograd.grad(tri, [q, k, v], do),
+                          torch.autograd.grad(ref, [q, k, v], do)):
         assert _rel(a, b) < 1e-5, name
 
 
@@ -89,3 +127,15 @@ def test_rejects_bad_inputs():
         local_attention(q, q, q, attention="sigmoid", backend="torch")
     with pytest.raises(ValueError, match="dropout"):
         local_attention(q, q, q, dropout=1.0, backend="torch")
+
+
+def test_no_grad_path_equals_the_autograd_path():
+    """Under no_grad the op launches the forward kernel without an autograd node; the output is the same."""
+    (q, k, v, bias), mask = _case(2, 1, 40, 16, 16, 16, masked=True)
+    kw = dict(chunk_size=16, attention="laplace", bias=bias, mask=mask, backend="triton")
+    with_grad = local_attention(q, k, v, **kw)
+    assert with_grad.grad_fn is not None
+    with torch.no_grad():
+        without = local_attention(q, k, v, **kw)
+    assert without.grad_fn is None
+    torch.testing.assert_close(without, with_grad.detach(), rtol=0, atol=0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from longmixer.ops.backend import resolve_backend
-from longmixer.ops.local_attention.reference import ATTENTIONS, default_scale, local_attention_ref, row_norm
+from longmixer.ops.local_attention.reference import ATTENTIONS, default_scale, local_attention_ref
 
 
 class LocalAttentionFunction(torch.autograd.Function):
@@ -19,29 +19,29 @@ class LocalAttentionFunction(torch.autograd.Function):
         dtype = v.dtype
         work = torch.float32 if dtype == torch.float64 else dtype
         q, k, v = (t.to(work).contiguous() for t in (q, k, v))
-        B, H, L, _ = q.shape
         bias32 = None if bias is None else bias.float().reshape(-1, 2 * chunk - 1).contiguous()
         mask8 = None if mask is None else mask.to(torch.uint8).contiguous()
-        inv_n = row_norm(mask, B, L, chunk, causal, attention, q.device)
         # the Philox seed comes from torch's generator, so runs are reproducible under torch.manual_seed
         seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item()) if dropout > 0 else 0
-        o, lse = kernel.local_attention_fwd(q, k, v, bias32, inv_n, mask8, attention=attention, causal=causal,
-                                            chunk=chunk, scale=scale, dropout=dropout, seed=seed)
-        ctx.save_for_backward(q, k, v, o, lse, bias32, inv_n, mask8)
-        ctx.cfg = (attention, causal, chunk, scale, dropout, seed, dtype, None if bias is None else bias.shape)
+        o, stat = kernel.local_attention_fwd(q, k, v, bias32, mask8, attention=attention, causal=causal,
+                                             chunk=chunk, scale=scale, dropout=dropout, seed=seed)
+        ctx.save_for_backward(q, k, v, o, stat, bias32, mask8)
+        bias_meta = None if bias is None else (bias.shape, bias.dtype)
+        ctx.cfg = (attention, causal, chunk, scale, dropout, seed, dtype, bias_meta)
         return o.to(dtype)
 
     @staticmethod
     def backward(ctx, do):
         from longmixer.ops.local_attention import kernel
 
-        q, k, v, o, lse, bias32, inv_n, mask8 = ctx.saved_tensors
-        attention, causal, chunk, scale, dropout, seed, dtype, bias_shape = ctx.cfg
-        dq, dk, dv, dbias = kernel.local_attention_bwd(q, k, v, o, lse, do.to(q.dtype), bias32, inv_n, mask8,
+        q, k, v, o, stat, bias32, mask8 = ctx.saved_tensors
+        attention, causal, chunk, scale, dropout, seed, dtype, bias_meta = ctx.cfg
+        dq, dk, dv, dbias = kernel.local_attention_bwd(q, k, v, o, stat, do.to(q.dtype).contiguous(), bias32, mask8,
                                                        attention=attention, causal=causal, chunk=chunk,
-                                                       scale=scale, dropout=dropout, seed=seed)
+                                                       scale=scale, dropout=dropout, seed=seed,
+                                                       bias_grad=ctx.needs_input_grad[3])
         if dbias is not None:
-            dbias = (dbias if bias32.shape[0] > 1 else dbias.sum(0)).reshape(bias_shape)
+            dbias = dbias.reshape(bias_meta[0]).to(bias_meta[1])
         # gradients for (q, k, v, bias, mask, attention, causal, chunk, scale, dropout)
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias, None, None, None, None, None, None
 
@@ -100,4 +100,22 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_
     if resolve_backend("local_attention", backend, q, k, v) == "torch":
         return local_attention_ref(q, k, v, chunk_size=C, attention=attention, causal=causal, bias=bias,
                                    mask=mask, scale=scale, dropout=dropout)
-    return LocalAttentionFunction.apply(q, k, v, bias, mask, attention, causal, C, scale, dropout)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
+        return LocalAttentionFunction.apply(q, k, v, bias, mask, attention, causal, C, scale, dropout)
+    return _forward_no_grad(q, k, v, bias, mask, attention, causal, C, scale, dropout)
+
+
+def _forward_no_grad(q, k, v, bias, mask, attention, causal, chunk, scale, dropout) -> torch.Tensor:
+    """The forward kernel without an autograd node and without saving anything (evaluation, `no_grad`): the
+    autograd Function's host cost is a large share of a call at MEGA's chunk sizes (docs/notes/mega.md)."""
+    from longmixer.ops.local_attention import kernel
+
+    dtype = v.dtype
+    work = torch.float32 if dtype == torch.float64 else dtype
+    bias32 = None if bias is None else bias.float().reshape(-1, 2 * chunk - 1).contiguous()
+    seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item()) if dropout > 0 else 0
+    o, _ = kernel.local_attention_fwd(*(t.to(work).contiguous() for t in (q, k, v)), bias32,
+                                      None if mask is None else mask.to(torch.uint8).contiguous(),
+                                      attention=attention, causal=causal, chunk=chunk, scale=scale,
+                                      dropout=dropout, seed=seed)
+    return o.to(dtype)

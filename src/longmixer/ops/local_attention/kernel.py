@@ -1,9 +1,17 @@
 """Triton kernels of chunked attention (softmax, relu2, laplace; simple relative-position bias; key padding mask;
 causal), forward and backward, flash-style: score tiles live on chip and the C x C (or L x L) matrix is never
-written. MEGA, arXiv:2209.10655, sections 3.1 and 3.3."""
+written. MEGA, arXiv:2209.10655, sections 3.1 and 3.3.
+
+Backward: where a chunk fits one key tile (C <= the span of `_bwd_config`), one program per span of whole chunks
+does the span's entire backward (dq, dk, dv, rowsum(do o) and the bias gradient as a per-program partial) with
+no atomics; longer chunks use a dq kernel (which also writes rowsum(do o)) and a dk/dv kernel (bias by atomics).
+The bias gradient sums ds along diagonals after rotating each tile's columns (`_diag_sums`). The ops README
+describes the layout; docs/notes/mega.md has the measurements behind the tile table.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -16,23 +24,18 @@ _LAPLACE_SIGMA = math.sqrt(0.25 / math.pi)
 
 
 @triton.jit
-def _scores(b_q, b_k, o_m, o_n, i_b, i_h, L, C, n_hi, scale, bias_ptr, inv_n_ptr, mask_ptr,
-            ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_HEAD: tl.constexpr,
-            HAS_MASK: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Scores s [BM, BN] (float32) and the validity mask of one (query, key) tile."""
-    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale
-    m_row = o_m < L
-    b_inv = tl.load(inv_n_ptr + i_b * L + o_m, mask=m_row, other=1.)
-    if ATTN != 0:
-        b_s = b_s * b_inv[:, None]  # element attention divides by the key count before the bias (MEGA code)
-    m_valid = m_row[:, None] & (o_n[None, :] < n_hi) & ((o_m // C)[:, None] == (o_n // C)[None, :])
+def _bias_and_mask(b_s, o_i, o_j, i_b, i_h, L, C, i_hi, j_hi, bias_ptr, mask_ptr, CAUSAL: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Add b[(C-1) + j - i] to a score tile and return it with its validity mask; o_i (queries) and o_j (keys) are
+    [M, 1] and [1, N] or [1, M] and [N, 1], so the same code serves both tile orientations."""
+    m_valid = (o_i < i_hi) & (o_j < j_hi) & ((o_i // C) == (o_j // C))
     if CAUSAL:
-        m_valid = m_valid & (o_n[None, :] <= o_m[:, None])
+        m_valid = m_valid & (o_j <= o_i)
     if HAS_MASK:
-        b_key = tl.load(mask_ptr + i_b * L + o_n, mask=o_n < L, other=0)
-        m_valid = m_valid & (b_key != 0)[None, :]
+        b_key = tl.load(mask_ptr + i_b * L + o_j, mask=o_j < j_hi, other=0)
+        m_valid = m_valid & (b_key != 0)
     if HAS_BIAS:
-        o_rel = tl.where(m_valid, (C - 1) + o_n[None, :] - o_m[:, None], 0)
+        o_rel = tl.where(m_valid, (C - 1) + o_j - o_i, 0)
         if BIAS_PER_HEAD:
             o_rel = o_rel + i_h * (2 * C - 1)
         b_s = b_s + tl.load(bias_ptr + o_rel, mask=m_valid, other=0.)
@@ -40,10 +43,10 @@ def _scores(b_q, b_k, o_m, o_n, i_b, i_h, L, C, n_hi, scale, bias_ptr, inv_n_ptr
 
 
 @triton.jit
-def _dropout_scale(seed, p_drop, i_bh, L, o_m, o_n):
+def _dropout_scale(seed, p_drop, i_bh, L, o_i, o_j):
     """keep / (1 - p) for each (query, key) of the tile; Philox numbers indexed by (bh, i, j), so the forward and
-    the three backward kernels draw the same mask (the index wraps in int32 past 2^31 pairs: still a fixed draw)."""
-    o_rng = (i_bh * L + o_m[:, None]) * L + o_n[None, :]
+    the backward kernels draw the same mask (the index wraps in int32 past 2^31 pairs: still a fixed draw)."""
+    o_rng = (i_bh * L + o_i) * L + o_j
     return tl.where(tl.rand(seed, o_rng) >= p_drop, 1. / (1. - p_drop), 0.)
 
 
@@ -88,20 +91,46 @@ def _key_range(m0, L, C, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bias_ptr, inv_n_ptr, mask_ptr,
+def _inv_count(o_m, i_b, L, C, lo, hi, mask_ptr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """1/n of element attention for rows o_m, as `reference.row_norm`: causal, the position in the chunk + 1;
+    else the number of real keys of the row's chunk (keys [lo, hi) cover it), at least 1."""
+    if CAUSAL:
+        b_n = (o_m % C + 1).to(tl.float32)
+    elif HAS_MASK:
+        b_n = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            o_n = n0 + tl.arange(0, BLOCK_N)
+            b_key = tl.load(mask_ptr + i_b * L + o_n, mask=o_n < hi, other=0)
+            m_same = ((o_m // C)[:, None] == (o_n // C)[None, :]) & (b_key != 0)[None, :]
+            b_n += tl.sum(m_same.to(tl.float32), 1)
+        b_n = tl.maximum(b_n, 1.)
+    else:
+        o_start = (o_m // C) * C
+        b_n = tl.maximum((tl.minimum(o_start + C, L) - o_start).to(tl.float32), 1.)  # rows past L: any n > 0
+    return 1. / b_n
+
+
+@triton.jit
+def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, stat_ptr, bias_ptr, mask_ptr,
                                 H, L, K, V, C, scale, seed, p_drop,
                                 ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
                                 DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    # one (query block, value block); stat = log-sum-exp (softmax) or 1/n (element attention) for the backward
     i_m, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_k = tl.arange(0, BLOCK_K)
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    p_q = q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :]
-    b_q = tl.load(p_q, mask=(o_m[:, None] < L) & (o_k[None, :] < K), other=0.)
+    m_row = o_m < L
+    b_q = tl.load(q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], mask=m_row[:, None] & (o_k[None, :] < K),
+                  other=0.)
     lo, hi = _key_range(i_m * BLOCK_M, L, C, BLOCK_M, CAUSAL)
+    b_inv = tl.full([BLOCK_M], 1., dtype=tl.float32)
+    if ATTN != 0:
+        b_inv = _inv_count(o_m, i_b, L, C, lo, hi, mask_ptr, CAUSAL, HAS_MASK, BLOCK_M, BLOCK_N)
     b_acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
     b_mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -111,8 +140,11 @@ def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bias_ptr, i
                       mask=(o_n[:, None] < hi) & (o_k[None, :] < K), other=0.)
         b_v = tl.load(v_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :],
                       mask=(o_n[:, None] < hi) & (o_v[None, :] < V), other=0.)
-        b_s, m_valid = _scores(b_q, b_k, o_m, o_n, i_b, i_h, L, C, hi, scale, bias_ptr, inv_n_ptr, mask_ptr,
-                               ATTN, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, DOT_PREC)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale
+        if ATTN != 0:
+            b_s = b_s * b_inv[:, None]  # element attention divides by the key count before the bias (MEGA code)
+        b_s, m_valid = _bias_and_mask(b_s, o_m[:, None], o_n[None, :], i_b, i_h, L, C, L, hi, bias_ptr, mask_ptr,
+                                      CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK)
         if ATTN == 0:
             # online softmax; a row with no valid key so far keeps max -inf, guarded to avoid inf - inf
             b_s = tl.where(m_valid, b_s, float("-inf"))
@@ -126,236 +158,320 @@ def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bias_ptr, i
         else:
             b_p = tl.where(m_valid, _activation(b_s, ATTN, MU, SIGMA), 0.)
         if DROPOUT:
-            b_p = b_p * _dropout_scale(seed, p_drop, i_bh, L, o_m, o_n)  # the softmax sum b_l stays undropped
+            b_p = b_p * _dropout_scale(seed, p_drop, i_bh, L, o_m[:, None], o_n[None, :])  # b_l stays undropped
         b_acc += tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
-    m_row = o_m < L
+    b_stat = b_inv
     if ATTN == 0:
         b_acc = b_acc / tl.where(b_l == 0., 1., b_l)[:, None]
         # rows with no key: lse = +inf so that the backward's exp(s - lse) is 0 there
-        b_lse = tl.where(b_l == 0., float("inf"), b_mx + tl.log(tl.where(b_l == 0., 1., b_l)))
-        tl.store(lse_ptr + i_bh * L + o_m, b_lse, mask=m_row & (i_v == 0))
+        b_stat = tl.where(b_l == 0., float("inf"), b_mx + tl.log(tl.where(b_l == 0., 1., b_l)))
+    tl.store(stat_ptr + i_bh * L + o_m, b_stat, mask=m_row & (i_v == 0))
     tl.store(o_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :], b_acc.to(o_ptr.dtype.element_ty),
              mask=m_row[:, None] & (o_v[None, :] < V))
 
 
 @triton.jit
-def _probs(b_s, m_valid, b_lse, ATTN: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr):
-    if ATTN == 0:
-        return tl.where(m_valid, tl.exp(b_s - b_lse[:, None]), 0.)
+def _diag_sums(b_dsT, off, p_scratch, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SCRATCH: tl.constexpr):
+    """Sums of a [BLOCK_N keys, BLOCK_M queries] tile (keys n0 + jj, queries n0 + off + ii) along its diagonals.
+
+    Column ii is rotated up by ii + off (mod BLOCK_N), one gather of the tile's own size, so row jj of the result
+    holds the pairs with j - i = jj - k BLOCK_N; the wrap count k is k0 + w, w in {0, 1, 2}, with
+    k0 = floor(off / BLOCK_N). Returns the row sums of each w: three [BLOCK_N] vectors and k0."""
+    off_mod = off & (BLOCK_N - 1)  # off mod BLOCK_N, also for a negative off (two's complement)
+    o_e = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_M)[None, :] + off_mod  # [BN, BM], in [0, 3 BN)
+    if SCRATCH:
+        o_i = tl.arange(0, BLOCK_M)[None, :]
+        tl.store(p_scratch + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + o_i, b_dsT)
+        tl.debug_barrier()
+        b_rot = tl.load(p_scratch + (o_e & (BLOCK_N - 1)) * BLOCK_M + o_i)
+        tl.debug_barrier()  # the next tile overwrites the scratch
     else:
-        return tl.where(m_valid, _activation(b_s, ATTN, MU, SIGMA), 0.)
+        b_rot = tl.gather(b_dsT, o_e & (BLOCK_N - 1), axis=0)
+    o_w = o_e // BLOCK_N
+    b_s0 = tl.sum(tl.where(o_w == 0, b_rot, 0.), 1)
+    b_s1 = tl.sum(tl.where(o_w == 1, b_rot, 0.), 1)
+    b_s2 = tl.sum(tl.where(o_w == 2, b_rot, 0.), 1)
+    return b_s0, b_s1, b_s2, (off - off_mod) // BLOCK_N
 
 
 @triton.jit
-def _dscores(b_s, m_valid, b_p, b_dp, b_delta, ATTN: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr):
-    """dL/ds from dL/dp: softmax p (dp - rowsum(do o)); element f'(s) dp."""
-    if ATTN == 0:
-        return b_p * (b_dp - b_delta[:, None])
-    else:
-        return tl.where(m_valid, _activation_grad(b_s, ATTN, MU, SIGMA) * b_dp, 0.)
-
-
-@triton.jit
-def _dprobs(do_ptr, v_ptr, o_m, o_n, i_bh, L, V, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
-    """dL/dp = do v^T [BM, BN], summed over value blocks."""
-    b_dp = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+def _dvalues(v_ptr, do_ptr, o_ptr, o_m, o_n, i_bh, L, V, m_rows, m_keys, ATTN: tl.constexpr, FUSED: tl.constexpr,
+             DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """dP^T = v do^T [BN, BM] over every value block and (softmax, FUSED) delta = rowsum(do o) [BM]."""
+    b_dpT = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    b_delta = tl.zeros([BLOCK_M], dtype=tl.float32)
     for v0 in range(0, V, BLOCK_V):
         o_v = v0 + tl.arange(0, BLOCK_V)
-        b_do = tl.load(do_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :],
-                       mask=(o_m[:, None] < L) & (o_v[None, :] < V), other=0.)
-        b_v = tl.load(v_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :],
-                      mask=(o_n[:, None] < L) & (o_v[None, :] < V), other=0.)
-        b_dp += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
-    return b_dp
+        m_v = o_v < V
+        b_v = tl.load(v_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :], mask=m_keys[:, None] & m_v[None, :],
+                      other=0.)
+        b_do = tl.load(do_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :], mask=m_rows[:, None] & m_v[None, :],
+                       other=0.)
+        b_dpT += tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
+        if ATTN == 0 and FUSED:
+            b_o = tl.load(o_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :], mask=m_rows[:, None] & m_v[None, :],
+                          other=0.)
+            b_delta += tl.sum(b_do.to(tl.float32) * b_o.to(tl.float32), 1)
+    return b_dpT, b_delta
 
 
 @triton.jit
-def _bias_grad(b_ds, m_valid, p_scratch, p_dbias, m0, n0, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Add the tile's dL/ds into dbias[(C-1) + j - i]: the tile is written skewed (row i shifted by -i) to this
-    program's scratch, read back and summed over rows, which gives its BM+BN-1 diagonal sums, then one atomic per
-    diagonal instead of one per score."""
-    o_i = tl.arange(0, BLOCK_M)
-    o_j = tl.arange(0, BLOCK_N)
-    o_c = tl.arange(0, 2 * BLOCK_N)
-    tl.store(p_scratch + o_i[:, None] * (2 * BLOCK_N) + (o_j[None, :] - o_i[:, None] + BLOCK_M - 1),
-             tl.where(m_valid, b_ds, 0.))
-    tl.debug_barrier()
-    m_written = (o_c[None, :] >= BLOCK_M - 1 - o_i[:, None]) & (o_c[None, :] < BLOCK_M - 1 - o_i[:, None] + BLOCK_N)
-    b_skew = tl.load(p_scratch + o_i[:, None] * (2 * BLOCK_N) + o_c[None, :], mask=m_written, other=0.)
-    b_diag = tl.sum(b_skew, axis=0)  # [2 BN], entry c holds j - i = c - (BM - 1)
-    tl.debug_barrier()  # the next tile overwrites the scratch
-    o_bias = (C - 1) + (n0 - m0) + o_c - (BLOCK_M - 1)
-    tl.atomic_add(p_dbias + o_bias, b_diag,
-                  mask=(o_c < BLOCK_M + BLOCK_N - 1) & (o_bias >= 0) & (o_bias <= 2 * C - 2))
-
-
-@triton.jit
-def _local_attention_bwd_dk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptr, inv_n_ptr,
-                                   mask_ptr, dk_ptr, dbias_ptr, scratch_ptr, H, L, K, V, C, scale, seed, p_drop,
-                                   ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                   BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-                                   DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    # one key block: dk = sum_i ds_ij (scale / n_i) q_i; the bias gradient (summed along diagonals) by atomics
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_k = tl.arange(0, BLOCK_K)
-    b_k = tl.load(k_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :],
-                  mask=(o_n[:, None] < L) & (o_k[None, :] < K), other=0.)
-    b_dk = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    lo, hi = _query_range(i_n * BLOCK_N, L, C, BLOCK_N, CAUSAL)
-    for m0 in range(lo, hi, BLOCK_M):
-        o_m = m0 + tl.arange(0, BLOCK_M)
-        m_row = o_m < L
-        b_q = tl.load(q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :],
-                      mask=m_row[:, None] & (o_k[None, :] < K), other=0.)
-        b_s, m_valid = _scores(b_q, b_k, o_m, o_n, i_b, i_h, L, C, L, scale, bias_ptr, inv_n_ptr, mask_ptr,
-                               ATTN, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, DOT_PREC)
-        b_lse = tl.zeros([BLOCK_M], dtype=tl.float32)
-        b_delta = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if ATTN == 0:
-            b_lse = tl.load(lse_ptr + i_bh * L + o_m, mask=m_row, other=float("inf"))
-            b_delta = tl.load(delta_ptr + i_bh * L + o_m, mask=m_row, other=0.)
-        b_p = _probs(b_s, m_valid, b_lse, ATTN, MU, SIGMA)
-        b_dp = _dprobs(do_ptr, v_ptr, o_m, o_n, i_bh, L, V, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_V)
-        if DROPOUT:
-            b_dp = b_dp * _dropout_scale(seed, p_drop, i_bh, L, o_m, o_n)
-        b_ds = _dscores(b_s, m_valid, b_p, b_dp, b_delta, ATTN, MU, SIGMA)
-        if HAS_BIAS:
-            _bias_grad(b_ds, m_valid, scratch_ptr + (i_bh * tl.num_programs(0) + i_n) * BLOCK_M * 2 * BLOCK_N,
-                       dbias_ptr + i_h * (2 * C - 1), m0, i_n * BLOCK_N, C, BLOCK_M, BLOCK_N)
-        b_inv = tl.load(inv_n_ptr + i_b * L + o_m, mask=m_row, other=1.)
-        b_ds = b_ds * (scale * b_inv)[:, None]
-        b_dk += tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q, input_precision=DOT_PREC)
-    tl.store(dk_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :], b_dk.to(dk_ptr.dtype.element_ty),
-             mask=(o_n[:, None] < L) & (o_k[None, :] < K))
-
-
-@triton.jit
-def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, lse_ptr, bias_ptr, inv_n_ptr, mask_ptr, dv_ptr,
-                                   H, L, K, V, C, scale, seed, p_drop,
-                                   ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                   BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-                                   DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    # one (key block, value block): dv = p^T do
+def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, delta_ptr, bias_ptr, mask_ptr,
+                                dq_ptr, dk_ptr, dv_ptr, dbias_ptr, scratch_ptr, H, L, K, V, C, SPAN, scale, seed,
+                                p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+                                FUSED: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
+                                BIAS_GRAD: tl.constexpr, SCRATCH: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                                ONE_V: tl.constexpr):
+    # one key span [n0, n0 + SPAN) and one value block, tiles kept transposed ([keys, queries]) so that
+    # dv += p^T do and dk += ds^T q take their left operand from registers. Every program adds its value block of
+    # dv; the value-block-0 program also does dk, the bias gradient and, FUSED (the span holds whole chunks, so
+    # its queries see no other key), dq and delta = rowsum(do o) in place.
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = i_n * SPAN
+    o_n = n0 + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    b_k = tl.load(k_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :],
-                  mask=(o_n[:, None] < L) & (o_k[None, :] < K), other=0.)
+    k_hi = tl.minimum(n0 + SPAN, L)
+    m_keys = o_n < k_hi
+    m_k, m_v = o_k < K, o_v < V
+    b_k = tl.load(k_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :], mask=m_keys[:, None] & m_k[None, :], other=0.)
+    b_v = tl.load(v_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :], mask=m_keys[:, None] & m_v[None, :], other=0.)
+    b_dk = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    lo, hi = _query_range(i_n * BLOCK_N, L, C, BLOCK_N, CAUSAL)
+    p_scratch = scratch_ptr + (i_bh * tl.num_programs(0) + i_n) * BLOCK_N * BLOCK_M
+    b_db_lo = tl.zeros([BLOCK_N], dtype=tl.float32)  # FUSED bias gradient: j - i = jj - BLOCK_N (lo), jj (hi)
+    b_db_hi = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if FUSED:
+        lo, hi = n0, k_hi
+    else:
+        lo, hi = _query_range(n0, L, C, BLOCK_N, CAUSAL)
     for m0 in range(lo, hi, BLOCK_M):
         o_m = m0 + tl.arange(0, BLOCK_M)
-        m_row = o_m < L
-        b_q = tl.load(q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :],
-                      mask=m_row[:, None] & (o_k[None, :] < K), other=0.)
-        b_s, m_valid = _scores(b_q, b_k, o_m, o_n, i_b, i_h, L, C, L, scale, bias_ptr, inv_n_ptr, mask_ptr,
-                               ATTN, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, DOT_PREC)
-        b_lse = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_rows = o_m < hi
+        b_q = tl.load(q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], mask=m_rows[:, None] & m_k[None, :],
+                      other=0.)
+        b_do = tl.load(do_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :], mask=m_rows[:, None] & m_v[None, :],
+                       other=0.)
+        b_stat = tl.load(stat_ptr + i_bh * L + o_m, mask=m_rows, other=float("inf") if ATTN == 0 else 1.)
+        b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale  # [BN, BM]
+        if ATTN != 0:
+            b_sT = b_sT * b_stat[None, :]
+        b_sT, m_valid = _bias_and_mask(b_sT, o_m[None, :], o_n[:, None], i_b, i_h, L, C, hi, k_hi, bias_ptr,
+                                       mask_ptr, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK)
         if ATTN == 0:
-            b_lse = tl.load(lse_ptr + i_bh * L + o_m, mask=m_row, other=float("inf"))
-        b_p = _probs(b_s, m_valid, b_lse, ATTN, MU, SIGMA)
+            b_pT = tl.where(m_valid, tl.exp(b_sT - b_stat[None, :]), 0.)
+        else:
+            b_pT = tl.where(m_valid, _activation(b_sT, ATTN, MU, SIGMA), 0.)
         if DROPOUT:
-            b_p = b_p * _dropout_scale(seed, p_drop, i_bh, L, o_m, o_n)
-        b_do = tl.load(do_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :],
-                       mask=m_row[:, None] & (o_v[None, :] < V), other=0.)
-        b_dv += tl.dot(tl.trans(b_p).to(b_do.dtype), b_do, input_precision=DOT_PREC)
+            b_keep = _dropout_scale(seed, p_drop, i_bh, L, o_m[None, :], o_n[:, None])
+            b_dv += tl.dot((b_pT * b_keep).to(b_do.dtype), b_do, input_precision=DOT_PREC)
+        else:
+            b_dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=DOT_PREC)
+        if ONE_V or i_v == 0:
+            if ONE_V:
+                b_dpT = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
+                b_delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+                if ATTN == 0 and FUSED:
+                    b_o = tl.load(o_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :],
+                                  mask=m_rows[:, None] & m_v[None, :], other=0.)
+                    b_delta = tl.sum(b_do.to(tl.float32) * b_o.to(tl.float32), 1)
+            else:
+                b_dpT, b_delta = _dvalues(v_ptr, do_ptr, o_ptr, o_m, o_n, i_bh, L, V, m_rows, m_keys, ATTN, FUSED,
+                                          DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_V)
+            if DROPOUT:
+                b_dpT = b_dpT * b_keep
+            if ATTN == 0:
+                if not FUSED:
+                    b_delta = tl.load(delta_ptr + i_bh * L + o_m, mask=m_rows, other=0.)
+                b_dsT = b_pT * (b_dpT - b_delta[None, :])  # softmax: ds = p (dp - rowsum(do o))
+            else:
+                b_dsT = tl.where(m_valid, _activation_grad(b_sT, ATTN, MU, SIGMA) * b_dpT, 0.)
+            if BIAS_GRAD:
+                b_s0, b_s1, b_s2, k0 = _diag_sums(b_dsT, m0 - n0, p_scratch, BLOCK_N, BLOCK_M, SCRATCH)
+                if FUSED:
+                    b_db_hi += b_s0  # 0 <= m0 - n0 < BLOCK_N: k0 = 0, and w = 2 holds no valid pair
+                    b_db_lo += b_s1
+                else:
+                    # one atomic per (diagonal, wrap count) into the zeroed [H or 1, 2C-1] gradient
+                    p_db = dbias_ptr + (i_h * (2 * C - 1) if BIAS_PER_HEAD else 0)
+                    o_rel = (C - 1) + tl.arange(0, BLOCK_N) - k0 * BLOCK_N  # (C-1) + j - i for w = 0
+                    tl.atomic_add(p_db + o_rel, b_s0, mask=(o_rel >= 0) & (o_rel <= 2 * C - 2))
+                    o_rel -= BLOCK_N
+                    tl.atomic_add(p_db + o_rel, b_s1, mask=(o_rel >= 0) & (o_rel <= 2 * C - 2))
+                    o_rel -= BLOCK_N
+                    tl.atomic_add(p_db + o_rel, b_s2, mask=(o_rel >= 0) & (o_rel <= 2 * C - 2))
+            if ATTN == 0:
+                b_dsT = b_dsT * scale
+            else:
+                b_dsT = b_dsT * (scale * b_stat)[None, :]
+            b_dk += tl.dot(b_dsT.to(b_q.dtype), b_q, input_precision=DOT_PREC)
+            if FUSED:
+                b_dq = tl.dot(tl.trans(b_dsT).to(b_k.dtype), b_k, input_precision=DOT_PREC)
+                tl.store(dq_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], b_dq.to(dq_ptr.dtype.element_ty),
+                         mask=m_rows[:, None] & m_k[None, :])
     tl.store(dv_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :], b_dv.to(dv_ptr.dtype.element_ty),
-             mask=(o_n[:, None] < L) & (o_v[None, :] < V))
+             mask=m_keys[:, None] & m_v[None, :])
+    if ONE_V or i_v == 0:
+        tl.store(dk_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :], b_dk.to(dk_ptr.dtype.element_ty),
+                 mask=m_keys[:, None] & m_k[None, :])
+        if BIAS_GRAD and FUSED:
+            # this program's partial, indexed by (j - i) + BLOCK_N; summed over programs by the launcher
+            p_part = dbias_ptr + (i_bh * tl.num_programs(0) + i_n) * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(p_part, b_db_lo)
+            tl.store(p_part + BLOCK_N, b_db_hi)
 
 
 @triton.jit
-def _local_attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptr, inv_n_ptr,
-                                   mask_ptr, dq_ptr, H, L, K, V, C, scale, seed, p_drop,
+def _local_attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, delta_ptr, bias_ptr, mask_ptr,
+                                   dq_ptr, H, L, K, V, C, scale, seed, p_drop,
                                    ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                                    BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-                                   DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    # one query block: dq = sum_j ds_ij (scale / n_i) k_j
+                                   DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
+                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                   BLOCK_V: tl.constexpr):
+    # one query block (chunks longer than a key tile): dq = sum_j ds_ij (scale / n_i) k_j; writes delta first
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_k = tl.arange(0, BLOCK_K)
-    m_row = o_m < L
-    b_q = tl.load(q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :],
-                  mask=m_row[:, None] & (o_k[None, :] < K), other=0.)
-    b_lse = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_rows, m_k = o_m < L, o_k < K
+    b_q = tl.load(q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], mask=m_rows[:, None] & m_k[None, :], other=0.)
+    b_stat = tl.load(stat_ptr + i_bh * L + o_m, mask=m_rows, other=float("inf") if ATTN == 0 else 1.)
     b_delta = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ATTN == 0:
-        b_lse = tl.load(lse_ptr + i_bh * L + o_m, mask=m_row, other=float("inf"))
-        b_delta = tl.load(delta_ptr + i_bh * L + o_m, mask=m_row, other=0.)
-    b_inv = tl.load(inv_n_ptr + i_b * L + o_m, mask=m_row, other=1.)
+        for v0 in range(0, V, BLOCK_V):
+            o_v = v0 + tl.arange(0, BLOCK_V)
+            p_mv = (i_bh * L + o_m[:, None]) * V + o_v[None, :]
+            m_mv = m_rows[:, None] & (o_v[None, :] < V)
+            b_delta += tl.sum(tl.load(do_ptr + p_mv, mask=m_mv, other=0.).to(tl.float32)
+                              * tl.load(o_ptr + p_mv, mask=m_mv, other=0.).to(tl.float32), 1)
+        tl.store(delta_ptr + i_bh * L + o_m, b_delta, mask=m_rows)
     b_dq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     lo, hi = _key_range(i_m * BLOCK_M, L, C, BLOCK_M, CAUSAL)
     for n0 in range(lo, hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
-        b_k = tl.load(k_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :],
-                      mask=(o_n[:, None] < hi) & (o_k[None, :] < K), other=0.)
-        b_s, m_valid = _scores(b_q, b_k, o_m, o_n, i_b, i_h, L, C, hi, scale, bias_ptr, inv_n_ptr, mask_ptr,
-                               ATTN, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, DOT_PREC)
-        b_p = _probs(b_s, m_valid, b_lse, ATTN, MU, SIGMA)
-        b_dp = _dprobs(do_ptr, v_ptr, o_m, o_n, i_bh, L, V, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_V)
+        b_k = tl.load(k_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :], mask=(o_n[:, None] < hi) & m_k[None, :],
+                      other=0.)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale
+        if ATTN != 0:
+            b_s = b_s * b_stat[:, None]
+        b_s, m_valid = _bias_and_mask(b_s, o_m[:, None], o_n[None, :], i_b, i_h, L, C, L, hi, bias_ptr, mask_ptr,
+                                      CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK)
+        b_dp = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # do v^T over the value blocks
+        for v0 in range(0, V, BLOCK_V):
+            o_v = v0 + tl.arange(0, BLOCK_V)
+            b_do = tl.load(do_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :],
+                           mask=m_rows[:, None] & (o_v[None, :] < V), other=0.)
+            b_v = tl.load(v_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :],
+                          mask=(o_n[:, None] < hi) & (o_v[None, :] < V), other=0.)
+            b_dp += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
         if DROPOUT:
-            b_dp = b_dp * _dropout_scale(seed, p_drop, i_bh, L, o_m, o_n)
-        b_ds = _dscores(b_s, m_valid, b_p, b_dp, b_delta, ATTN, MU, SIGMA) * (scale * b_inv)[:, None]
+            b_dp = b_dp * _dropout_scale(seed, p_drop, i_bh, L, o_m[:, None], o_n[None, :])
+        if ATTN == 0:
+            b_ds = tl.where(m_valid, tl.exp(b_s - b_stat[:, None]), 0.) * (b_dp - b_delta[:, None]) * scale
+        else:
+            b_ds = tl.where(m_valid, _activation_grad(b_s, ATTN, MU, SIGMA) * b_dp, 0.) * (scale * b_stat)[:, None]
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PREC)
     tl.store(dq_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], b_dq.to(dq_ptr.dtype.element_ty),
-             mask=m_row[:, None] & (o_k[None, :] < K))
+             mask=m_rows[:, None] & m_k[None, :])
 
 
-def _meta(q: torch.Tensor, v: torch.Tensor, attention: str, causal: bool, bias, mask, dropout: float) -> dict:
-    K, V = q.shape[-1], v.shape[-1]
-    return dict(ATTN=ATTN_CODES[attention], CAUSAL=causal, HAS_BIAS=bias is not None,
-                BIAS_PER_HEAD=bias is not None and bias.dim() == 2 and bias.shape[0] > 1,
-                HAS_MASK=mask is not None, DROPOUT=dropout > 0, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                MU=_LAPLACE_MU, SIGMA=_LAPLACE_SIGMA, BLOCK_M=64, BLOCK_N=64,
-                BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_V=min(128, max(16, triton.next_power_of_2(V))))
+@functools.lru_cache(maxsize=None)
+def _flags(attention: str, causal: bool, has_bias: bool, per_head: bool, has_mask: bool, dropout: bool,
+           fp32: bool) -> dict:
+    return dict(ATTN=ATTN_CODES[attention], CAUSAL=causal, HAS_BIAS=has_bias, BIAS_PER_HEAD=per_head,
+                HAS_MASK=has_mask, DROPOUT=dropout, DOT_PREC="ieee" if fp32 else "tf32", MU=_LAPLACE_MU,
+                SIGMA=_LAPLACE_SIGMA)
 
 
-def local_attention_fwd(q, k, v, bias, inv_n, mask, *, attention: str, causal: bool, chunk: int, scale: float,
-                        dropout: float = 0.0, seed: int = 0):
+def _fwd_config(C: int, K: int, V: int) -> dict:
+    """Forward tiles: 64 x 64 score tiles, values in blocks of up to 128 (the best or within 8% of it for K, V in
+    64-256 at C = 128 on the H200, docs/notes/mega.md)."""
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=max(16, triton.next_power_of_2(K)),
+                BLOCK_V=min(128, max(16, triton.next_power_of_2(V))), num_warps=4, num_stages=2)
+
+
+def _bwd_config(C: int, K: int, V: int) -> dict:
+    """Backward tiles, from the H200 sweeps in docs/notes/mega.md (session 3). `span` is the key span a program
+    owns: the largest multiple of C up to it when C <= span (one fused kernel), else the span itself (dq + dk/dv
+    kernels). `scratch` picks the bias gradient's skew: through an L1-resident scratch tile (faster at K = 128:
+    81.6 vs 84.6 us) or a register gather (faster at K = 64: 49.9 vs 55.9 us)."""
+    if C <= 128 and K <= 64 and V <= 64:
+        return dict(span=128, BLOCK_M=32, BLOCK_V_MAX=128, num_warps=4, num_stages=2, scratch=False)
+    if C <= 128 and K <= 128 and V <= 128:
+        return dict(span=128, BLOCK_M=32, BLOCK_V_MAX=128, num_warps=8, num_stages=2, scratch=True)
+    if C <= 128 and K <= 64 and V <= 256:
+        return dict(span=128, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=8, num_stages=2, scratch=True)
+    return dict(span=64, BLOCK_M=64 if max(K, V) <= 64 else 32, BLOCK_V_MAX=128, num_warps=4, num_stages=2,
+                scratch=False)
+
+
+def _flag_args(q, v, attention, causal, bias, mask, dropout) -> dict:
+    return _flags(attention, causal, bias is not None, bias is not None and bias.shape[0] > 1, mask is not None,
+                  dropout > 0, q.dtype == torch.float32)
+
+
+def local_attention_fwd(q, k, v, bias, mask, *, attention: str, causal: bool, chunk: int, scale: float,
+                        dropout: float = 0.0, seed: int = 0, cfg: dict | None = None):
     """Launch the forward kernel. q, k [B, H, L, K], v [B, H, L, V] contiguous; bias [H or 1, 2C-1] float32 or
-    None; inv_n [B, L] float32; mask [B, L] uint8 or None; dropout on the weights with the Philox `seed`.
-    Returns o [B, H, L, V] and lse [B, H, L] float32."""
+    None; mask [B, L] uint8 or None; dropout on the weights with the Philox `seed`; cfg overrides `_fwd_config`.
+    Returns o [B, H, L, V] and stat [B, H, L] float32 (log-sum-exp for softmax, 1/n for relu2 / laplace)."""
     B, H, L, K = q.shape
     V = v.shape[-1]
-    meta = _meta(q, v, attention, causal, bias, mask, dropout)
+    cfg = cfg or _fwd_config(chunk, K, V)
     o = torch.empty_like(v)
-    lse = torch.empty(B, H, L, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(L, meta["BLOCK_M"]), B * H, triton.cdiv(V, meta["BLOCK_V"]))
-    _local_attention_fwd_kernel[grid](q, k, v, o, lse, bias if bias is not None else inv_n, inv_n,
-                                      mask if mask is not None else inv_n, H, L, K, V, chunk, scale, seed,
-                                      dropout, **meta)
-    return o, lse
+    stat = torch.empty(B, H, L, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(L, cfg["BLOCK_M"]), B * H, triton.cdiv(V, cfg["BLOCK_V"]))
+    _local_attention_fwd_kernel[grid](q, k, v, o, stat, bias if bias is not None else stat,
+                                      mask if mask is not None else stat, H, L, K, V, chunk, scale, seed, dropout,
+                                      **_flag_args(q, v, attention, causal, bias, mask, dropout), **cfg)
+    return o, stat
 
 
-def local_attention_bwd(q, k, v, o, lse, do, bias, inv_n, mask, *, attention: str, causal: bool, chunk: int,
-                        scale: float, dropout: float = 0.0, seed: int = 0):
-    """Launch the three backward kernels; returns dq, dk, dv (input dtype) and dbias [H, 2C-1] float32 or None."""
+def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, causal: bool, chunk: int,
+                        scale: float, dropout: float = 0.0, seed: int = 0, bias_grad: bool = True,
+                        cfg: dict | None = None):
+    """Launch the backward: one kernel when a key span holds whole chunks, else the dq kernel then the dk/dv
+    kernel; cfg overrides `_bwd_config`. Returns dq, dk, dv (input dtype) and dbias [H or 1, 2C-1] float32 (None
+    without a bias, or when bias_grad is False)."""
     B, H, L, K = q.shape
     V = v.shape[-1]
-    meta = _meta(q, v, attention, causal, bias, mask, dropout)
-    do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1) if attention == "softmax" else lse  # [B, H, L] rowsum(do o)
+    cfg = cfg or _bwd_config(chunk, K, V)
+    flags = _flag_args(q, v, attention, causal, bias, mask, dropout)
+    fused = chunk <= cfg["span"]
+    span = chunk * (cfg["span"] // chunk) if fused else cfg["span"]
+    BLOCK_N, BLOCK_K = triton.next_power_of_2(span), max(16, triton.next_power_of_2(K))
+    BLOCK_V = min(cfg["BLOCK_V_MAX"], max(16, triton.next_power_of_2(V)))
+    BLOCK_M = cfg["BLOCK_M"]
+    n_spans = triton.cdiv(L, span)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dbias = torch.zeros(H, 2 * chunk - 1, device=q.device, dtype=torch.float32) if bias is not None else None
-    bias_arg = bias if bias is not None else inv_n
-    mask_arg = mask if mask is not None else inv_n
-    n_blocks = triton.cdiv(L, meta["BLOCK_N"])
-    # per-program scratch for the skewed bias-gradient tile (see `_bias_grad`)
-    scratch = (torch.empty(n_blocks * B * H * meta["BLOCK_M"] * 2 * meta["BLOCK_N"], device=q.device,
-                           dtype=torch.float32) if bias is not None else inv_n)
-    _local_attention_bwd_dk_kernel[(n_blocks, B * H)](
-        q, k, v, do, lse, delta, bias_arg, inv_n, mask_arg, dk, dbias if dbias is not None else inv_n, scratch,
-        H, L, K, V, chunk, scale, seed, dropout, **meta)
-    _local_attention_bwd_dv_kernel[(n_blocks, B * H, triton.cdiv(V, meta["BLOCK_V"]))](
-        q, k, do, lse, bias_arg, inv_n, mask_arg, dv, H, L, K, V, chunk, scale, seed, dropout, **meta)
-    _local_attention_bwd_dq_kernel[(triton.cdiv(L, meta["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, bias_arg, inv_n, mask_arg, dq, H, L, K, V, chunk, scale, seed, dropout, **meta)
+    bias_grad = bias is not None and bias_grad
+    dbias = None
+    if bias_grad:
+        # fused: one partial per program, indexed by (j - i) + BLOCK_N; else atomics into a zeroed [H or 1, 2C-1]
+        dbias = (torch.empty(B * H * n_spans, 2 * BLOCK_N, device=q.device, dtype=torch.float32) if fused
+                 else torch.zeros(bias.shape, device=q.device, dtype=torch.float32))
+    bias_arg = bias if bias is not None else stat
+    mask_arg = mask if mask is not None else stat
+    scratch = stat
+    if bias_grad and cfg["scratch"]:
+        scratch = torch.empty(B * H * n_spans * BLOCK_N * BLOCK_M, device=q.device, dtype=torch.float32)
+    delta = stat
+    if not fused:
+        delta = torch.empty_like(stat) if attention == "softmax" else stat
+        _local_attention_bwd_dq_kernel[(triton.cdiv(L, BLOCK_M), B * H)](
+            q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, H, L, K, V, chunk, scale, seed, dropout, **flags,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+    _local_attention_bwd_kernel[(n_spans, B * H, triton.cdiv(V, BLOCK_V))](
+        q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, dk, dv, dbias if dbias is not None else stat, scratch,
+        H, L, K, V, chunk, span, scale, seed, dropout, **flags, FUSED=fused, BIAS_GRAD=bias_grad,
+        SCRATCH=scratch is not stat, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V,
+        ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if bias_grad and fused:
+        part = dbias.view(B, H, n_spans, 2 * BLOCK_N)[..., BLOCK_N - (chunk - 1):BLOCK_N + chunk]  # j - i = 1-C..C-1
+        dbias = part.sum((0, 2)) if bias.shape[0] > 1 else part.sum((0, 1, 2)).view(1, -1)
     return dq, dk, dv, dbias
