@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,7 +140,12 @@ def test_wandb_offline_run_keeps_its_id_across_resume(compose, tmp_path, monkeyp
     run_id = (run_dir / "wandb_id.txt").read_text().strip()
     offline = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(offline) == 1
-    record = next(offline[0].glob("run-*.wandb")).read_bytes()  # offline runs keep the config in this log
+    log = next(offline[0].glob("run-*.wandb"))  # offline runs keep the config in this log
+    # the W&B service may still be flushing it after finish() returns (seen on a loaded 2-core CI box): poll
+    deadline = time.monotonic() + 60
+    while b"GeneratedListOps" not in log.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    record = log.read_bytes()
     assert b"warmup_init_lr" in record and b"GeneratedListOps" in record  # the full resolved config is the run config
     train(compose([*overrides, "trainer.max_steps=4"]))  # same run dir: resumes, same W&B id
     assert (run_dir / "wandb_id.txt").read_text().strip() == run_id
