@@ -103,8 +103,10 @@ def sweep(device, quick):
         xt = x.detach().transpose(1, 2).contiguous()
         dyt = torch.randn_like(xt)
         c32, q32 = (ci * co).detach().float().contiguous(), q.detach().float().contiguous()
-        row(f"| sweep B{B} L{L} D{D} | transpose [B, L, D] -> [B, D, L]: ours {bench(lambda: chunked.transpose(x), quick):.3f} "
-            f"ms, torch {bench(lambda: x.transpose(1, 2).contiguous(), quick):.3f} ms, copy {bench(x.clone, quick):.3f} ms |")
+        ours = bench(lambda: chunked.transpose(x), quick)
+        torch_ms = bench(lambda: x.transpose(1, 2).contiguous(), quick)
+        row(f"| sweep B{B} L{L} D{D} | transpose [B, L, D] -> [B, D, L]: ours {ours:.3f} ms, torch {torch_ms:.3f} ms, "
+            f"copy {bench(x.clone, quick):.3f} ms |")
         for C, J, wf, wb in variants:
             k = kernel.ema_kernel_fwd(c32, q32, C)
             try:
