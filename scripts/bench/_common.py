@@ -42,3 +42,14 @@ def peak_mem(fn, device) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+
+
+def fwd_bwd(fn, tensors):
+    """One training-style step of `fn`: forward, backward of a ones gradient, then the tensors' .grad dropped (so
+    no step pays for accumulating into the previous one's gradients)."""
+    def run():
+        out = fn()
+        out.backward(torch.ones_like(out))
+        for t in tensors:
+            t.grad = None
+    return run

@@ -16,7 +16,7 @@ import torch
 from longmixer.ops.ema import ema, ema_ref
 from longmixer.ops.ema.function import ema_fft
 
-from _common import ROWS, bench, peak_mem, rel, row  # scripts/bench/_common.py (this folder is sys.path[0])
+from _common import ROWS, bench, fwd_bwd, peak_mem, rel, row  # scripts/bench/_common.py (this folder is sys.path[0])
 
 
 def inputs(B, L, D, N, bidirectional, device, dtype, seed=0):
@@ -55,14 +55,6 @@ def parity(device, quick) -> dict:
     print("ema parity worst rel err vs float64: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
     return worst
 
-
-def fwd_bwd(fn, tensors):
-    def run():
-        out = fn()
-        out.backward(torch.ones_like(out))
-        for t in tensors:
-            t.grad = None
-    return run
 
 
 def speed(device, quick, dtype):

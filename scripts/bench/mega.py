@@ -16,16 +16,8 @@ import torch
 from longmixer.ops.ema import ema, ema_ref
 from longmixer.ops.local_attention import local_attention, local_attention_ref
 
-from _common import ROWS, bench, peak_mem, rel, row  # scripts/bench/_common.py (this folder is sys.path[0])
+from _common import ROWS, bench, fwd_bwd, peak_mem, rel, row  # scripts/bench/_common.py (this folder is sys.path[0])
 
-
-def fwd_bwd(fn, inputs):
-    def run():
-        out = fn()
-        out.backward(torch.ones_like(out))
-        for t in inputs:
-            t.grad = None
-    return run
 
 
 # ---------------------------------------------------------------- EMA -----------------------------------------
