@@ -9,6 +9,18 @@ from longmixer.ops.backend import resolve_backend
 from longmixer.ops.local_attention.reference import ATTENTIONS, default_scale, local_attention_ref
 
 
+def _kernel_inputs(q, k, v, bias, mask, chunk: int, dropout: float):
+    """What the kernels read: contiguous q, k, v (float64 runs in float32), the bias as float32 [H or 1, 2C-1],
+    the mask as uint8, and the Philox seed (drawn from torch's generator, so runs are reproducible under
+    torch.manual_seed; 0 without dropout)."""
+    work = torch.float32 if v.dtype == torch.float64 else v.dtype
+    q, k, v = (t.to(work).contiguous() for t in (q, k, v))
+    bias32 = None if bias is None else bias.float().reshape(-1, 2 * chunk - 1).contiguous()
+    mask8 = None if mask is None else mask.to(torch.uint8).contiguous()
+    seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item()) if dropout > 0 else 0
+    return q, k, v, bias32, mask8, seed
+
+
 class LocalAttentionFunction(torch.autograd.Function):
     """Chunked attention by the Triton kernels; float32 inputs use IEEE dots, float64 inputs run in float32."""
 
@@ -17,12 +29,7 @@ class LocalAttentionFunction(torch.autograd.Function):
         from longmixer.ops.local_attention import kernel  # lazy: Triton only when the triton backend runs
 
         dtype = v.dtype
-        work = torch.float32 if dtype == torch.float64 else dtype
-        q, k, v = (t.to(work).contiguous() for t in (q, k, v))
-        bias32 = None if bias is None else bias.float().reshape(-1, 2 * chunk - 1).contiguous()
-        mask8 = None if mask is None else mask.to(torch.uint8).contiguous()
-        # the Philox seed comes from torch's generator, so runs are reproducible under torch.manual_seed
-        seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item()) if dropout > 0 else 0
+        q, k, v, bias32, mask8, seed = _kernel_inputs(q, k, v, bias, mask, chunk, dropout)
         o, stat = kernel.local_attention_fwd(q, k, v, bias32, mask8, attention=attention, causal=causal,
                                              chunk=chunk, scale=scale, dropout=dropout, seed=seed)
         ctx.save_for_backward(q, k, v, o, stat, bias32, mask8)
@@ -111,11 +118,7 @@ def _forward_no_grad(q, k, v, bias, mask, attention, causal, chunk, scale, dropo
     from longmixer.ops.local_attention import kernel
 
     dtype = v.dtype
-    work = torch.float32 if dtype == torch.float64 else dtype
-    bias32 = None if bias is None else bias.float().reshape(-1, 2 * chunk - 1).contiguous()
-    seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item()) if dropout > 0 else 0
-    o, _ = kernel.local_attention_fwd(*(t.to(work).contiguous() for t in (q, k, v)), bias32,
-                                      None if mask is None else mask.to(torch.uint8).contiguous(),
-                                      attention=attention, causal=causal, chunk=chunk, scale=scale,
-                                      dropout=dropout, seed=seed)
+    q, k, v, bias32, mask8, seed = _kernel_inputs(q, k, v, bias, mask, chunk, dropout)
+    o, _ = kernel.local_attention_fwd(q, k, v, bias32, mask8, attention=attention, causal=causal, chunk=chunk,
+                                      scale=scale, dropout=dropout, seed=seed)
     return o.to(dtype)
