@@ -1,5 +1,6 @@
-"""GPU parity and speed of MEGA's hot paths: the MD-EMA (`longmixer.ops.ema`) and chunked attention
-(`longmixer.ops.local_attention`) against their torch references, FlexAttention and chunked SDPA.
+"""GPU parity and speed of MEGA's chunked attention (`longmixer.ops.local_attention`) against its torch reference,
+FlexAttention and chunked SDPA; `--only ema` runs the MD-EMA bench of `ema_chunked.py` (parity and speed of
+`longmixer.ops.ema` against the official torch path), which `make bench` also runs on its own.
 
 Run on the GPU:  PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/mega.py
 Smoke test here: TRITON_INTERPRET=1 PYTHONPATH=src python scripts/bench/mega.py --quick
@@ -8,70 +9,13 @@ Smoke test here: TRITON_INTERPRET=1 PYTHONPATH=src python scripts/bench/mega.py 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import torch
 
-from longmixer.ops.ema import ema, ema_ref
 from longmixer.ops.local_attention import local_attention, local_attention_ref
 
 from _common import ROWS, bench, fwd_bwd, peak_mem, rel, row  # scripts/bench/_common.py (this folder is sys.path[0])
-
-
-
-# ---------------------------------------------------------------- EMA -----------------------------------------
-
-def ema_inputs(B, L, D, N, bidirectional, device, dtype):
-    g = torch.Generator(device="cpu").manual_seed(L + D)
-    Dk = 2 * D if bidirectional else D
-    x = torch.randn(B, L, D, generator=g).to(device, dtype).requires_grad_()
-    coef_in = torch.randn(Dk, N, generator=g).to(device).requires_grad_()
-    decay = (torch.rand(Dk, N, generator=g) * 0.5 + 0.49).to(device).requires_grad_()
-    coef_out = (torch.randn(Dk, N, generator=g) * 0.25).to(device).requires_grad_()
-    return x, coef_in, decay, coef_out
-
-
-def ema_parity(device, quick):
-    shapes = [(2, 37, 5, 16, None)] if quick else [(2, 1000, 96, 16, None), (1, 4097, 130, 16, 1024),
-                                                   (3, 333, 64, 8, 100)]
-    worst = 0.0
-    for B, L, D, N, trunc in shapes:
-        for bidir in (False, True):
-            ins = ema_inputs(B, L, D, N, bidir, device, torch.float32)
-            ins64 = [t.detach().double().requires_grad_() for t in ins]
-            kw = dict(bidirectional=bidir, truncation=trunc)
-            y = ema(*ins, backend="triton", **kw)
-            y64 = ema_ref(*ins64, **kw)
-            g = torch.randn_like(y64)
-            grads = torch.autograd.grad(y, ins, g.float())
-            grads64 = torch.autograd.grad(y64, ins64, g)
-            errs = [rel(y, y64)] + [rel(a, b) for a, b in zip(grads, grads64)]
-            worst = max(worst, *errs)
-            print(f"ema parity B{B} L{L} D{D} N{N} trunc={trunc} bidir={bidir}: y/dx/dcin/ddecay/dcout rel err "
-                  + " ".join(f"{e:.1e}" for e in errs))
-    print(f"ema parity worst rel err (fp32 kernel vs fp64 reference): {worst:.2e}")
-    return worst
-
-
-def ema_speed(device, quick):
-    shapes = [(1, 64, 16)] if quick else [(8, 1024, 1024), (8, 4096, 1024), (8, 16384, 1024), (1, 16384, 1024)]
-    for B, L, D in shapes:
-        for bidir in (True, False):
-            ins = ema_inputs(B, L, D, 16, bidir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-            res = {}
-            for name, fn in (("torch (MEGA official)", lambda: ema_ref(*ins, bidirectional=bidir)),
-                             ("triton kernel-gen + cuFFT", lambda: ema(*ins, bidirectional=bidir, backend="triton"))):
-                with torch.no_grad():
-                    f_ms = bench(fn, quick)
-                fb = fwd_bwd(fn, ins)
-                fb_ms = bench(fb, quick)
-                mem = peak_mem(fb, device)
-                res[name] = (f_ms, fb_ms, mem)
-            ref = res["torch (MEGA official)"]
-            for name, (f_ms, fb_ms, mem) in res.items():
-                row(f"| ema {'bidir' if bidir else 'causal'} | B{B} L{L} D{D} N16 bf16 | {name} | {f_ms:.3f} | "
-                    f"{fb_ms:.3f} | {ref[1] / fb_ms:.2f}x | {mem:.2f} |")
 
 
 # ---------------------------------------------------------------- attention -----------------------------------
@@ -227,7 +171,8 @@ def attn_speed(device, quick):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU, TRITON_INTERPRET=1)")
-    parser.add_argument("--only", choices=("ema", "attn"), default=None)
+    parser.add_argument("--only", choices=("ema", "attn"), default="attn",
+                        help="attn (default) or ema (the tables of ema_chunked.py, without its tile sweep)")
     parser.add_argument("--no-parity", action="store_true", help="timings only")
     parser.add_argument("--parity-subset", action="store_true", help="attention parity on one shape only")
     args = parser.parse_args()
@@ -235,16 +180,18 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}")
     import triton
     print(f"triton {triton.__version__}")
-    if args.only in (None, "ema"):
+    if args.only == "ema":
+        import ema_chunked  # this folder is sys.path[0]
+
         if not args.no_parity:
-            ema_parity(device, args.quick)
-        ema_speed(device, args.quick)
-    if args.only in (None, "attn"):
+            ema_chunked.parity(device, args.quick)
+        ema_chunked.speed(device, args.quick, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    else:
         if not args.no_parity:
             attn_parity(device, args.quick, subset=args.parity_subset)
         attn_speed(device, args.quick)
-    print("\n| op | shape | implementation | fwd ms | fwd+bwd ms | speedup (fwd+bwd, vs reference for ema; "
-          "others' time / triton for attn) | peak GiB (fwd+bwd) |")
+    print("\n| op | shape | implementation | fwd ms | fwd+bwd ms | speedup (ema: fwd / fwd+bwd vs the official "
+          "path; attn: others' fwd+bwd time / triton) | peak GiB (fwd+bwd) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(ROWS))
     return 0
