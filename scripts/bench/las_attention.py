@@ -24,6 +24,8 @@ from torch.nn import functional as F
 from longmixer.ops.las_attention import las_attention_ref, las_attention_separable_ref, smooth_values
 from longmixer.ops.las_attention.function import las_attention_flash, las_attention_separable
 
+from _common import peak_mem  # scripts/bench/_common.py (this folder is sys.path[0])
+
 H, K = 8, 64
 
 
@@ -72,17 +74,6 @@ def timer(fn, grads=None) -> float:
     for _ in range(2):
         fn()
     return (time.perf_counter() - t0) / 2 * 1e3
-
-
-def peak_gib(fn) -> float:
-    if not torch.cuda.is_available():
-        return float("nan")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def methods(alpha: torch.Tensor, P: int, use_flex: bool, sdpa_backends):
@@ -154,7 +145,7 @@ def speed(device: str, lengths, tokens: int, dtype, b: float, P: int, use_flex: 
                 fwdbwd()  # compile / warm every path before timing
                 row["fwd_ms"] = timer(fwd)
                 row["fwdbwd_ms"] = timer(fwdbwd, grads=[q, k, v])
-                row["peak_gib"] = peak_gib(fwdbwd)
+                row["peak_gib"] = peak_mem(fwdbwd, torch.device(device))
             except torch.OutOfMemoryError:
                 row.update(fwd_ms=None, fwdbwd_ms=None, peak_gib=None, note="OOM")
             except Exception as e:  # noqa: BLE001 - a baseline that fails on this machine is reported, not fatal

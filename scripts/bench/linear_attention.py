@@ -29,6 +29,8 @@ import triton
 from longmixer.ops.linear_attention import linear_attention, linear_attention_ref
 from longmixer.ops.linear_attention.function import LinearAttentionFunction
 
+from _common import peak_mem  # scripts/bench/_common.py (this folder is sys.path[0])
+
 
 def load_fla():
     """FLA's chunk_simple_gla, or None with the reason printed (FLA is carried as a wheel to the GPU machine)."""
@@ -146,17 +148,6 @@ def fwd_bwd(f, ins, grad_out):
     return run
 
 
-def peak_mib(fn, device):
-    if device.type != "cuda":
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-
-
 def time_shape(B, T, H, D, device, dtype, fla, quick, with_ref, with_sdpa, fused, old=None):
     """ms for forward and forward+backward of every implementation at one shape (causal)."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -190,7 +181,7 @@ def time_shape(B, T, H, D, device, dtype, fla, quick, with_ref, with_sdpa, fused
         with torch.no_grad():
             t_f = bench(lambda: f(*ins), quick)
         t_fb = bench(fwd_bwd(f, ins, grad), quick)
-        mem = peak_mib(fwd_bwd(f, ins, grad), device)
+        mem = peak_mem(fwd_bwd(f, ins, grad), device) * 1024  # MiB
         for t in ins:
             t.grad = None
         res[name] = (t_f, t_fb, mem)
