@@ -1,7 +1,11 @@
 """Model-level speed and memory: training-step time, tokens/s and peak memory of every model family, and its
 evaluation throughput, against a Transformer with materialized attention (the papers' baseline) and with SDPA.
 
-    python -m longmixer.bench [--quick] [--out bench_out/model_bench.json] [--budget-s 230]
+    python -m longmixer.bench [--quick] [--compile none default] [--out bench_out/model_bench.json] [--budget-s 230]
+
+Each model is measured eager and compiled (`--compile`), and on CUDA one profiled pass gives the GPU-kernel time
+and kernel launches per step: GPU busy = kernel time / wall-clock step time. Without a GPU the benchmark runs
+`--quick` toy models (labelled as such in the table) so the command still finishes within its budget.
 
 Settings, in order (a time budget skips what does not fit, recorded as "skipped"):
 1. `text`: the papers' efficiency setting (CHELA / LongVQ / LaS / SeqBoat Table 1): each family's Text recipe
@@ -31,6 +35,7 @@ log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 TOKENS_PER_STEP = 32768
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 TABLE6_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 TABLE6_MODELS = ("mega", "mega_chunk", "seqboat_full", "seqboat")
 # The Transformer of the LRA Text task (Tay et al. 2020, the baseline every paper's Table 1 quotes): 4 layers,
@@ -97,19 +102,77 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def measure(cfg, batch: int, length: int, device, warmup: int, iters: int) -> dict:
-    """Training-step ms, tokens/s and peak memory; evaluation ms and tokens/s; parameters."""
+class BudgetExceeded(RuntimeError):
+    """A job ran past the benchmark's time budget; the row is recorded as skipped."""
+
+
+def _check_budget(deadline: float | None) -> None:
+    if deadline is not None and time.perf_counter() > deadline:
+        raise BudgetExceeded("time budget spent inside the job")
+
+
+def compile_model(model, mode: str):
+    """`torch.compile` the model for one of COMPILE_MODES ("none" returns it unchanged)."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"--compile {mode!r} is not one of {COMPILE_MODES}")
+    if mode == "none":
+        return model
+    return torch.compile(model, mode=None if mode == "default" else mode)
+
+
+def gpu_profile(step, steps: int, top: int = 0) -> dict:
+    """Kernels and GPU-kernel time per step of `step`, from torch.profiler's CUDA activity.
+
+    GPU-busy % is this kernel time (intervals merged, so overlapping streams count once) over the unprofiled
+    wall-clock step time, which the caller measures separately: the profiler's own host overhead would otherwise
+    make the step look more host-bound than it is.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    busy_us, end = 0.0, -math.inf
+    for a, b in spans:
+        if b <= end:
+            continue
+        busy_us += b - max(a, end)
+        end = b
+    row = {"kernels_per_step": len(spans) / steps, "gpu_kernel_ms": busy_us / 1e3 / steps}
+    if top:
+        by_name: dict[str, list[float]] = {}
+        for e in events:
+            tally = by_name.setdefault(e.name[:90], [0.0, 0])
+            tally[0] += (e.time_range.end - e.time_range.start) / 1e3 / steps
+            tally[1] += 1 / steps
+        row["top_kernels"] = sorted(([n, round(ms, 3), round(c, 1)] for n, (ms, c) in by_name.items()),
+                                    key=lambda t: -t[1])[:top]
+    return row
+
+
+def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compile_mode: str = "none",
+            profile_steps: int = 0, deadline: float | None = None, top_kernels: int = 0) -> dict:
+    """Training-step ms, tokens/s and peak memory; evaluation ms and tokens/s; parameters; on CUDA with
+    `profile_steps`, kernels per step and GPU-busy %.
+
+    The step is what a training run does: forward under bf16 autocast (on CUDA), loss, backward and a fused AdamW
+    step; `compile_mode` compiles the model (not the optimizer), as `task.compile` does in training.
+    """
     from hydra.utils import instantiate
 
     model = instantiate(cfg.model).to(device)
     params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     x, mask, y = make_batch(cfg, batch, length, device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    net = compile_model(model, compile_mode)
 
     def train_step():
         with amp:
-            out, aux = _forward(model, cfg, x, mask)
+            out, aux = _forward(net, cfg, x, mask)
             loss = F.cross_entropy(out.float(), y)
             loss = loss + sum(v for k, v in aux.items() if k.startswith("loss/"))
         loss.backward()
@@ -121,16 +184,26 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int) -> di
         start = time.perf_counter()
         for _ in range(n):
             fn()
+            _check_budget(deadline)
         _sync(device)
         return (time.perf_counter() - start) / n * 1e3
 
     model.train()
+    compile_start = time.perf_counter()
     for _ in range(warmup):
         train_step()
+        _check_budget(deadline)
+    _sync(device)
+    first_ms = (time.perf_counter() - compile_start) * 1e3
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     train_ms = timed(train_step, iters)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
+    row = {"params": params, "compile": compile_mode, "warmup_ms": first_ms, "train_ms": train_ms,
+           "train_tokens_per_s": batch * length / train_ms * 1e3, "peak_mem_mib": peak}
+    if device.type == "cuda" and profile_steps:
+        prof = gpu_profile(train_step, profile_steps, top_kernels)
+        row.update(prof, gpu_busy=min(1.0, prof["gpu_kernel_ms"] / train_ms))
     opt.zero_grad(set_to_none=True)
     del opt
 
@@ -139,14 +212,14 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int) -> di
     @torch.no_grad()
     def eval_step():
         with amp:
-            _forward(model, cfg, x, mask)
+            _forward(net, cfg, x, mask)
 
     for _ in range(warmup):
         eval_step()
+        _check_budget(deadline)
     eval_ms = timed(eval_step, iters)
-    tokens = batch * length
-    return {"params": params, "train_ms": train_ms, "train_tokens_per_s": tokens / train_ms * 1e3,
-            "peak_mem_mib": peak, "eval_ms": eval_ms, "eval_tokens_per_s": tokens / eval_ms * 1e3}
+    row.update(eval_ms=eval_ms, eval_tokens_per_s=batch * length / eval_ms * 1e3)
+    return row
 
 
 def plan(quick: bool) -> list[dict]:
@@ -180,7 +253,8 @@ def plan(quick: bool) -> list[dict]:
 
 
 def _slot(row: dict) -> tuple:
-    return row["setting"], row["model"], row.get("task"), row.get("length") if row["setting"] != "table6" else None
+    length = row.get("length") if row["setting"] != "table6" else None
+    return row["setting"], row["model"], row.get("task"), length, row.get("compile", "none")
 
 
 def environment(device) -> dict:
@@ -194,19 +268,23 @@ def environment(device) -> dict:
 
 def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    result = {"environment": environment(device), "rows": []}
+    if device.type != "cuda" and not args.quick:
+        log.warning("no CUDA GPU: measuring --quick toy models on the CPU instead (the papers' settings need a GPU)")
+        args.quick = True
+    result = {"environment": environment(device), "quick": args.quick, "rows": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    jobs = [j for j in plan(args.quick) if (not args.models or j["model"] in args.models)
-            and (not args.settings or j["setting"] in args.settings)]
+    deadline = start + args.budget_s
+    jobs = [{**j, "compile": mode} for j in plan(args.quick) for mode in args.compile
+            if (not args.models or j["model"] in args.models) and (not args.settings or j["setting"] in args.settings)]
     if args.merge:
         # keep the earlier run's rows for what this run does not measure again
         again = {_slot(j) for j in jobs}
         result["rows"] = [r for r in json.loads(Path(args.merge).read_text())["rows"] if _slot(r) not in again]
     for job in jobs:
         row = {k: v for k, v in job.items() if k != "overrides"}
-        if time.perf_counter() - start > args.budget_s:
+        if time.perf_counter() > deadline:
             row["status"] = "skipped (time budget)"
             result["rows"].append(row)
             continue
@@ -217,7 +295,11 @@ def run(args) -> dict:
             if args.quick:
                 batch = min(batch, 2)
             row.update(length=length, batch=batch, d_model=int(cfg.model.d_model), n_layers=int(cfg.model.n_layers))
-            row.update(measure(cfg, batch, length, device, args.warmup, args.iters), status="ok")
+            row.update(measure(cfg, batch, length, device, args.warmup, args.iters, compile_mode=job["compile"],
+                               profile_steps=args.profile_steps, deadline=deadline,
+                               top_kernels=args.top_kernels), status="ok")
+        except BudgetExceeded:
+            row["status"] = "skipped (time budget)"
         except torch.OutOfMemoryError:
             row["status"] = "OOM"
         except Exception as err:  # recorded, so one broken family does not stop the table (the row says why)
@@ -225,7 +307,8 @@ def run(args) -> dict:
             log.exception("%s failed", job["model"])
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        log.info("%s", row)
+        torch._dynamo.reset()
+        log.info("%s", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
         result["rows"].append(row)
         out.write_text(json.dumps(result, indent=1))  # after each row: a killed run keeps what it measured
     result["wall_s"] = time.perf_counter() - start
@@ -241,64 +324,84 @@ def _ratio(a, b):
     return None if a is None or b is None or not b else a / b
 
 
+def _fmt(v, suffix="x", digits=2) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}{suffix}"
+
+
 def markdown(result: dict, claims: list[dict] | None = None) -> str:
-    """The tables of docs/benchmarks.md "Model-level": text setting with ratios vs both Transformers and the papers'
-    claimed ratios, the length sweep, and the Table 6 layout."""
+    """The tables of docs/benchmarks.md "Model-level": the Text setting (eager and compiled, GPU-busy %, kernels per
+    step, ratios to the SDPA and materialized Transformers of the same compile mode, the papers' claims), speed
+    against SDPA across lengths, and the SeqBoat Table 6 layout."""
     env = result["environment"]
+    quick = result.get("quick", False)
+    lines = [f"Device: {env['device']}; torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; "
+             f"{env['dtype']}.", f"Command: `{env['command']}`.", ""]
+    if quick:
+        lines += ["**Toy models** (`--quick`: width 32, one layer, short sequences): a smoke test of the benchmark, "
+                  "not the papers' setting; no paper claims are shown beside them.", ""]
     rows = [r for r in result["rows"] if r["setting"] == "text"]
-    ok = {r["model"]: r for r in rows if r.get("status") == "ok"}
-    base, sdpa = ok.get("transformer_materialized"), ok.get("transformer_sdpa")
-    lines = [f"GPU: {env['device']}; torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; {env['dtype']}.",
-             f"Command: `{env['command']}`.", "",
-             "| Model | Params | Train ms/step | Train tok/s | Peak MiB | Eval tok/s | Speed vs materialized | "
-             "Mem vs materialized | Speed vs SDPA | Papers' claimed speed / mem vs Transformer |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    ok = {(r["model"], r.get("compile", "none")): r for r in rows if r.get("status") == "ok"}
+    lines += ["| Model | Compile | Params | Train ms/step | Train tok/s | Peak MiB | GPU busy | Kernels/step | "
+              "Speed vs SDPA | Speed vs materialized | Mem vs materialized | Eval tok/s | Papers' claim vs Transformer |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        mode = r.get("compile", "none")
         if r.get("status") != "ok":
-            lines.append(f"| {r['model']} | {r.get('status')} |||||||||")
+            lines.append(f"| {r['model']} | {mode} | {r.get('status')} |||||||||||")
             continue
-        said = "; ".join(f"{c['paper']} {c['speed']}x" + (f" / {c['memory']}x" if c.get("memory") else "")
-                         for c in claims or [] if c["model"] == r["model"] and c["baseline"] == "transformer")
-        speed = _ratio(r["train_tokens_per_s"], base and base["train_tokens_per_s"])
-        mem = _ratio(r["peak_mem_mib"], base and base["peak_mem_mib"])
-        vs_sdpa = _ratio(r["train_tokens_per_s"], sdpa and sdpa["train_tokens_per_s"])
-        f = lambda v, s="x": "–" if v is None or math.isnan(v) else f"{v:.2f}{s}"  # noqa: E731
-        lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['train_ms']:.1f} | {r['train_tokens_per_s']:,.0f}"
-                     f" | {_mib(r['peak_mem_mib'])} | {r['eval_tokens_per_s']:,.0f} | {f(speed)} | {f(mem)} | "
-                     f"{f(vs_sdpa)} | {said or '–'} |")
-    lengths = sorted({r["length"] for r in result["rows"] if r["setting"] in ("text", "length") and "length" in r})
-    models = list(dict.fromkeys(r["model"] for r in result["rows"] if r["setting"] in ("text", "length")))
-    cell = {(r["model"], r["length"]): r for r in result["rows"] if r["setting"] in ("text", "length")}
-    per_step = sorted({r["batch"] * r["length"] for r in result["rows"] if r["setting"] == "length" and "batch" in r})
-    lines += ["", f"Training tokens/s (peak MiB) across lengths, {', '.join(map(str, per_step))} tokens per step:", "",
-              "| Model | " + " | ".join(f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
-    for m in models:
+        base, sdpa = ok.get(("transformer_materialized", mode)), ok.get(("transformer_sdpa", mode))
+        said = "" if quick else "; ".join(
+            f"{c['paper']} {c['speed']}x" + (f" / {c['memory']}x" if c.get("memory") else "")
+            for c in claims or [] if c["model"] == r["model"] and c["baseline"] == "transformer")
+        lines.append(
+            f"| {r['model']} | {mode} | {r['params'] / 1e6:.2f}M | {r['train_ms']:.1f} | {r['train_tokens_per_s']:,.0f}"
+            f" | {_mib(r['peak_mem_mib'])} | {_fmt(r.get('gpu_busy', math.nan) * 100, '%', 0)} "
+            f"| {_fmt(r.get('kernels_per_step'), '', 0)} "
+            f"| {_fmt(_ratio(r['train_tokens_per_s'], sdpa and sdpa['train_tokens_per_s']))} "
+            f"| {_fmt(_ratio(r['train_tokens_per_s'], base and base['train_tokens_per_s']))} "
+            f"| {_fmt(_ratio(r['peak_mem_mib'], base and base['peak_mem_mib']))} | {r['eval_tokens_per_s']:,.0f} "
+            f"| {said or '–'} |")
+    sweep = [r for r in result["rows"] if r["setting"] in ("text", "length") and "length" in r]
+    lengths = sorted({r["length"] for r in sweep})
+    keys = list(dict.fromkeys((r["model"], r.get("compile", "none")) for r in sweep))
+    cell = {(r["model"], r.get("compile", "none"), r["length"]): r for r in sweep}
+    per_step = sorted({r["batch"] * r["length"] for r in sweep if r["setting"] == "length" and "batch" in r})
+    lines += ["", f"Training speed relative to the SDPA Transformer of the same compile mode (tokens/s in brackets), "
+              f"{', '.join(map(str, per_step))} tokens per step:", "",
+              "| Model | Compile | " + " | ".join(f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths) + " |",
+              "|---|---|" + "---|" * len(lengths)]
+    for model, mode in keys:
         texts = []
         for n in lengths:
-            r = cell.get((m, n), {})
-            texts.append(f"{r['train_tokens_per_s']:,.0f} ({_mib(r['peak_mem_mib'])})" if r.get("status") == "ok"
-                         else str(r.get("status", "–")))
-        lines.append(f"| {m} | " + " | ".join(texts) + " |")
+            r, ref = cell.get((model, mode, n), {}), cell.get(("transformer_sdpa", mode, n), {})
+            if r.get("status") != "ok":
+                texts.append(str(r.get("status", "–")))
+                continue
+            vs = _ratio(r["train_tokens_per_s"], ref.get("train_tokens_per_s") if ref.get("status") == "ok" else None)
+            texts.append(f"{_fmt(vs)} ({r['train_tokens_per_s']:,.0f})")
+        lines.append(f"| {model} | {mode} | " + " | ".join(texts) + " |")
     t6 = [r for r in result["rows"] if r["setting"] == "table6"]
     if t6:
-        claims6 = {(c["model"], c["task"]): c for c in claims or [] if c["baseline"] == "mega"}
-        lines += ["", "SeqBoat Table 6 layout, relative to MEGA (train speed / train memory / eval speed; the paper's "
-                  "Text numbers in brackets):", "", "| Model | " + " | ".join(TABLE6_TASKS) + " |",
-                  "|---|" + "---|" * len(TABLE6_TASKS)]
-        by = {(r["model"], r["task"]): r for r in t6}
-        for m in TABLE6_MODELS:
-            texts = []
-            for t in TABLE6_TASKS:
-                r, ref = by.get((m, t), {}), by.get(("mega", t), {})
-                if r.get("status") != "ok" or ref.get("status") != "ok":
-                    texts.append(str(r.get("status", "–")) if r.get("status") != "ok" else f"MEGA {ref.get('status')}")
-                    continue
-                text = (f"{r['train_tokens_per_s'] / ref['train_tokens_per_s']:.2f} / "
-                        f"{_ratio(r['peak_mem_mib'], ref['peak_mem_mib']):.2f} / "
-                        f"{r['eval_tokens_per_s'] / ref['eval_tokens_per_s']:.2f}")
-                c = claims6.get((m, t))
-                texts.append(text + (f" [{c['speed']} / {c['memory']} / {c['eval_speed']}]" if c else ""))
-            lines.append(f"| {m} | " + " | ".join(texts) + " |")
+        claims6 = {} if quick else {(c["model"], c["task"]): c for c in claims or [] if c["baseline"] == "mega"}
+        lines += ["", "SeqBoat Table 6 layout, relative to MEGA of the same compile mode (train speed / train memory / "
+                  "eval speed; the paper's numbers in brackets):", "",
+                  "| Model | Compile | " + " | ".join(TABLE6_TASKS) + " |", "|---|---|" + "---|" * len(TABLE6_TASKS)]
+        by = {(r["model"], r.get("compile", "none"), r["task"]): r for r in t6}
+        for mode in dict.fromkeys(r.get("compile", "none") for r in t6):
+            for m in TABLE6_MODELS:
+                texts = []
+                for t in TABLE6_TASKS:
+                    r, ref = by.get((m, mode, t), {}), by.get(("mega", mode, t), {})
+                    if r.get("status") != "ok" or ref.get("status") != "ok":
+                        texts.append(str(r.get("status", "–")) if r.get("status") != "ok"
+                                     else f"MEGA {ref.get('status')}")
+                        continue
+                    text = (f"{r['train_tokens_per_s'] / ref['train_tokens_per_s']:.2f} / "
+                            f"{_ratio(r['peak_mem_mib'], ref['peak_mem_mib']):.2f} / "
+                            f"{r['eval_tokens_per_s'] / ref['eval_tokens_per_s']:.2f}")
+                    c = claims6.get((m, t))
+                    texts.append(text + (f" [{c['speed']} / {c['memory']} / {c['eval_speed']}]" if c else ""))
+                lines.append(f"| {m} | {mode} | " + " | ".join(texts) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -306,13 +409,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m longmixer.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny models and lengths (CPU smoke test)")
     parser.add_argument("--out", default="bench_out/model_bench.json")
-    parser.add_argument("--budget-s", type=float, default=230.0, help="skip what is left after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=230.0,
+                        help="stop measuring after this many seconds, also inside a job (rows left are 'skipped')")
+    parser.add_argument("--compile", nargs="+", default=None, choices=COMPILE_MODES,
+                        help="compile modes to measure each model in (default: none and default on a GPU, none on CPU)")
+    parser.add_argument("--profile-steps", type=int, default=3,
+                        help="steps traced by torch.profiler for GPU-busy %% and kernels per step (CUDA only; 0: off)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--top-kernels", type=int, default=0,
+                        help="record the N most expensive GPU kernels of a profiled step in each JSON row")
     parser.add_argument("--models", nargs="*", default=None, help="only these models (e.g. transformer_sdpa chela)")
     parser.add_argument("--settings", nargs="*", default=None, choices=("text", "length", "table6"))
     parser.add_argument("--merge", default=None, help="an earlier JSON: its rows stay for what is not measured again")
     args = parser.parse_args(argv)
+    if args.compile is None:
+        args.compile = ["none", "default"] if torch.cuda.is_available() else ["none"]
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     result = run(args)
     import yaml

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
 from rich.progress import Progress
 
 from longmixer.data.base import RaggedDataset, SequenceDataModule, label_counts, save_ragged
-from longmixer.data.generators.listops import OPERATORS, ListOpsSpec, write_tsv_splits
+from longmixer.data.generators.listops import OPERATORS, SHARD, ListOpsSpec, write_tsv_splits
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class GeneratedListOps(ListOps):
     def root(self) -> Path:
         s = self.spec
         return self.data_dir / (f"listops_gen/n{s.num_train}-{s.num_val}-{s.num_test}_len{s.min_length}-"
-                                f"{s.max_length}_d{s.max_depth}_a{s.max_args}_seed{self.generator_seed}")
+                                f"{s.max_length}_d{s.max_depth}_a{s.max_args}_seed{self.generator_seed}_shard{SHARD}")
 
     @property
     def prepare_hint(self) -> str:
@@ -127,5 +128,8 @@ class GeneratedListOps(ListOps):
         total = self.spec.num_train + self.spec.num_val + self.spec.num_test
         with Progress(transient=True) as bar:
             task = bar.add_task("generating ListOps", total=total)
-            write_tsv_splits(out, self.spec, self.generator_seed, progress=lambda n: bar.advance(task, n))
+            # LRA sizes take minutes on one core: draw the generator's shards on every core (same output)
+            workers = min(16, os.cpu_count() or 1) if total > 20_000 else 1
+            write_tsv_splits(out, self.spec, self.generator_seed, progress=lambda n: bar.advance(task, n),
+                             workers=workers)
         return out

@@ -80,30 +80,69 @@ def evaluate(tree) -> int:
     return int(op(args))
 
 
-def generate(spec: ListOpsSpec, seed: int, progress: Callable[[int], None] | None = None
-             ) -> Iterator[tuple[str, int]]:
-    """Unique (source, target) pairs with min_length < length < max_length, in generation order."""
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    total = spec.num_train + spec.num_val + spec.num_test
-    while len(seen) < total:
+SHARD = 512  # samples per generator shard: the unit of parallel work; fixed, so the output never depends on workers
+
+
+def _shard(spec: ListOpsSpec, seed: int, index: int) -> list[tuple[str, int]]:
+    """SHARD (source, target) pairs with min_length < length < max_length from shard `index`'s own RNG."""
+    rng = random.Random(f"listops:{seed}:{index}")  # str seeds hash deterministically (sha512)
+    out = []
+    while len(out) < SHARD:
         tree = sample_tree(rng, 1, spec)
-        if not spec.min_length < tree_length(tree) < spec.max_length:
-            continue
-        source = to_string(tree)
-        if source in seen:
-            continue
-        seen.add(source)
-        if progress is not None:
-            progress(1)
-        yield source, evaluate(tree)
+        if spec.min_length < tree_length(tree) < spec.max_length:
+            out.append((to_string(tree), evaluate(tree)))
+    return out
+
+
+def _shard_args(args: tuple) -> list[tuple[str, int]]:
+    return _shard(*args)
+
+
+def generate(spec: ListOpsSpec, seed: int, progress: Callable[[int], None] | None = None,
+             workers: int = 1) -> Iterator[tuple[str, int]]:
+    """Unique (source, target) pairs with min_length < length < max_length.
+
+    Samples come from shards 0, 1, 2, ... (each with its own seeded RNG) read in shard order and deduplicated in
+    that order, so the result depends only on `spec` and `seed`, never on `workers`: with workers > 1 the shards
+    are drawn by a process pool (LRA's rejection sampling at lengths 500-2000 takes minutes on one core).
+    """
+    total = spec.num_train + spec.num_val + spec.num_test
+    seen: set[str] = set()
+
+    def shards(pool):
+        index = 0
+        while True:
+            batch = range(index, index + max(1, workers) * 4)
+            yield from (pool.imap(_shard_args, [(spec, seed, i) for i in batch]) if pool is not None
+                        else (_shard(spec, seed, i) for i in batch))
+            index = batch.stop
+
+    pool = None
+    if workers > 1:
+        import multiprocessing
+
+        pool = multiprocessing.get_context("spawn").Pool(workers)
+    try:
+        for samples in shards(pool):
+            for source, target in samples:
+                if source in seen:
+                    continue
+                seen.add(source)
+                if progress is not None:
+                    progress(1)
+                yield source, target
+                if len(seen) == total:
+                    return
+    finally:
+        if pool is not None:
+            pool.terminate()
 
 
 def write_tsv_splits(out_dir: Path, spec: ListOpsSpec, seed: int, task: str = "basic",
-                     progress: Callable[[int], None] | None = None) -> dict[str, Path]:
+                     progress: Callable[[int], None] | None = None, workers: int = 1) -> dict[str, Path]:
     """Write `{task}_{train,val,test}.tsv` in the LRA format (header `Source\\tTarget`), train first."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    samples = generate(spec, seed, progress)
+    samples = generate(spec, seed, progress, workers)
     paths = {}
     for split, count in (("train", spec.num_train), ("val", spec.num_val), ("test", spec.num_test)):
         paths[split] = out_dir / f"{task}_{split}.tsv"
