@@ -1,0 +1,160 @@
+"""Learning evidence: train several families on one task's paper recipe for the same wall-clock budget and keep
+their validation curves.
+
+    python scripts/learning_curves.py --task listops --families chela longvq las seqboat mega_chunk transformer \
+        --minutes 9 --out docs/results
+
+Each family runs `python -m longmixer.train experiment=<recipe> data=<task>_gen trainer=gpu` (the generated data,
+so no download is needed) with `trainer.max_time`, validating every `--val-every` steps. Runs start together
+(`--parallel`, the default: one GPU shared by all, equal wall time each) or one after another. While they run,
+`nvidia-smi` is sampled once a second. Written under --out:
+- `<task>_<family>.csv`: step, wall_s, val_acc, val_loss, one row per validation;
+- `<task>_gpu_util.csv`: the utilization samples; `<task>_summary.json`: command, GPU, minutes, best val acc;
+- `<task>.png`: the curves with each paper's final test accuracy marked (paper_results.yaml).
+Re-running the same command resumes each run from its last checkpoint (resume=auto), so a budget can be spread
+over several sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Which recipe a family trains on: the variants are model swaps on their paper family's recipe.
+RECIPES = {"mega_chunk": ("mega", ["model=mega_chunk"]), "las_chunk": ("las", ["model=las_chunk"]),
+           "seqboat_full": ("seqboat", ["model=seqboat_full"])}
+
+
+def overrides(family: str, task: str, minutes: float, val_every: int, run_dir: Path, trainer: str,
+              extra: list[str]) -> list[str]:
+    recipe, swap = RECIPES.get(family, (family, []))
+    return [f"experiment={recipe}/{task}", *swap, f"data={task}_gen", f"trainer={trainer}", f"hydra.run.dir={run_dir}",
+            f"+trainer.max_time=00:{int(minutes) // 60:02d}:{int(minutes) % 60:02d}:{int(minutes % 1 * 60):02d}",
+            f"trainer.val_check_interval={val_every}", "trainer.check_val_every_n_epoch=null", "~callbacks.progress", *extra]
+
+
+def sample_gpu(stop: threading.Event, rows: list) -> None:
+    """One nvidia-smi sample a second: utilization.gpu (% of time a kernel ran) and memory used."""
+    start = time.time()
+    while not stop.is_set():
+        out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout.strip():
+            util, mem = out.stdout.strip().splitlines()[0].split(",")
+            rows.append((round(time.time() - start, 1), int(util), int(mem)))
+        stop.wait(1.0)
+
+
+def curve(run_dir: Path) -> list[dict]:
+    """(step, val_acc, val_loss) rows of the run's CSV logger files."""
+    files = sorted(run_dir.glob("**/metrics.csv"))
+    rows = []
+    for path in files:
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                if r.get("val/acc"):
+                    rows.append({"step": int(float(r["step"])), "val_acc": float(r["val/acc"]),
+                                 "val_loss": float(r["val/loss"]) if r.get("val/loss") else None})
+    return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
+
+
+def plot(task: str, curves: dict[str, list[dict]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import yaml
+
+    papers = yaml.safe_load((ROOT / "src/longmixer/paper_results.yaml").read_text())
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (family, rows) in enumerate(curves.items()):
+        color = f"C{i}"
+        ax.plot([r["step"] for r in rows], [r["val_acc"] for r in rows], color=color, label=family)
+        claims = [e["value"] for e in papers.get("results", []) if e.get("model") == family and e.get("task") == task
+                  and isinstance(e.get("value"), (int, float))]
+        if claims:
+            ax.axhline(max(claims) / 100, color=color, linestyle=":", linewidth=1)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title(f"{task}: equal wall-clock budget per family (dotted: the papers' final test accuracy)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", default="listops")
+    parser.add_argument("--families", nargs="+", default=["chela", "longvq", "las", "seqboat", "mega_chunk",
+                                                          "transformer"])
+    parser.add_argument("--minutes", type=float, default=9.0, help="wall-clock budget of each run")
+    parser.add_argument("--val-every", type=int, default=250, help="validate every N training steps")
+    parser.add_argument("--trainer", default="gpu", help="trainer config (cpu for a smoke test)")
+    parser.add_argument("--sequential", action="store_true", help="one run after another instead of together")
+    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--logs", default="logs/learning_curves", help="run dirs (carry them to resume)")
+    parser.add_argument("extra", nargs="*", help="more overrides for every run, e.g. data.num_train=20000")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "LONGMIXER_LOGS": str(Path(args.logs).resolve()), "PYTHONUNBUFFERED": "1"}
+
+    prep = [sys.executable, str(ROOT / "scripts/prepare_data.py"), f"{args.task}_gen",
+            *[o for o in args.extra if o.startswith(("data.", "paths."))]]
+    subprocess.run(prep, check=True, env=env, cwd=ROOT)  # once, before the runs, so they do not race to generate it
+    samples: list = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample_gpu, args=(stop, samples), daemon=True)
+    if shutil.which("nvidia-smi"):
+        sampler.start()
+    procs, logs, start = {}, {}, time.time()
+    for family in args.families:
+        run_dir = Path(args.logs).resolve() / f"{args.task}_{family}"
+        cmd = [sys.executable, "-m", "longmixer.train",
+               *overrides(family, args.task, args.minutes, args.val_every, run_dir, args.trainer, args.extra)]
+        log_path = Path(args.logs) / f"{args.task}_{family}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        logs[family] = log_path
+        with open(log_path, "a") as f:
+            procs[family] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        if args.sequential:
+            procs[family].wait()
+    codes = {family: p.wait() for family, p in procs.items()}
+    wall = time.time() - start
+    stop.set()
+
+    curves = {}
+    for family in args.families:
+        rows = curves[family] = curve(Path(args.logs).resolve() / f"{args.task}_{family}")
+        with open(out / f"{args.task}_{family}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["step", "val_acc", "val_loss"])
+            writer.writeheader()
+            writer.writerows(rows)
+    with open(out / f"{args.task}_gpu_util.csv", "w", newline="") as f:
+        csv.writer(f).writerows([("t_s", "util_pct", "mem_mib"), *samples])
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                         text=True).stdout.strip() if shutil.which("nvidia-smi") else "none"
+    summary = {"command": " ".join(sys.argv), "gpu": gpu, "host_cpus": os.cpu_count(), "wall_min": wall / 60,
+               "minutes_per_run": args.minutes, "parallel": not args.sequential, "exit_codes": codes,
+               "mean_gpu_util_pct": sum(s[1] for s in samples) / len(samples) if samples else None,
+               "best_val_acc": {f: max((r["val_acc"] for r in rows), default=None) for f, rows in curves.items()},
+               "steps": {f: (rows[-1]["step"] if rows else 0) for f, rows in curves.items()}}
+    (out / f"{args.task}_summary.json").write_text(json.dumps(summary, indent=1))
+    if any(curves.values()):
+        plot(args.task, curves, out / f"{args.task}.png")
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
