@@ -5,9 +5,9 @@ eqs. 9-22). The blockwise attention with a codebook cache follows Transformer-VQ
 Q and K are two linear maps of Z, as eqs. 11-12 write them (`tied_qk=True` gives MEGA's form instead: one
 projection of Z with a per-dimension scale and offset for each, which is what reproduces the paper's reported
 parameter counts). Where the paper is silent we follow MEGA (arXiv:2209.10655), whose block LongVQ builds on and
-whose recipes it compares against: a single head; the output projection O_a = SiLU(W_hx Z + W_h (G_a * Attn)) from H back to D (eq. 14 leaves
-the H -> D map open); N(0, 0.02) weights; softmax logits scaled by E^-1/2, laplace logits divided by the number of
-keys. Local bias (eq. 18): MEGA's simple relative-position table over the window, a query's own block and its
+whose recipes it compares against: a single head; the output projection O_a = SiLU(W_hx Z + W_h (G_a * Attn))
+from H back to D (eq. 14 leaves the H -> D map open); N(0, 0.02) weights; softmax logits scaled by E^-1/2,
+laplace logits divided by the number of keys. Local bias (eq. 18): MEGA's simple relative-position table over the window, a query's own block and its
 neighbours (b-1, b, b+1; causal: b-1, b); everything outside the window is seen through the codebook summary.
 """
 

@@ -25,7 +25,8 @@ def _abspath(path: str) -> str:
 
 
 def _mul(a: int, b: int) -> int:
-    """Product of two config integers, e.g. the longest LM training segment `${lm.mul:${data.k_max},${data.seq_len}}`."""
+    """Product of two config integers, e.g. the longest LM training segment
+    `${lm.mul:${data.k_max},${data.seq_len}}`."""
     return int(a) * int(b)
 
 
