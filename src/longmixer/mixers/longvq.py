@@ -7,8 +7,9 @@ projection of Z with a per-dimension scale and offset for each, which is what re
 parameter counts). Where the paper is silent we follow MEGA (arXiv:2209.10655), whose block LongVQ builds on and
 whose recipes it compares against: a single head; the output projection O_a = SiLU(W_hx Z + W_h (G_a * Attn))
 from H back to D (eq. 14 leaves the H -> D map open); N(0, 0.02) weights; softmax logits scaled by E^-1/2,
-laplace logits divided by the number of keys. Local bias (eq. 18): MEGA's simple relative-position table over the window, a query's own block and its
-neighbours (b-1, b, b+1; causal: b-1, b); everything outside the window is seen through the codebook summary.
+laplace logits divided by the number of keys. Local bias (eq. 18): MEGA's simple relative-position table over the
+window, a query's own block and its neighbours (b-1, b, b+1; causal: b-1, b); everything outside the window is
+seen through the codebook summary.
 """
 
 from __future__ import annotations
