@@ -97,6 +97,34 @@ def test_long_conv_runs_past_its_trained_length():
     assert fit_kernel(m.kernel, 20).shape == (3, 20) and fit_kernel(m.kernel, 20)[:, 8:].abs().max() == 0
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["two-sided", "causal"])
+def test_short_long_conv_with_a_shorter_kernel_equals_direct_sum(causal):
+    """kernel_len taps per direction: offsets up to kernel_len - 1 into the past (and kernel_len into the future)
+    get weights, farther ones none, while the short kernels still follow the sequence length."""
+    torch.manual_seed(0)
+    m = ShortLongConv(3, 1000, causal=causal, kernel_len=4).double()
+    with torch.no_grad():
+        m.long.kernel.normal_()
+    assert m.short_sizes == (3, 7) and m.long.kernel.shape[-1] == 4
+    x = torch.randn(2, 15, 3, dtype=torch.float64)
+    h = torch.nn.functional.silu(sum(m._short(x, w, b) for w, b in zip(m.short_weights, m.short_biases)))
+    k = torch.nn.functional.pad(m.long.kernel, (0, 11))  # [.., 15]: zero past the 4 taps
+    torch.testing.assert_close(m(x), direct_conv(h, k, not causal) + h * m.long.skip)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["two-sided", "causal"])
+def test_fused_module_loads_the_trained_state(causal):
+    """Checkpoints hold the two-branch form; a fused module loads them by fusing on load."""
+    torch.manual_seed(0)
+    trained = ShortLongConv(4, 100, causal=causal).double()
+    x = torch.randn(2, 12, 4, dtype=torch.float64)
+    fused = ShortLongConv(4, 100, causal=causal).double()
+    fused.reparameterize()
+    fused.load_state_dict(trained.state_dict())
+    assert len(fused.short_weights) == 1
+    torch.testing.assert_close(fused(x), trained(x), rtol=1e-12, atol=1e-12)
+
+
 def test_long_conv_kernel_has_no_weight_decay():
     from longmixer.utils.optim import OPTIM_ATTR
 

@@ -1,5 +1,6 @@
 """CHELA layer (eqs. 8-15) against the mixer contract: shapes and aux, causality, padding, determinism, torch ==
-triton backends, reparameterization through the backbone, and short fits of a CHELA model."""
+triton backends, reparameterization through the backbone and at test time, short fits of a CHELA model, and the
+long kernel length of the recipes (parameter counts against the paper)."""
 
 from __future__ import annotations
 
@@ -139,7 +140,70 @@ def test_laplace_feature_matches_mega():
     (dict(attention="softmax"), "attention='softmax'"),
     (dict(conv="s4"), "conv='s4'"),
     (dict(n_heads=3), "n_heads=3"),
+    (dict(kernel_len=0), "kernel_len=0"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CHELA(16, max_len=8, **kwargs)
+
+
+def test_test_stage_runs_the_reparameterized_form():
+    """Lightning's test loop fuses the short branches (on_test_start) and scores the same outputs as the trained
+    form; a trained-form checkpoint still loads into the fused model."""
+    import pytorch_lightning as pl
+
+    from longmixer.tasks.classification import Classification
+
+    model = _model().eval()
+    trained_state = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(1, 11, (6, 32), generator=gen)
+    mask = torch.ones(6, 32, dtype=torch.bool)
+    mask[4:, 23:] = False
+    with torch.no_grad():
+        trained_logits, _ = model(tokens, mask)
+    labels = trained_logits.argmax(-1)
+    labels[:2] = (labels[:2] + 1) % 3  # accuracy 4/6 under the trained form
+    samples = [{"inputs": tokens[i], "mask": mask[i], "labels": labels[i]} for i in range(6)]
+    task = Classification(model, optim={"optimizer": "adamw", "lr": 1e-3})
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    (result,) = trainer.test(task, dataloaders=torch.utils.data.DataLoader(samples, batch_size=3), verbose=False)
+    assert all(len(b.mixer.conv.short_weights) == 1 for b in model.blocks), "test ran the two-branch form"
+    assert result["test/acc"] == pytest.approx(4 / 6)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, mask)[0], trained_logits, rtol=1e-5, atol=1e-5)
+        for p in model.parameters():
+            p.add_(1.0)
+    model.load_state_dict(trained_state)  # two-branch keys into the fused module
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, mask)[0], trained_logits, rtol=1e-5, atol=1e-5)
+
+
+def _n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_sc10_paper_params_variant_matches_table_2(compose):
+    """CHELA Table 2 lists 493K parameters for SC10; the sequence-length kernel gives 11.7M, the variant 493,320."""
+    from hydra.utils import instantiate
+
+    model = instantiate(compose(["experiment=chela/sc10_paper_params"]).model)
+    assert abs(_n_params(model) - 493_000) / 493_000 < 0.05, _n_params(model)
+    assert model.blocks[0].mixer.conv.long.kernel.shape == (2, 60, 448)
+    assert model.blocks[0].mixer.conv.short_sizes == (3, 9)  # the short kernels still follow L = 16,000
+
+
+@pytest.mark.parametrize("recipe", ["wikitext103", "enwik8"])
+def test_lm_long_kernel_covers_the_training_segment(compose, recipe):
+    """LM segments are K chunks of seq_len (K <= k_max); taps past the kernel would be zero, so the kernel must
+    cover the longest segment, not one chunk."""
+    cfg = compose([f"experiment=chela/{recipe}"])
+    assert cfg.model.mixer.kernel_len == cfg.data.k_max * cfg.data.seq_len > cfg.data.seq_len
+
+
+def test_kernel_len_sets_the_long_kernel_only():
+    m = CHELA(8, max_len=1000, kernel_len=12, backend="torch")
+    assert m.conv.long.kernel.shape == (2, 8, 12) and m.conv.short_sizes == (3, 7)
+    m = CHELA(8, causal=True, max_len=1000, conv="long", kernel_len=12, backend="torch")
+    assert m.conv.kernel.shape == (8, 12)

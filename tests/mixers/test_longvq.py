@@ -1,5 +1,5 @@
 """Contract tests of the LongVQ mixer: shapes and aux keys, padding invariance, causality, determinism,
-torch == triton backends, codebook outside the optimizer, and a short fit."""
+torch == triton backends, codebook outside the optimizer, separate Q and K maps (eqs. 11-12), and a short fit."""
 
 from __future__ import annotations
 
@@ -87,8 +87,8 @@ def test_torch_equals_triton(causal, attention):
         xx = x.clone().requires_grad_(True)
         y, aux = layer(xx, mask)
         (y[mask].sum() + aux["loss/vq_commit"]).backward()
-        outs.append((y, xx.grad, layer.qk_gamma.grad, layer.rel_bias.grad))
-    for name, a, b in zip(("y", "dx", "dqk_gamma", "drel_bias"), *outs):
+        outs.append((y, xx.grad, layer.q_proj.weight.grad, layer.k_proj.weight.grad, layer.rel_bias.grad))
+    for name, a, b in zip(("y", "dx", "dq_proj", "dk_proj", "drel_bias"), *outs):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=name)
 
 
@@ -131,3 +131,34 @@ def test_bad_arguments_raise():
         make(attention="relu2")
     with pytest.raises(ValueError, match="block_size"):
         make(block_size=100)
+
+
+def test_query_and_key_are_separate_maps():
+    """Eqs. 11-12: Q = Linear(Z), K = Linear(Z), two maps with their own parameters; the key map alone feeds the
+    quantizer, so changing it moves the codes while changing the query map does not."""
+    layer = make().eval()
+    assert layer.q_proj.weight is not layer.k_proj.weight
+    assert layer.q_proj.weight.data_ptr() != layer.k_proj.weight.data_ptr()
+    assert not hasattr(layer, "qk_gamma")
+    x = torch.randn(2, 40, D)
+    y, aux = layer(x)
+    (y.sum() + aux["loss/vq_commit"]).backward()
+    assert layer.q_proj.weight.grad.abs().sum() > 0 and layer.k_proj.weight.grad.abs().sum() > 0
+    z = layer.ema(x, None)
+    codes = layer.vq(layer.k_proj(z), None)[1]
+    with torch.no_grad():
+        layer.q_proj.weight.normal_()
+    assert torch.equal(layer.vq(layer.k_proj(z), None)[1], codes)
+    with torch.no_grad():
+        layer.k_proj.weight.normal_()
+    assert not torch.equal(layer.vq(layer.k_proj(z), None)[1], codes)
+
+
+def test_tied_qk_is_megas_shared_projection():
+    """tied_qk=True: one projection with per-dimension scale / offset, E (D - 3) parameters fewer per layer."""
+    untied, tied = make(), make(tied_qk=True)
+    assert not hasattr(tied, "q_proj") and tied.qk_gamma.shape == (2, 8)
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert n(untied) - n(tied) == 8 * (D - 3)
+    y, _ = tied(torch.randn(2, 40, D))
+    assert torch.isfinite(y).all()

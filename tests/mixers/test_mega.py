@@ -144,3 +144,17 @@ def test_lra_recipe_parameter_count(family, task):
     official += d_features * Hc + Hc + Hc * classes
     total = sum(p.numel() for p in model.parameters())
     assert abs(total - official) / official < 0.02, (total, official)
+
+
+def test_sc10_big_recipe_is_the_476k_model(compose):
+    """CHELA Table 2 / LongVQ Table 5 list Mega-chunk SC10 at 476K: the official `mega_sc_raw_big` (d 72, z 36),
+    475,890 parameters when instantiated; `mega_chunk/sc10` is the base model (343,134)."""
+    from hydra.utils import instantiate
+
+    cfg = compose(["experiment=mega_chunk/sc10_big"])
+    model = instantiate(cfg.model)
+    m = cfg.model
+    official = _official_encoder_params(72, 6, 36, "batchnorm", True, 1000, 16000, None)
+    official += 72 * 144 + 144 + 144 * 10  # classifier Linear(D, 2D) + projection without bias
+    assert (m.d_model, m.mixer.zdim, m.d_ffn, m.mixer.chunk_size) == (72, 36, 144, 1000)
+    assert sum(p.numel() for p in model.parameters()) == official == 475_890

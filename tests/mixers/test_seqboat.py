@@ -199,3 +199,42 @@ def test_two_step_fit_writes_activation_stats(compose, tmp_path):
     assert "val/stats/act_rate/layer_01" in results["metrics"]
     rows = (tmp_path / "run" / "activation_stats.csv").read_text().splitlines()
     assert rows[0] == "step,stage,layer,act_rate,attn_span" and len(rows) >= 3
+
+
+@pytest.mark.parametrize("causal,window,chunk,expect", [
+    (False, 256, None, 129), (True, 256, None, 257), (False, None, 32, 32), (False, None, None, 16000)],
+    ids=["window", "causal-window", "chunk", "full"])
+def test_compressed_bias_table_covers_only_reachable_offsets(causal, window, chunk, expect):
+    """Packed offsets are bounded by the window reach (or the chunk), so the table has one entry per reachable
+    offset, not 2L - 1; SeqBoat-full (no window) still needs the sequence length."""
+    m = SeqBoat(8, causal=causal, d_qk=8, d_v=16, rel_pos="compressed", window=window, chunk=chunk,
+                router="always" if chunk else "softmax", max_positions=16000, backend="torch")
+    assert m.rel_bias.shape == (2 * expect - 1,)
+    assert SeqBoat(8, d_qk=8, d_v=16, rel_pos="original", window=256, max_positions=16000).rel_bias.shape == (31999,)
+
+
+def test_window_sized_bias_equals_the_full_table():
+    """Sizing the table from the window drops only entries no query can reach: outputs equal a 2L - 1 table's
+    whose reachable entries are the same."""
+    import copy
+
+    small = _mixer(rel_pos="compressed").eval()  # window 8, two-sided: offsets -4..4
+    assert small.rel_bias.shape == (9,)
+    big = copy.deepcopy(small)
+    full = torch.randn(2 * 64 - 1)
+    full[63 - 4:63 + 5] = small.rel_bias.detach()
+    big.rel_bias = torch.nn.Parameter(full)
+    x = torch.randn(2, 40, 24)
+    torch.testing.assert_close(small(x)[0], big(x)[0])
+    with torch.no_grad():
+        small.rel_bias[0] += 1.0  # and the entries kept are used
+    assert not torch.allclose(small(x)[0], big(x)[0])
+
+
+def test_sc10_recipe_parameter_count_near_table_2(compose):
+    """SeqBoat Table 2 lists 293K parameters for SC10; a 2L - 1 bias table per layer would add 256K."""
+    from hydra.utils import instantiate
+
+    model = instantiate(compose(["experiment=seqboat/sc10"]).model)
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - 293_000) / 293_000 < 0.02, n

@@ -78,27 +78,45 @@ def short_kernel_sizes(max_len: int) -> tuple[int, int]:
     return 3, 2 * int(math.floor(math.log10(max(max_len, 1)))) + 1
 
 
+def _fuse_short(weights: list[Tensor], biases: list[Tensor], *, causal: bool) -> tuple[Tensor, Tensor]:
+    """One depthwise kernel [D, 1, s_max] and bias [D] equal to the sum of the parallel short branches: each
+    smaller kernel is zero-padded to the largest size (centred when two-sided, on the past side when causal)."""
+    size = max(w.shape[-1] for w in weights)
+    fused = weights[0].new_zeros(weights[0].shape[0], 1, size)
+    for w in weights:
+        gap = size - w.shape[-1]
+        fused = fused + F.pad(w, (gap, 0) if causal else (gap // 2, gap // 2))
+    return fused, sum(biases[1:], biases[0].clone())
+
+
 class ShortLongConv(nn.Module):
     """Z = K_long(SiLU(K_short(X))) (CHELA eq. 8); K_short is two parallel depthwise kernels whose outputs add.
 
     `reparameterize()` fuses the short branches into one kernel (RepVGG-style structural reparameterization,
     Ding et al. 2022): both are linear in X, so pad the smaller kernel to the larger one's size (centred when
     two-sided, on the past side when causal) and add kernels and biases. The fused output equals the two-branch one.
+    The tasks fuse at test / predict time (`SequenceTask.on_test_start`); checkpoints keep the trained two-branch
+    form, and a fused module loads them by fusing on load.
 
     Args:
         d_model: D.
-        max_len: long kernel length; also sets the second short kernel's size.
+        max_len: the training sequence length; sets the second short kernel's size and, by default, the long
+            kernel's length.
         causal: causal short and long kernels (language modeling) instead of centred / two-sided ones.
+        kernel_len: taps of the long kernel per direction (None: max_len, a kernel as long as the sequence, CHELA
+            section 2.2); offsets past it get no weight.
     """
 
-    def __init__(self, d_model: int, max_len: int, *, causal: bool):
+    def __init__(self, d_model: int, max_len: int, *, causal: bool, kernel_len: int | None = None):
         super().__init__()
+        if kernel_len is not None and kernel_len < 1:
+            raise ValueError(f"model.mixer.kernel_len={kernel_len} must be >= 1, or null for the sequence length")
         self.causal = causal
         self.short_sizes = short_kernel_sizes(max_len)
         self.short_weights = nn.ParameterList(
             nn.Parameter(torch.empty(d_model, 1, s).uniform_(-s ** -0.5, s ** -0.5)) for s in self.short_sizes)
         self.short_biases = nn.ParameterList(nn.Parameter(torch.zeros(d_model)) for _ in self.short_sizes)
-        self.long = LongConv(d_model, max_len, bidirectional=not causal)
+        self.long = LongConv(d_model, max_len if kernel_len is None else kernel_len, bidirectional=not causal)
 
     def _short(self, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
         """Depthwise conv with odd kernel w [D, 1, s]: centred, or causal (pad s-1 on the past side)."""
@@ -118,18 +136,24 @@ class ShortLongConv(nn.Module):
             h = h.masked_fill(~keep, 0.0)
         return self.long(h)
 
+    @torch.inference_mode(False)  # the test loop calls it under inference mode: keep the new parameters ordinary
     @torch.no_grad()
     def reparameterize(self) -> None:
         """Fuse the short branches into one kernel (idempotent)."""
         if len(self.short_weights) == 1:
             return
-        size = max(w.shape[-1] for w in self.short_weights)
-        w0 = self.short_weights[0]
-        fused = w0.new_zeros(w0.shape[0], 1, size)
-        for w in self.short_weights:
-            gap = size - w.shape[-1]
-            fused += F.pad(w, (gap, 0) if self.causal else (gap // 2, gap // 2))
-        bias = sum(b for b in self.short_biases)
+        fused, bias = _fuse_short(list(self.short_weights), list(self.short_biases), causal=self.causal)
         self.short_weights = nn.ParameterList([nn.Parameter(fused)])
-        self.short_biases = nn.ParameterList([nn.Parameter(bias.clone())])
-        self.short_sizes = (size,)
+        self.short_biases = nn.ParameterList([nn.Parameter(bias)])
+        self.short_sizes = (fused.shape[-1],)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A fused module accepts the trained two-branch state (what checkpoints hold) by fusing it on load."""
+        names = [k for k in state_dict if k.startswith(prefix + "short_weights.")]
+        if len(self.short_weights) == 1 and len(names) > 1:
+            n = len(names)
+            weights = [state_dict.pop(f"{prefix}short_weights.{i}") for i in range(n)]
+            biases = [state_dict.pop(f"{prefix}short_biases.{i}") for i in range(n)]
+            fused, bias = _fuse_short(weights, biases, causal=self.causal)
+            state_dict[prefix + "short_weights.0"], state_dict[prefix + "short_biases.0"] = fused, bias
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -60,7 +60,11 @@ class CHELA(nn.Module):
     Args:
         d_model: D.
         causal: causal convolutions and causal linear attention (language modeling).
-        max_len: the training sequence length (long kernel length and short kernel size), ${data.seq_len}.
+        max_len: the training sequence length (short kernel size; the long kernel length unless `kernel_len`),
+            ${data.seq_len}.
+        kernel_len: long kernel taps per direction for conv=short_long | long (None: max_len, the paper's "as long
+            as the sequence"). Language models set it to the longest training segment (k_max chunks); the SC10
+            variant matched to the paper's 493K parameters uses 448.
         n_heads: Q, K, V are split into heads of width D / n_heads, each with its own K x V state and output Norm
             (the paper is silent; the Triton path needs D / n_heads <= 128).
         attention: "norm" (identity feature map, output Norm; CHELA eq. 2, 9) | "laplace" (see `laplace_feature`).
@@ -77,7 +81,8 @@ class CHELA(nn.Module):
 
     def __init__(self, d_model: int, *, causal: bool = False, max_len: int, n_heads: int = 1,
                  attention: str = "norm", conv: str = "short_long", ema_ndim: int = 16, s4d_state: int = 64,
-                 chunk_size: int = 64, dropout: float = 0.0, hidden_dropout: float = 0.0, backend: str = "auto"):
+                 chunk_size: int = 64, dropout: float = 0.0, hidden_dropout: float = 0.0, backend: str = "auto",
+                 kernel_len: int | None = None):
         super().__init__()
         if attention not in ATTENTIONS:
             raise ValueError(f"model.mixer.attention={attention!r} is not one of {ATTENTIONS}")
@@ -87,7 +92,9 @@ class CHELA(nn.Module):
             raise ValueError(f"model.mixer.n_heads={n_heads} must divide model.d_model={d_model}")
         self.d_model, self.n_heads, self.causal = d_model, n_heads, causal
         self.attention, self.chunk_size, self.backend = attention, chunk_size, backend
-        self.conv = self._build_conv(conv, d_model, max_len, causal, ema_ndim, s4d_state, backend)
+        if kernel_len is not None and kernel_len < 1:
+            raise ValueError(f"model.mixer.kernel_len={kernel_len} must be >= 1, or null for the sequence length")
+        self.conv = self._build_conv(conv, d_model, max_len, causal, ema_ndim, s4d_state, backend, kernel_len)
         self.qk_weight = nn.Parameter(torch.empty(2, d_model))  # alpha_q, alpha_k (CHELA eqs. 11-12)
         self.qk_bias = nn.Parameter(torch.zeros(2, d_model))  # beta_q, beta_k
         self.v_proj = nn.Linear(d_model, d_model)  # CHELA eq. 13
@@ -97,11 +104,11 @@ class CHELA(nn.Module):
         self.reset_parameters()
 
     @staticmethod
-    def _build_conv(conv, d_model, max_len, causal, ema_ndim, s4d_state, backend) -> nn.Module:
+    def _build_conv(conv, d_model, max_len, causal, ema_ndim, s4d_state, backend, kernel_len) -> nn.Module:
         if conv == "short_long":
-            return ShortLongConv(d_model, max_len, causal=causal)
+            return ShortLongConv(d_model, max_len, causal=causal, kernel_len=kernel_len)
         if conv == "long":
-            return _MaskedLongConv(d_model, max_len, bidirectional=not causal)
+            return _MaskedLongConv(d_model, max_len if kernel_len is None else kernel_len, bidirectional=not causal)
         if conv == "s4d":
             return S4DConv(d_model, s4d_state, bidirectional=not causal)
         return _DampedEMA(d_model, ema_ndim, causal=causal, backend=backend)

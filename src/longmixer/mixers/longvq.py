@@ -2,12 +2,14 @@
 "LongVQ: Long Sequence Modeling with Vector Quantization on Structured Memory", arXiv:2404.11163, section 4,
 eqs. 9-22). The blockwise attention with a codebook cache follows Transformer-VQ (Lingle 2023, arXiv:2309.16354).
 
-Where the paper is silent we follow MEGA (arXiv:2209.10655), whose block LongVQ builds on and whose recipes it
-compares against: a single head; Q and K from one projection of Z with per-dimension scale and offset (a linear
-map, eqs. 11-12); the output projection O_a = SiLU(W_hx Z + W_h (G_a * Attn)) from H back to D (eq. 14 leaves
-the H -> D map open); N(0, 0.02) weights; softmax logits scaled by E^-1/2, laplace logits divided by the number of
-keys. Local bias (eq. 18): MEGA's simple relative-position table over the window, a query's own block and its
-neighbours (b-1, b, b+1; causal: b-1, b); everything outside the window is seen through the codebook summary.
+Q and K are two linear maps of Z, as eqs. 11-12 write them (`tied_qk=True` gives MEGA's form instead: one
+projection of Z with a per-dimension scale and offset for each, which is what reproduces the paper's reported
+parameter counts). Where the paper is silent we follow MEGA (arXiv:2209.10655), whose block LongVQ builds on and
+whose recipes it compares against: a single head; the output projection O_a = SiLU(W_hx Z + W_h (G_a * Attn))
+from H back to D (eq. 14 leaves the H -> D map open); N(0, 0.02) weights; softmax logits scaled by E^-1/2,
+laplace logits divided by the number of keys. Local bias (eq. 18): MEGA's simple relative-position table over the
+window, a query's own block and its neighbours (b-1, b, b+1; causal: b-1, b); everything outside the window is
+seen through the codebook summary.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class LongVQ(nn.Module):
         dropout: on the layer output before the gated residual (MEGA's dropout).
         hidden_dropout: on the EMA output Z and on V (MEGA's hidden dropout).
         backend: "auto" | "torch" | "triton" for the MD-EMA, the codeword search and the attention.
+        tied_qk: False: Q = Linear(Z) and K = Linear(Z), two maps (eqs. 11-12). True: MEGA's shared projection
+            with per-dimension scale / offset (E (D - 3) parameters fewer per layer).
     """
 
     gated_residual = True
@@ -48,7 +52,7 @@ class LongVQ(nn.Module):
     def __init__(self, d_model: int, *, causal: bool = False, zdim: int = 64, hdim: int | None = None,
                  ndim: int = 16, n_codes: int = 512, block_size: int = 128, attention: str = "softmax",
                  truncation: int | None = None, commit_coef: float = 1e-4, codebook_decay: float = 0.99,
-                 dropout: float = 0.0, hidden_dropout: float = 0.0, backend: str = "auto"):
+                 dropout: float = 0.0, hidden_dropout: float = 0.0, backend: str = "auto", tied_qk: bool = False):
         super().__init__()
         if attention not in ATTENTIONS:
             raise ValueError(f"model.mixer.attention={attention!r} is not one of {ATTENTIONS}")
@@ -56,15 +60,19 @@ class LongVQ(nn.Module):
             raise ValueError(f"model.mixer.block_size={block_size} must be a power of two >= 16 (e.g. 128)")
         hdim = 2 * d_model if hdim is None else hdim
         self.causal, self.zdim, self.hdim, self.block_size = causal, zdim, hdim, block_size
-        self.attention, self.backend = attention, backend
+        self.attention, self.backend, self.tied_qk = attention, backend, tied_qk
         self.ema = MultiHeadEMA(d_model, ndim, bidirectional=not causal, truncation=truncation, silu=True,
                                 backend=backend)
         self.v_proj = nn.Linear(d_model, hdim)  # eq. 13
-        self.z_proj = nn.Linear(d_model, hdim + zdim + d_model)  # eqs. 10-12 and MEGA's hx
+        self.z_proj = nn.Linear(d_model, hdim + (zdim if tied_qk else 0) + d_model)  # eq. 10 and MEGA's hx
         self.h_proj = nn.Linear(hdim, d_model)  # eq. 14, H -> D
         self.gate_proj = nn.Linear(d_model, d_model)  # eq. 19
-        self.qk_gamma = nn.Parameter(torch.empty(2, zdim))  # per-dimension scale of Q and K
-        self.qk_beta = nn.Parameter(torch.empty(2, zdim))  # and offset
+        if tied_qk:
+            self.qk_gamma = nn.Parameter(torch.empty(2, zdim))  # per-dimension scale of Q and K
+            self.qk_beta = nn.Parameter(torch.empty(2, zdim))  # and offset
+        else:
+            self.q_proj = nn.Linear(d_model, zdim)  # eq. 11
+            self.k_proj = nn.Linear(d_model, zdim)  # eq. 12
         self.rel_bias = nn.Parameter(torch.empty(4 * block_size - 1))  # key - query offsets -(2C-1)..(2C-1)
         self.vq = VectorQuantizer(zdim, n_codes, decay=codebook_decay, commit_coef=commit_coef, backend=backend)
         self.dropout, self.hidden_dropout = nn.Dropout(dropout), nn.Dropout(hidden_dropout)
@@ -72,12 +80,14 @@ class LongVQ(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """MEGA's init: linear weights and qk_gamma ~ N(0, 0.02), biases and qk_beta 0, rel bias ~ N(0, 0.02)."""
-        for lin in (self.v_proj, self.z_proj, self.h_proj, self.gate_proj):
+        """MEGA's init: linear weights (and qk_gamma) ~ N(0, 0.02), biases (and qk_beta) 0, rel bias ~ N(0, 0.02)."""
+        qk = [] if self.tied_qk else [self.q_proj, self.k_proj]
+        for lin in (self.v_proj, self.z_proj, self.h_proj, self.gate_proj, *qk):
             nn.init.normal_(lin.weight, std=0.02)
             nn.init.zeros_(lin.bias)
-        nn.init.normal_(self.qk_gamma, std=0.02)
-        nn.init.zeros_(self.qk_beta)
+        if self.tied_qk:
+            nn.init.normal_(self.qk_gamma, std=0.02)
+            nn.init.zeros_(self.qk_beta)
         nn.init.normal_(self.rel_bias, std=0.02)
 
     def _query_scale(self, mask: torch.Tensor | None, B: int, L: int, device) -> torch.Tensor | float:
@@ -93,10 +103,14 @@ class LongVQ(nn.Module):
         residual = x if residual is None else residual
         B, L, _ = x.shape
         z = self.hidden_dropout(self.ema(x, mask))  # eq. 9: Z = SiLU(SSM(X))  [B, L, D]
-        g_a, base, hx = self.z_proj(z).split([self.hdim, self.zdim, x.shape[-1]], dim=-1)
+        if self.tied_qk:
+            g_a, base, hx = self.z_proj(z).split([self.hdim, self.zdim, x.shape[-1]], dim=-1)
+            q = base * self.qk_gamma[0] + self.qk_beta[0]  # eq. 11, MEGA's form  [B, L, E]
+            k = base * self.qk_gamma[1] + self.qk_beta[1]  # eq. 12  [B, L, E]
+        else:
+            g_a, hx = self.z_proj(z).split([self.hdim, x.shape[-1]], dim=-1)
+            q, k = self.q_proj(z), self.k_proj(z)  # eqs. 11-12  [B, L, E]
         g_a = F.silu(g_a)  # eq. 10  [B, L, H]
-        q = base * self.qk_gamma[0] + self.qk_beta[0]  # eq. 11  [B, L, E]
-        k = base * self.qk_gamma[1] + self.qk_beta[1]  # eq. 12  [B, L, E]
         v = self.hidden_dropout(F.silu(self.v_proj(x)))  # eq. 13  [B, L, H]
         k_hat, codes, codebook, aux = self.vq(k, mask)  # eq. 15, straight-through
         q = q * self._query_scale(mask, B, L, x.device)

@@ -19,6 +19,7 @@ from longmixer.layers.ema import MultiHeadEMA
 from longmixer.layers.s4d import S4DConv
 from longmixer.layers.sma import LatentConfigurator, attention_span, compress, extract
 from longmixer.ops.sparse_local_attention import packed_index, sparse_local_attention
+from longmixer.ops.sparse_local_attention.reference import attention_reach
 
 ROUTERS = ("softmax", "gumbel", "sigmoid", "moe", "always")
 REL_POS = ("original", "compressed", "rope", "none")
@@ -61,8 +62,10 @@ class SeqBoat(nn.Module):
         attention: "softmax" (text tasks, LM) or "relu2" (image, speech), SeqBoat A.2.
         rel_pos: "original" (simple relative bias on original distances, the default), "compressed" (on packed
             distances: Text, SC), "rope" (RoPE at original positions: LM), or "none".
-        max_positions: M of the bias table [2M-1] (distances beyond M-1 use the edge value); needed for
-            "original" and "compressed".
+        max_positions: the longest sequence (${data.seq_len}); bounds the bias table [2M-1] (distances beyond M-1
+            use the edge value). With "compressed" and a window (or chunk) the table is sized from the offsets the
+            window can reach instead (M = reach + 1, or the chunk), so no entry is unreachable; "original" and
+            SeqBoat-full need the sequence length, since packed neighbours can be far apart originally.
         router: "softmax" (Tempered Softmax) | "gumbel" | "sigmoid" | "moe" | "always" (no SMA: every real token
             activated, confidence 1: the always-activated / -local / -chunk ablations).
         init_temp_scale: alpha of Table 4.
@@ -92,7 +95,8 @@ class SeqBoat(nn.Module):
             raise ValueError(f"attention={attention!r} is not one of ('softmax', 'relu2')")
         if window is not None and chunk is not None:
             raise ValueError(f"window={window} and chunk={chunk} exclude each other; set window=null for -chunk")
-        if rel_pos in ("original", "compressed") and not max_positions:
+        bias_positions = self._bias_positions(rel_pos, window, chunk, causal, max_positions)
+        if rel_pos in ("original", "compressed") and not bias_positions:
             raise ValueError(f"rel_pos={rel_pos!r} needs max_positions (the bias table size, e.g. ${{data.seq_len}}); "
                              f"got {max_positions}")
         if modules == "gau_ffn" and router == "always":
@@ -110,7 +114,7 @@ class SeqBoat(nn.Module):
         self.h_proj = nn.Linear(self.d_v, d_model)  # W_h, b_h of eq. 8
         self.gamma = nn.Parameter(torch.empty(2, d_qk))  # w_q, w_k of eqs. 3-4
         self.beta = nn.Parameter(torch.empty(2, d_qk))  # b_q, b_k
-        self.rel_bias = nn.Parameter(torch.empty(2 * max_positions - 1)) \
+        self.rel_bias = nn.Parameter(torch.empty(2 * bias_positions - 1)) \
             if rel_pos in ("original", "compressed") else None
         num_modules = 2 if modules == "gau_ffn" else 1
         self.configurator = None if router == "always" else LatentConfigurator(
@@ -119,6 +123,16 @@ class SeqBoat(nn.Module):
             self.ffn = nn.Sequential(nn.Linear(d_model, self.d_v), nn.SiLU(), nn.Linear(self.d_v, d_model))
         self.dropout, self.hidden_dropout = nn.Dropout(dropout), nn.Dropout(hidden_dropout)
         self.reset_parameters()
+
+    @staticmethod
+    def _bias_positions(rel_pos: str, window: int | None, chunk: int | None, causal: bool,
+                        max_positions: int | None) -> int | None:
+        """M of the relative bias table: one entry per offset that can occur. Compressed offsets are bounded by
+        the window reach (|j - i| <= w/2 two-sided, w causal) or the chunk; original ones only by the sequence."""
+        if rel_pos != "compressed" or (window is None and chunk is None):
+            return max_positions
+        reach = max(attention_reach(window, causal)) + 1 if window is not None else chunk
+        return reach if not max_positions else min(reach, max_positions)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

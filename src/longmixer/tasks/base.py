@@ -58,6 +58,17 @@ class SequenceTask(pl.LightningModule):
         if hasattr(self.model, "set_progress"):
             self.model.set_progress(self.global_step, self.total_steps)
 
+    # --- inference form -----------------------------------------------------------------------------------------
+    def on_test_start(self) -> None:
+        """Test the inference form: fuse training-time branches (CHELA's parallel short kernels, structural
+        reparameterization, section 4.2) through `SequenceModel.reparameterize()`. Outputs are unchanged (tested);
+        checkpoints keep the trained form, which the fused model still loads."""
+        if hasattr(self.model, "reparameterize"):
+            self.model.reparameterize()
+
+    def on_predict_start(self) -> None:
+        self.on_test_start()
+
     # --- aux losses and statistics (docs/architecture.md) ----------------------------------------------------------
     def add_aux(self, loss: torch.Tensor, aux: Mapping[str, torch.Tensor], stage: str, batch_size: int):
         for key, value in aux.items():

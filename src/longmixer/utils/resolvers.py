@@ -24,8 +24,14 @@ def _abspath(path: str) -> str:
     return str(Path(path).resolve())
 
 
+def _mul(a: int, b: int) -> int:
+    """Product of two config integers, e.g. the longest LM training segment
+    `${lm.mul:${data.k_max},${data.seq_len}}`."""
+    return int(a) * int(b)
+
+
 def register_resolvers() -> None:
-    """Register `lm.hash`, `lm.run_name` and `lm.abspath` (idempotent)."""
-    for name, fn in (("lm.hash", _hash), ("lm.run_name", _run_name), ("lm.abspath", _abspath)):
+    """Register `lm.hash`, `lm.run_name`, `lm.abspath` and `lm.mul` (idempotent)."""
+    for name, fn in (("lm.hash", _hash), ("lm.run_name", _run_name), ("lm.abspath", _abspath), ("lm.mul", _mul)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
