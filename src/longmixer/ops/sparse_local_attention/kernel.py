@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from longmixer.ops.backend import triton_interpreter_on
+from longmixer.ops.precision import work_dtype
 
 MODE_WINDOW, MODE_CHUNK, MODE_FULL = 0, 1, 2
 
@@ -301,6 +302,8 @@ def _config(q: torch.Tensor, v: torch.Tensor, window: int | None, chunk: int | N
 def sparse_local_attention_fwd(q, k, v, idx, cnt, rel_bias, *, window, chunk, causal, attention, rel_pos):
     """Launch the forward. Returns o [B, L, V] (zeros at inactive positions) and lse [B, L] float32."""
     bsz, length, _ = q.shape
+    work = work_dtype(v, q, k)
+    q, k = q.to(work), k.to(work)
     cfg = _config(q, v, window, chunk, causal, attention, rel_pos, rel_bias)
     scalars = cfg.pop("scalars")
     o = torch.zeros_like(v)
@@ -315,6 +318,9 @@ def sparse_local_attention_fwd(q, k, v, idx, cnt, rel_bias, *, window, chunk, ca
 def sparse_local_attention_bwd(q, k, v, o, do, idx, cnt, rel_bias, lse, *, window, chunk, causal, attention, rel_pos):
     """Launch the backward. Returns dq, dk, dv (zeros at inactive positions) and dbias ([2M-1] or None)."""
     bsz, length, _ = q.shape
+    q_dtype, k_dtype = q.dtype, k.dtype
+    work = work_dtype(v, q, k)
+    q, k = q.to(work), k.to(work)
     cfg = _config(q, v, window, chunk, causal, attention, rel_pos, rel_bias)
     scalars = cfg.pop("scalars")
     delta = (do.float() * o.float()).sum(-1)  # [B, L] rowsum(dO * O) of FlashAttention-2
@@ -334,4 +340,4 @@ def sparse_local_attention_bwd(q, k, v, o, do, idx, cnt, rel_bias, lse, *, windo
         _sparse_local_attention_bwd_dkdv_kernel[(grid_n, 1, bsz)](
             q, k, v, do, idx, cnt, bias, lse, delta, dk, dv, *args, **cfg, DO_DK=True, DO_DV=False,
             num_warps=4, num_stages=2)
-    return dq, dk, dv, dbias.to(rel_bias.dtype) if dbias is not None else None
+    return dq.to(q_dtype), dk.to(k_dtype), dv, dbias.to(rel_bias.dtype) if dbias is not None else None

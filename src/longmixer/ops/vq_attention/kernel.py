@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from longmixer.ops.precision import work_dtype
+
 # MEGA's laplace attention function: 0.5 * (1 + erf((x - mu) / (sigma sqrt 2))), mu = sqrt(1/2), sigma = (4 pi)^-1/2.
 LAPLACE_MU = tl.constexpr(0.7071067811865476)
 LAPLACE_INV_SIGMA_SQRT2 = tl.constexpr(2.5066282746310002)  # 1 / (sigma sqrt 2) = sqrt(2 pi)
@@ -176,6 +178,8 @@ def vq_attention_fwd(q, k, v, codebook, n_out, u_out, bias, mask, block_size: in
     Returns o [B, L, H] (v's dtype) and lse [B, L] float32 (softmax only; zeros for laplace)."""
     B, L, E = q.shape
     H, S = v.shape[-1], codebook.shape[0]
+    work = work_dtype(v, q, k)
+    q, k = q.to(work), k.to(work)
     t = attention_tiles(block_size, E, H)
     o = torch.empty_like(v)
     lse = torch.zeros(B, L, dtype=torch.float32, device=q.device)

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from longmixer.ops.precision import work_dtype
+
 from longmixer.ops.vq_attention.kernel import _laplace, attention_tiles, dot_precision
 
 # d/dx of MEGA's laplace: exp(-(x - mu)^2 / (2 sigma^2)) / (sigma sqrt(2 pi)), sigma^2 = 1 / (4 pi).
@@ -174,6 +176,9 @@ def vq_attention_bwd(q, k, v, codebook, n_out, u_out, bias, mask, o, lse, do, bl
     float32 or None."""
     B, L, E = q.shape
     H, S = v.shape[-1], codebook.shape[0]
+    q_dtype, k_dtype = q.dtype, k.dtype
+    work = work_dtype(v, q, k)
+    q, k = q.to(work), k.to(work)
     t = attention_tiles(block_size, E, H)
     do = do.contiguous()
     delta = (do.float() * o.float()).sum(-1).contiguous() if not laplace else lse  # [B, L]; unused by laplace
@@ -192,4 +197,4 @@ def vq_attention_bwd(q, k, v, codebook, n_out, u_out, bias, mask, o, lse, do, bl
     grid_kv = (L // t["BN"], B, triton.cdiv(H, t["BH"]))
     _vq_attention_bwd_dkv_kernel[grid_kv](q, k, v, bias if bias is not None else lse, mask, lse, delta, do, dk, dv,
                                           L, E, H, **flags, BM=t["BM"], BN=t["BN"], BE=t["BE"], BH=t["BH"])
-    return dq, dk, dv, du, None if dbias is None else dbias.sum(0)
+    return dq.to(q_dtype), dk.to(k_dtype), dv, du, None if dbias is None else dbias.sum(0)
