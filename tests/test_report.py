@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from longmixer.report import build_report, main
-from longmixer.utils.tables import collect_runs, group_runs
+from longmixer.report.tables import collect_runs, group_runs
 from tests.conftest import TINY_LISTOPS, TINY_TRAINER, compose_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
-from longmixer.utils.tables import (LAYOUT_TITLES, collect_runs, fill_table, group_rows, group_runs, groups_markdown,
+from longmixer.report.tables import (LAYOUT_TITLES, collect_runs, fill_table, group_rows, group_runs, groups_markdown,
                                     load_paper_tables, table_latex, table_markdown, table_rows, write_csv)
 
 log = logging.getLogger(__name__)
@@ -83,6 +82,3 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         log.info("%-8s %s", name, path)
     return paths
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
