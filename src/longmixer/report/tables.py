@@ -27,10 +27,11 @@ LAYOUT_TITLES = {"lra": "Long Range Arena", "scifar": "sCIFAR", "sc10": "Speech 
                  "wikitext103": "WikiText-103 (perplexity)", "enwik8": "enwik8 (bits per byte)",
                  "mnist": "Sequential MNIST", "ablation": "Ablations"}
 # Overrides that do not change what a run computes (the run-dir hash ignores the same keys, configs/hydra/default.yaml)
-# plus the ones a run is already grouped by.
-_NEUTRAL_KEYS = ("seed", "experiment", "model", "data", "ablation", "resume", "ckpt_path", "logger", "trainer.devices",
-                 "trainer.accelerator", "callbacks", "hparams_search", "paths.log_dir", "paths.data_dir",
-                 "data.num_workers", "train", "test")
+# plus the ones a run is already grouped by. Matched as whole keys: `model` (the group choice) is neutral, while
+# `model.d_model`, `data.seq_len` or `trainer.max_steps` make a separate group.
+_NEUTRAL_KEYS = frozenset(("seed", "experiment", "model", "data", "ablation", "resume", "ckpt_path", "logger",
+                           "trainer.devices", "trainer.accelerator", "callbacks", "hparams_search", "paths.log_dir",
+                           "paths.data_dir", "data.num_workers", "train", "test"))
 
 
 @dataclass
@@ -87,7 +88,7 @@ def _split_overrides(run_dir: Path) -> tuple[str | None, str]:
         key, _, value = str(item).lstrip("+~").partition("=")
         if key == "ablation":
             ablation = value
-        elif not key.startswith(_NEUTRAL_KEYS):
+        elif key not in _NEUTRAL_KEYS:
             rest.append(str(item))
     return ablation, ",".join(sorted(rest))
 
