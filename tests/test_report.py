@@ -187,3 +187,52 @@ def test_runs_that_differ_in_any_model_data_or_trainer_key_are_separate_groups(t
     # the neutral keys (workers, devices, data dir, display) still merge: one group of two seeds
     assert groups[""].seeds == [0, 1] and groups[""].stats("test/acc")[0] == pytest.approx(0.55)
     assert groups["trainer.max_steps=50"].stats("test/acc") == (pytest.approx(0.1), None, 1)
+
+
+def _png(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.xdist_group("report")
+def test_report_plots_one_figure_per_task_and_curves_per_configuration(tiny_runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    paper = tmp_path / "paper.yaml"
+    paper.write_text(TINY_PAPER)
+    paths = build_report(tiny_runs, tmp_path / "out", paper_results=paper)
+    plots = tmp_path / "out" / "plots"
+    assert sorted(p.name for p in plots.glob("task_*.png")) == ["task_listops_gen.png"]
+    assert _png(paths["task_listops_gen"]) and _png(paths["curves_listops_gen"])
+    assert not (plots / "bench.png").exists()  # no --bench given
+
+
+def test_report_plots_every_task_and_the_bench_json_in_either_column_naming(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = tmp_path / "runs"
+    for i, (data, seed) in enumerate([("listops", 0), ("listops", 1), ("text", 0)]):
+        run = _fake_run(runs, f"r{i}", [f"seed={seed}"], 0.4 + i / 10, seed=seed)
+        results = json.loads((run / "results.json").read_text())
+        (run / "results.json").write_text(json.dumps({**results, "data": data}))
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"rows": [
+        # the current bench.py names, and the shorter ones a later version may write; failed and one-length rows
+        *({"model": "mega", "length": n, "train_ms": n / 100, "peak_mem_mib": n / 10, "status": "ok"}
+          for n in (1024, 2048)),
+        *({"model": "chela", "seq_len": n, "step_ms": n / 200, "peak_mem_gib": n / 1e4} for n in (1024, 2048)),
+        {"model": "las", "length": 4096, "train_ms": 1.0, "status": "oom"},
+        {"model": "seqboat", "length": 4096, "train_ms": 1.0}]}))
+    paths = build_report(runs, tmp_path / "out", bench=bench)
+    plots = tmp_path / "out" / "plots"
+    assert sorted(p.name for p in plots.glob("task_*.png")) == ["task_listops.png", "task_text.png"]
+    assert all(_png(paths[k]) for k in ("task_listops", "task_text", "bench"))
+
+    from longmixer.report.plots import bench_rows
+
+    rows = bench_rows(bench)
+    assert {r["label"] for r in rows} == {"mega", "chela", "seqboat"}
+    assert [r["peak_mib"] for r in rows if r["label"] == "chela"] == [pytest.approx(1024 / 1e4 * 1024),
+                                                                    pytest.approx(2048 / 1e4 * 1024)]
+    bench.write_text(json.dumps({"rows": {"model": "x"}}))
+    with pytest.raises(ValueError, match="expected a list of rows"):
+        bench_rows(bench)
+    with pytest.raises(FileNotFoundError, match="--bench"):
+        build_report(runs, tmp_path / "out2", bench=tmp_path / "missing.json")
