@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from longmixer.bench import _slot, compose_model_config, markdown, measure, model_specs, plan
