@@ -14,6 +14,7 @@ help:
 	@echo "make data TASK=name   download / generate / verify one task's data (listops, text, pathfinder_gen, ...)"
 	@echo "make sweep            an example multi-run: quickstart over three seeds"
 	@echo "make bench            model-level and kernel benchmarks (needs a CUDA GPU for the kernel numbers)"
+	@echo "make lint             ruff (rules in pyproject.toml) and the import-layering test"
 
 venv: $(STAMP)
 
@@ -44,7 +45,8 @@ bench: $(STAMP)
 	for f in scripts/bench/[a-z]*.py; do PYTHONPATH=src $(PY) $$f || exit 1; done
 
 lint: $(STAMP)
-	$(PY) -m pytest -q tests/test_layering.py
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layering.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -15,8 +15,9 @@ ALLOWED = {
     "tasks": {"tasks", "utils"},
     "data": {"data", "utils"},
     "callbacks": {"callbacks", "utils"},
+    "report": {"report", "utils"},
 }
-ENTRY_POINTS = {"train", "evaluate", "bench", "report", "__init__"}
+ENTRY_POINTS = {"train", "evaluate", "bench", "__init__"}
 HEAVY = {"hydra", "omegaconf", "wandb", "datasets"}  # absent on the GPU machine; ops/layers/mixers must not need them
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from longmixer.report import build_report, main
-from longmixer.utils.tables import collect_runs, group_runs
+from longmixer.report.tables import collect_runs, group_runs
 from tests.conftest import TINY_LISTOPS, TINY_TRAINER, compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,3 +162,77 @@ def test_reproduce_scripts_name_existing_experiments(paper):
             for name in choices.get(key, "").split(",") if key in choices else []:
                 path = ROOT / "configs" / folder / f"{name}.yaml"
                 assert path.exists(), f"{script}: {key}={name} names no config ({path})"
+
+
+def _fake_run(root: Path, name: str, overrides: list[str], acc: float, seed: int = 0) -> Path:
+    """A finished run dir as train.py leaves it: results.json and Hydra's overrides.yaml."""
+    run = root / name
+    (run / ".hydra").mkdir(parents=True)
+    (run / "results.json").write_text(json.dumps({"experiment": "mega/listops", "model": "mega", "data": "listops",
+                                                  "seed": seed, "metrics": {"test/acc": acc}}))
+    (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    return run
+
+
+def test_runs_that_differ_in_any_model_data_or_trainer_key_are_separate_groups(tmp_path):
+    _fake_run(tmp_path, "full", ["experiment=mega/listops", "seed=0"], 0.5)
+    _fake_run(tmp_path, "full_elsewhere", ["experiment=mega/listops", "seed=1", "data.num_workers=8",
+                                           "trainer.devices=2", "paths.data_dir=/x", "~callbacks.progress",
+                                           "trainer.enable_progress_bar=false"], 0.6, seed=1)
+    _fake_run(tmp_path, "debug", ["experiment=mega/listops", "seed=0", "trainer.max_steps=50"], 0.1)
+    _fake_run(tmp_path, "wide", ["experiment=mega/listops", "seed=0", "model.d_model=256"], 0.2)
+    _fake_run(tmp_path, "short", ["experiment=mega/listops", "seed=0", "data.seq_len=512"], 0.3)
+    groups = {g.variant: g for g in group_runs(collect_runs(tmp_path))}
+    assert sorted(groups) == ["", "data.seq_len=512", "model.d_model=256", "trainer.max_steps=50"]
+    # the neutral keys (workers, devices, data dir, display) still merge: one group of two seeds
+    assert groups[""].seeds == [0, 1] and groups[""].stats("test/acc")[0] == pytest.approx(0.55)
+    assert groups["trainer.max_steps=50"].stats("test/acc") == (pytest.approx(0.1), None, 1)
+
+
+def _png(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.xdist_group("report")
+def test_report_plots_one_figure_per_task_and_curves_per_configuration(tiny_runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    paper = tmp_path / "paper.yaml"
+    paper.write_text(TINY_PAPER)
+    paths = build_report(tiny_runs, tmp_path / "out", paper_results=paper)
+    plots = tmp_path / "out" / "plots"
+    assert sorted(p.name for p in plots.glob("task_*.png")) == ["task_listops_gen.png"]
+    assert _png(paths["task_listops_gen"]) and _png(paths["curves_listops_gen"])
+    assert not (plots / "bench.png").exists()  # no --bench given
+
+
+def test_report_plots_every_task_and_the_bench_json_in_either_column_naming(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = tmp_path / "runs"
+    for i, (data, seed) in enumerate([("listops", 0), ("listops", 1), ("text", 0)]):
+        run = _fake_run(runs, f"r{i}", [f"seed={seed}"], 0.4 + i / 10, seed=seed)
+        results = json.loads((run / "results.json").read_text())
+        (run / "results.json").write_text(json.dumps({**results, "data": data}))
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"rows": [
+        # the current bench.py names, and the shorter ones a later version may write; failed and one-length rows
+        *({"model": "mega", "length": n, "train_ms": n / 100, "peak_mem_mib": n / 10, "status": "ok"}
+          for n in (1024, 2048)),
+        *({"model": "chela", "seq_len": n, "step_ms": n / 200, "peak_mem_gib": n / 1e4} for n in (1024, 2048)),
+        {"model": "las", "length": 4096, "train_ms": 1.0, "status": "oom"},
+        {"model": "seqboat", "length": 4096, "train_ms": 1.0}]}))
+    paths = build_report(runs, tmp_path / "out", bench=bench)
+    plots = tmp_path / "out" / "plots"
+    assert sorted(p.name for p in plots.glob("task_*.png")) == ["task_listops.png", "task_text.png"]
+    assert all(_png(paths[k]) for k in ("task_listops", "task_text", "bench"))
+
+    from longmixer.report.plots import bench_rows
+
+    rows = bench_rows(bench)
+    assert {r["label"] for r in rows} == {"mega", "chela", "seqboat"}
+    assert [r["peak_mib"] for r in rows if r["label"] == "chela"] == [pytest.approx(1024 / 1e4 * 1024),
+                                                                    pytest.approx(2048 / 1e4 * 1024)]
+    bench.write_text(json.dumps({"rows": {"model": "x"}}))
+    with pytest.raises(ValueError, match="expected a list of rows"):
+        bench_rows(bench)
+    with pytest.raises(FileNotFoundError, match="--bench"):
+        build_report(runs, tmp_path / "out2", bench=tmp_path / "missing.json")

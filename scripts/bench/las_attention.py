@@ -178,7 +178,10 @@ def table(rows: list[dict], baseline_prefix: str) -> str:
     base = {r["T"]: r for r in rows if r["method"].startswith(baseline_prefix) and r.get("fwd_ms")}
     lines = ["| T | B | method | fwd ms | fwd+bwd ms | peak GiB | fwd / SDPA | fwd+bwd / SDPA |",
              "|---|---|---|---|---|---|---|---|"]
-    fmt = lambda x, f="{:.3f}": "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f.format(x)
+
+    def fmt(x, f="{:.3f}"):
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f.format(x)
+
     for r in rows:
         b = base.get(r["T"])
         rf = r["fwd_ms"] / b["fwd_ms"] if b and r.get("fwd_ms") else None

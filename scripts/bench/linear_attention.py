@@ -229,7 +229,6 @@ def sweep(B, T, H, D, device, dtype, quick, tiles=None, segments=(1, 2, 4, 8, 16
         t_fb = bench(fwd_bwd(f, (q, k, v), do), quick)
         rows.append((cfg, t_f, t_fb))
         print(f"sweep B{B} T{T} H{H} D{D} {cfg} fwd {t_f:.3f} fwd+bwd {t_fb:.3f}", flush=True)
-    del q, k, v, do
     return rows
 
 

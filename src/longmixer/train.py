@@ -72,7 +72,7 @@ def train(cfg: DictConfig) -> dict:
     if trainer.is_global_zero:
         log.info(result_table(results))
     for logger in trainer.loggers:
-        if type(logger).__name__ == "WandbLogger":
+        if isinstance(logger, pl.loggers.WandbLogger):  # subclasses too (utils/wandb_watch.py)
             logger.experiment.finish()
     return {"metrics": metrics, **results}
 

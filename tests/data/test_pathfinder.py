@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from longmixer.data.pathfinder import PathX, Pathfinder, read_metadata
-from tests.data.fixtures import EMPTY_PNG, PATHFINDER_BATCHES, PATHFINDER_PER_BATCH, pathfinder_label, \
+from tests.data.fixtures import PATHFINDER_BATCHES, PATHFINDER_PER_BATCH, pathfinder_label, \
     write_pathfinder_fixture
 
 N_IMAGES = PATHFINDER_BATCHES * PATHFINDER_PER_BATCH

@@ -1,4 +1,8 @@
-"""Training speed and memory, logged once per window of steps: tokens/s, samples/s, step time, peak GPU memory."""
+"""Training speed and memory, logged once per window of steps: tokens/s, samples/s, step time, peak GPU memory.
+
+Kept instead of Lightning's ThroughputMonitor, which logs per-second rates under its own fixed names and no peak
+memory; the notebook and the bench comparison read `train/speed/{tokens_per_s, step_ms, peak_mem_gib}`.
+"""
 
 from __future__ import annotations
 

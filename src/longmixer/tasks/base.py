@@ -43,6 +43,7 @@ class SequenceTask(pl.LightningModule):
         self.model = model
         self.optim_cfg = dict(optim)
         self.monitor, self.mode = monitor, mode
+        # a float, not torchmetrics' MaxMetric: it must travel in checkpoints (MaxMetric state is not persistent)
         self.best_score: float | None = None
         self.total_steps = 1
 

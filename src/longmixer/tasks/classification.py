@@ -3,28 +3,49 @@ accuracy, masked mean pooling in the model; test accuracy is reported at the bes
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
+from torch import nn
 from torch.nn import functional as F
+from torchmetrics.classification import MulticlassAccuracy
 
 from longmixer.tasks.base import SequenceTask
 
+STAGES = ("train", "val", "test")
+
 
 class Classification(SequenceTask):
-    """Cross-entropy classification over a `SequenceModel` (see `SequenceTask` for the arguments).
+    """Cross-entropy classification over a `SequenceModel`.
 
     Batches are dicts with `inputs`, `mask`, `labels` and, for retrieval, `inputs2`, `mask2`.
+
+    Args:
+        model, optim, monitor, mode: see `SequenceTask`.
+        num_classes: the number of labels (the recipe takes it from `${model.num_classes}`).
     """
+
+    def __init__(self, model: nn.Module, optim: Mapping[str, Any], num_classes: int, monitor: str = "val/acc",
+                 mode: str = "max"):
+        super().__init__(model, optim, monitor=monitor, mode=mode)
+        if not isinstance(num_classes, int) or num_classes < 2:
+            raise ValueError(f"task.num_classes={num_classes!r} must be an integer >= 2 (set data.num_classes)")
+        # accuracy over every sample of the epoch (micro average), summed across ranks by torchmetrics; keyed
+        # `<stage>_acc` because a ModuleDict key `train` would shadow nn.Module.train
+        self.accuracy = nn.ModuleDict({f"{stage}_acc": MulticlassAccuracy(num_classes, average="micro")
+                                       for stage in STAGES})
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str):
         logits, aux = self.model(batch["inputs"], batch.get("mask"), batch.get("inputs2"), batch.get("mask2"))
         labels = batch["labels"]
         loss = F.cross_entropy(logits.float(), labels)
-        acc = (logits.argmax(-1) == labels).float().mean()
         n = labels.shape[0]
         self.log(f"{stage}/loss", loss.detach(), on_step=stage == "train", on_epoch=True, prog_bar=stage != "train",
                  batch_size=n, sync_dist=stage != "train")
-        self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=True, batch_size=n,
-                 sync_dist=stage != "train")
+        accuracy = self.accuracy[f"{stage}_acc"]
+        accuracy(logits.detach(), labels)
+        self.log(f"{stage}/acc", accuracy, on_step=False, on_epoch=True, prog_bar=True, batch_size=n)
         return self.add_aux(loss, aux, stage, n)
 
     def training_step(self, batch, batch_idx):

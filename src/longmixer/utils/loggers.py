@@ -20,13 +20,16 @@ def wandb_run_id(save_dir: str | Path) -> str:
 
 
 def wandb_logger(project: str, save_dir: str, run_name: str, seed: int, tags=(), group: str | None = None,
-                 entity: str | None = None, model_name: str | None = None, data_name: str | None = None):
+                 entity: str | None = None, model_name: str | None = None, data_name: str | None = None,
+                 log_model: bool | str = False, watch: str | None = None, watch_log_freq: int = 100):
     """A `WandbLogger` named `<run_name>-seed<seed>`, grouped by run name, tagged; offline unless the user set
-    `WANDB_MODE` or an API key (`WANDB_API_KEY`). The full resolved config is sent by the entry point."""
-    from pytorch_lightning.loggers import WandbLogger
+    `WANDB_MODE` or an API key (`WANDB_API_KEY`). The full resolved config is sent by the entry point.
+    `log_model` (checkpoints as artifacts) and `watch` (gradient / parameter histograms): configs/logger/wandb.yaml."""
+    from longmixer.utils.wandb_watch import WatchingWandbLogger
 
     online = "WANDB_MODE" in os.environ or "WANDB_API_KEY" in os.environ
     mode = os.environ.get("WANDB_MODE", "online") if online else "offline"
-    return WandbLogger(project=project, entity=entity, save_dir=save_dir, name=f"{run_name}-seed{seed}",
-                       group=group, tags=[*tags, *(t for t in (model_name, data_name) if t), f"seed{seed}"], id=wandb_run_id(save_dir), resume="allow",
-                       mode=mode)
+    return WatchingWandbLogger(project=project, entity=entity, save_dir=save_dir, name=f"{run_name}-seed{seed}",
+                               group=group, tags=[*tags, *(t for t in (model_name, data_name) if t), f"seed{seed}"],
+                               id=wandb_run_id(save_dir), resume="allow", mode=mode, log_model=log_model,
+                               watch=watch, watch_log_freq=watch_log_freq)

@@ -9,17 +9,21 @@ data, ablation and any other result-changing override, and writes to `--out`:
 - `results.md`: the papers' layouts (LRA six tasks + average, sCIFAR, SC10, WikiText-103, enwik8, MNIST, ablations)
   with ours (mean ± std over seeds) beside the paper's number and the difference, then every group we ran;
 - `results.tex`: the same tables as LaTeX (booktabs);
-- `tables.csv`: one row per table cell; `groups.csv`: one row per group and metric; `runs.csv`: one row per run.
+- `tables.csv`: one row per table cell; `groups.csv`: one row per group and metric; `runs.csv`: one row per run;
+- `plots/task_<task>.png` (ours mean ± std per configuration beside the papers' numbers for every family),
+  `plots/curves_<task>.png` (learning curves, one line per configuration) and, with `--bench <json>`,
+  `plots/bench.png` (step time and peak memory against length). Needs matplotlib (the `notebook` extra).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
-import sys
 from pathlib import Path
 
-from longmixer.utils.tables import (LAYOUT_TITLES, collect_runs, fill_table, group_rows, group_runs, groups_markdown,
+from longmixer.report.plots import write_plots
+from longmixer.report.tables import (LAYOUT_TITLES, collect_runs, fill_table, group_rows, group_runs, groups_markdown,
                                     load_paper_tables, table_latex, table_markdown, table_rows, write_csv)
 
 log = logging.getLogger(__name__)
@@ -27,8 +31,10 @@ LAYOUT_ORDER = ("lra", "scifar", "sc10", "wikitext103", "enwik8", "mnist", "abla
 
 
 def build_report(runs_dir: Path, out_dir: Path, paper_results: Path | None = None,
-                 papers: list[str] | None = None) -> dict[str, Path]:
-    """Write the report files; returns {name: path}."""
+                 papers: list[str] | None = None, bench: Path | None = None, plots: bool = True) -> dict[str, Path]:
+    """Write the report files (and, with `plots`, the PNGs of report/plots.py); returns {name: path}."""
+    if bench is not None and not Path(bench).exists():
+        raise FileNotFoundError(f"--bench={bench} does not exist; pass the JSON python -m longmixer.bench wrote")
     runs = collect_runs(Path(runs_dir))
     groups = group_runs(runs)
     spec = load_paper_tables(paper_results)
@@ -64,6 +70,8 @@ def build_report(runs_dir: Path, out_dir: Path, paper_results: Path | None = Non
                                "model": r.model or "", "data": r.data or "", "ablation": r.ablation or "",
                                "variant": r.variant, "seed": r.seed, **{m: r.metrics.get(m) for m in metric_names}}
                               for r in sorted(runs, key=lambda r: (str(r.key), r.seed))])
+    if plots:
+        paths.update(write_plots(groups, cells, out_dir, bench))
     log.info("report: %d runs, %d groups, %d tables -> %s", len(runs), len(groups), len(tables), out_dir)
     return paths
 
@@ -75,14 +83,19 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     parser.add_argument("--paper-results", type=Path, default=None,
                         help="the papers' numbers (default: the packaged paper_results.yaml)")
     parser.add_argument("--papers", nargs="*", default=None, help="only these papers' tables (chela longvq las seqboat)")
+    parser.add_argument("--bench", type=Path, default=None,
+                        help="a JSON from python -m longmixer.bench: plots/bench.png (speed, memory vs length)")
+    parser.add_argument("--no-plots", action="store_true", help="tables only (the PNGs need matplotlib)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     papers = [p.lower() for p in args.papers] if args.papers else None
-    paths = build_report(args.runs, args.out, args.paper_results, papers)
+    plots = not args.no_plots
+    if plots and importlib.util.find_spec("matplotlib") is None:
+        log.warning("matplotlib is not installed (pip install 'longmixer[notebook]'): writing tables only; "
+                    "--no-plots silences this")
+        plots = False
+    paths = build_report(args.runs, args.out, args.paper_results, papers, bench=args.bench, plots=plots)
     for name, path in paths.items():
         log.info("%-8s %s", name, path)
     return paths
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

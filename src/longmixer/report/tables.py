@@ -26,11 +26,17 @@ COLUMN_TITLES = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval",
 LAYOUT_TITLES = {"lra": "Long Range Arena", "scifar": "sCIFAR", "sc10": "Speech Commands (SC10, raw)",
                  "wikitext103": "WikiText-103 (perplexity)", "enwik8": "enwik8 (bits per byte)",
                  "mnist": "Sequential MNIST", "ablation": "Ablations"}
-# Overrides that do not change what a run computes (the run-dir hash ignores the same keys, configs/hydra/default.yaml)
-# plus the ones a run is already grouped by.
-_NEUTRAL_KEYS = ("seed", "experiment", "model", "data", "ablation", "resume", "ckpt_path", "logger", "trainer.devices",
-                 "trainer.accelerator", "callbacks", "hparams_search", "paths.log_dir", "paths.data_dir",
-                 "data.num_workers", "train", "test")
+# Overrides that do not change what a run computes (the run-dir hash ignores the first line's keys,
+# configs/hydra/default.yaml), the ones a run is already grouped by, and display-only settings. Matched as whole
+# keys: `model` (the group choice) is neutral, while `model.d_model`, `data.seq_len` or `trainer.max_steps` make a
+# separate group. Only logger, paths and hydra settings are neutral as a whole subtree.
+_NEUTRAL_KEYS = frozenset(("seed", "experiment", "model", "data", "ablation", "resume", "ckpt_path", "logger",
+                           "trainer.devices", "trainer.accelerator", "callbacks", "hparams_search", "data.num_workers",
+                           "train", "test", "run_tag", "tags", "callbacks.progress", "callbacks.summary",
+                           "callbacks.lr_monitor", "callbacks.throughput", "callbacks.throughput.window",
+                           "callbacks.params", "trainer.enable_progress_bar", "trainer.enable_model_summary",
+                           "trainer.log_every_n_steps"))
+_NEUTRAL_SUBTREES = ("logger.", "paths.", "hydra.")
 
 
 @dataclass
@@ -87,7 +93,7 @@ def _split_overrides(run_dir: Path) -> tuple[str | None, str]:
         key, _, value = str(item).lstrip("+~").partition("=")
         if key == "ablation":
             ablation = value
-        elif not key.startswith(_NEUTRAL_KEYS):
+        elif key not in _NEUTRAL_KEYS and not key.startswith(_NEUTRAL_SUBTREES):
             rest.append(str(item))
     return ablation, ",".join(sorted(rest))
 

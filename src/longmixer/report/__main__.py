@@ -1,0 +1,5 @@
+import sys
+
+from longmixer.report.build import main
+
+main(sys.argv[1:])

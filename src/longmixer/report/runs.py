@@ -1,0 +1,134 @@
+"""List and compare run dirs.
+
+    python -m longmixer.report.runs --runs logs/runs                   # every run: what it is, status, metrics
+    python -m longmixer.report.runs --compare <run dir> <run dir> ...   # config keys that differ, metrics side by side
+    longmixer-runs ...                                                  # the same, as a console script
+
+A run dir is a dir holding `config_resolved.yaml` (written when training starts) or `results.json` (written when it
+finishes); "finished" means results.json exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import yaml
+
+from longmixer.report.tables import Group, headline_metric, load_run, write_csv
+
+log = logging.getLogger(__name__)
+MARKERS = ("results.json", "config_resolved.yaml")
+
+
+def find_run_dirs(root: Path) -> list[Path]:
+    if not root.exists():
+        raise FileNotFoundError(f"--runs={root} does not exist; pass the dir holding the run dirs (logs/runs)")
+    dirs = {p.parent for marker in MARKERS for p in root.rglob(marker)}
+    return sorted(d for d in dirs if "wandb" not in d.parts)
+
+
+def run_row(run_dir: Path, root: Path, metrics: list[str] | None = None) -> dict:
+    """One listing row: the run's name, status, choices, variant overrides and its headline metrics."""
+    row = {"run": str(run_dir.relative_to(root)) if run_dir.is_relative_to(root) else str(run_dir)}
+    if not (run_dir / "results.json").exists():
+        return {**row, "status": "unfinished", "experiment": "", "model": "", "data": "", "seed": "",
+                "overrides": "", **{m: None for m in metrics or []}}
+    run = load_run(run_dir / "results.json")
+    row.update(status="finished", experiment=run.experiment or "", model=run.model or "", data=run.data or "",
+               seed=run.seed, overrides=" ".join(filter(None, [f"+ablation={run.ablation}" if run.ablation else "",
+                                                              run.variant.replace(",", " ")])))
+    if metrics:
+        row.update({m: run.metrics.get(m) for m in metrics})
+    else:
+        best = next((k for k in sorted(run.metrics) if k.endswith("_best")), None)
+        test = headline_metric(Group(run.experiment, run.model, run.data, run.ablation, run.variant, run.family,
+                                     [run]))
+        row.update(best=f"{best}={run.metrics[best]:.4f}" if best else "",
+                   test=f"{test}={run.metrics[test]:.4f}" if test and test.startswith("test/") else "")
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    if not rows:
+        return "(no runs)\n"
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = ["–" if row[k] is None else f"{row[k]:.4f}" if isinstance(row[k], float) else str(row[k])
+                 for k in header]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def list_runs(root: Path, metrics: list[str] | None = None) -> list[dict]:
+    return [run_row(d, root, metrics) for d in find_run_dirs(root)]
+
+
+def _flatten(node, prefix: str = "") -> dict[str, object]:
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out or {prefix.rstrip("."): {}}
+    return {prefix.rstrip("."): node}
+
+
+def _config(run_dir: Path) -> dict:
+    for name in ("config_resolved.yaml", ".hydra/config.yaml"):
+        if (run_dir / name).exists():
+            return _flatten(yaml.safe_load((run_dir / name).read_text()) or {})
+    raise FileNotFoundError(f"{run_dir} holds neither config_resolved.yaml nor .hydra/config.yaml: not a run dir")
+
+
+def _metrics(run_dir: Path) -> dict:
+    path = run_dir / "results.json"
+    return json.loads(path.read_text()).get("metrics", {}) if path.exists() else {}
+
+
+def compare_runs(run_dirs: list[Path]) -> list[dict]:
+    """Rows `{key, <run 1>, <run 2>, ...}`: every config key whose value differs between the runs (paths that
+    only name the run dir itself are left out), then every metric any of them recorded."""
+    configs = [_config(d) for d in run_dirs]
+    names = [str(d) for d in run_dirs]
+    own = [str(d.resolve()) for d in run_dirs]
+    rows = []
+    for key in sorted(set().union(*configs)):
+        values = [c.get(key, "(absent)") for c in configs]
+        if len({json.dumps(v, sort_keys=True, default=str) for v in values}) == 1:
+            continue
+        if all(isinstance(v, str) and any(v.startswith(o) for o in own) for v in values):
+            continue
+        rows.append({"key": key, **dict(zip(names, values))})
+    metrics = [_metrics(d) for d in run_dirs]
+    for key in sorted(set().union(*metrics)):
+        rows.append({"key": key, **{n: m.get(key) for n, m in zip(names, metrics)}})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="longmixer-runs", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=Path, default=Path("logs/runs"), help="dir holding the run dirs")
+    parser.add_argument("--metric", action="append", default=None,
+                        help="a metric column (repeatable); default: the best monitored value and the test metric")
+    parser.add_argument("--compare", type=Path, nargs="+", default=None, metavar="RUN_DIR",
+                        help="two or more run dirs: the config keys that differ and the metrics side by side")
+    parser.add_argument("--csv", type=Path, default=None, help="also write the table to this CSV file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.compare is not None:
+        if len(args.compare) < 2:
+            parser.error("--compare needs at least two run dirs")
+        rows = compare_runs(args.compare)
+    else:
+        rows = list_runs(args.runs, args.metric)
+    log.info("%s", markdown(rows))
+    if args.csv:
+        write_csv(args.csv, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

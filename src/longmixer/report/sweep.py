@@ -1,0 +1,146 @@
+"""The sweep summary: after `python -m longmixer.train -m ...` (a grid or an Optuna study), one table of every job.
+
+A Hydra callback (configured in `configs/hydra/default.yaml`). Each job, when it ends, leaves a record in
+`<sweep dir>/jobs/<num>.json` and a link `<sweep dir>/jobs/<num>` to its run dir; records are files rather than
+state in this object so that launchers running jobs in other processes (joblib, submitit) are summarized as well.
+After every job the records become `<sweep dir>/summary.csv` and `summary.md` (logged when the sweep ends):
+
+| job | status    | val/acc_best | optim.lr | run_dir                                    |
+|-----|-----------|--------------|----------|--------------------------------------------|
+| 0   | COMPLETED | 0.3125 *     | 0.002    | logs/runs/quickstart/1b2c3d4e_seed0        |
+
+`*` marks the best job by the task's mode; the markdown shows only the overrides that differ between jobs, the CSV
+has every override of every job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from longmixer.report.tables import write_csv
+
+log = logging.getLogger("longmixer")
+RECORDS = "jobs"
+
+
+def _metric_name(config: DictConfig) -> str:
+    """The sweep's objective (`optimized_metric`, set by hparams_search) or the best value of the task's monitor."""
+    metric = OmegaConf.select(config, "optimized_metric", default=None)
+    if metric:
+        return str(metric)
+    monitor = OmegaConf.select(config, "task.monitor", default=None)
+    return f"{monitor}_best" if monitor else "val/loss"
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def job_record(config: DictConfig, job_return: Any) -> dict:
+    """What one job leaves for the summary: its number, overrides, status, metric value and run dir."""
+    run_dir = Path(config.hydra.runtime.output_dir)
+    metric = _metric_name(config)
+    results_path = run_dir / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    value = _number((results.get("metrics") or {}).get(metric))
+    status = getattr(getattr(job_return, "status", None), "name", "UNKNOWN")
+    try:
+        returned = job_return.return_value
+    except Exception as err:  # noqa: BLE001 - a failed job re-raises its error here; Hydra reports it, we record it
+        returned = err
+    if value is None and status == "COMPLETED":
+        value = _number(returned)
+    return {"job": int(config.hydra.job.num), "status": status, "metric": metric, "value": value,
+            "mode": OmegaConf.select(config, "task.mode", default="max"),
+            "overrides": [str(o) for o in config.hydra.overrides.task],
+            "error": f"{type(returned).__name__}: {returned}" if isinstance(returned, BaseException) else "",
+            "run_dir": str(run_dir)}
+
+
+def _split(override: str) -> tuple[str, str]:
+    key, _, value = override.partition("=")
+    return key, value
+
+
+def summary_rows(records: list[dict]) -> tuple[list[dict], list[str]]:
+    """One row per job (sorted by job number), and the override keys whose values differ between jobs."""
+    records = sorted(records, key=lambda r: r["job"])
+    values: dict[str, set[str]] = {}
+    for record in records:
+        for key, value in map(_split, record["overrides"]):
+            values.setdefault(key, set()).add(value)
+    varying = [k for k, v in values.items() if len(v) > 1 or any(k not in dict(map(_split, r["overrides"]))
+                                                                   for r in records)]
+    scored = [r for r in records if r["value"] is not None]
+    best = None
+    if scored:
+        pick = min if records[0]["mode"] == "min" else max
+        best = pick(scored, key=lambda r: r["value"])["job"]
+    rows = []
+    for record in records:
+        overrides = dict(map(_split, record["overrides"]))
+        rows.append({"job": record["job"], "status": record["status"], "metric": record["metric"],
+                     "value": record["value"], "best": record["job"] == best,
+                     **{k: overrides.get(k, "") for k in varying},
+                     "overrides": " ".join(record["overrides"]), "error": record["error"],
+                     "run_dir": record["run_dir"]})
+    return rows, varying
+
+
+def summary_markdown(rows: list[dict], varying: list[str]) -> str:
+    metric = rows[0]["metric"] if rows else "metric"
+    header = ["job", "status", metric, *varying, "run_dir"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        value = "–" if row["value"] is None else f"{row['value']:.4f}" + (" *" if row["best"] else "")
+        status = row["status"] + (f" ({row['error'][:80]})" if row["error"] else "")
+        lines.append("| " + " | ".join([str(row["job"]), status, value, *(str(row[k]) for k in varying),
+                                        row["run_dir"]]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(sweep_dir: Path, announce: bool = True) -> dict[str, Path] | None:
+    """`summary.csv` and `summary.md` in `sweep_dir` from the job records (logged when `announce`); None when no
+    job left one."""
+    records = [json.loads(p.read_text()) for p in sorted((sweep_dir / RECORDS).glob("*.json"))]
+    if not records:
+        return None
+    rows, varying = summary_rows(records)
+    paths = {"csv": sweep_dir / "summary.csv", "markdown": sweep_dir / "summary.md"}
+    write_csv(paths["csv"], rows)
+    markdown = summary_markdown(rows, varying)
+    paths["markdown"].write_text(markdown)
+    if announce:
+        log.info("sweep summary (%d jobs, %s):\n%s", len(rows), paths["csv"], markdown)
+    return paths
+
+
+class SweepSummary(Callback):
+    """Hydra callback: a record per job at its end, the summary table after every job (so a sweep that stops
+    at a failed grid job or is killed still has one) and logged at the end of the multirun."""
+
+    def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN:
+            return
+        record = job_record(config, job_return)
+        records = Path(config.hydra.sweep.dir) / RECORDS
+        records.mkdir(parents=True, exist_ok=True)
+        (records / f"{record['job']}.json").write_text(json.dumps(record, indent=1))
+        link = records / str(record["job"])
+        if not link.exists() and not link.is_symlink() and Path(record["run_dir"]).is_dir():
+            os.symlink(os.path.abspath(record["run_dir"]), link, target_is_directory=True)
+        write_summary(records.parent, announce=False)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        write_summary(Path(config.hydra.sweep.dir))

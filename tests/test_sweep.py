@@ -1,0 +1,74 @@
+"""The sweep summary (a Hydra callback) after a real grid and a real Optuna study, and the runs CLI on their runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from longmixer.report import runs as runs_cli
+from tests.conftest import TINY_LISTOPS, TINY_TRAINER
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _multirun(args: list[str], tmp_path: Path) -> tuple[Path, list[dict], str]:
+    """Run `python -m longmixer.train -m` on tiny ListOps; returns (sweep dir, summary.csv rows, stdout+stderr)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
+    cmd = [sys.executable, "-m", "longmixer.train", "-m", f"paths.log_dir={tmp_path / 'logs'}",
+           f"paths.data_dir={tmp_path / 'data'}", *TINY_LISTOPS, *TINY_TRAINER, *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (sweep_dir,) = (tmp_path / "logs" / "multiruns").iterdir()
+    rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
+    return sweep_dir, rows, proc.stdout + proc.stderr
+
+
+def test_grid_sweep_writes_a_summary_of_every_job_and_links_their_run_dirs(tmp_path):
+    sweep_dir, rows, output = _multirun(["optim.lr=0.001,0.003"], tmp_path)
+    assert [(r["job"], r["status"], r["optim.lr"], r["metric"]) for r in rows] == [
+        ("0", "COMPLETED", "0.001", "val/acc_best"), ("1", "COMPLETED", "0.003", "val/acc_best")]
+    for row in rows:
+        run_dir = Path(row["run_dir"])
+        assert (sweep_dir / "jobs" / row["job"]).resolve() == run_dir.resolve()
+        best = json.loads((run_dir / "results.json").read_text())["metrics"]["val/acc_best"]
+        assert float(row["value"]) == pytest.approx(best)
+    values = [float(r["value"]) for r in rows]
+    assert [r["best"] for r in rows] == [str(v == max(values)) for v in values]
+    markdown = (sweep_dir / "summary.md").read_text()
+    assert markdown.splitlines()[0] == "| job | status | val/acc_best | optim.lr | run_dir |"
+    assert "sweep summary (2 jobs" in output and markdown.splitlines()[2] in output
+
+    # the runs CLI lists both runs and compares them: the lr is the config key that differs
+    listed = runs_cli.main(["--runs", str(tmp_path / "logs" / "runs")])
+    assert sorted(r["status"] for r in listed) == ["finished", "finished"]
+    assert all(r["best"].startswith("val/acc_best=") and r["test"].startswith("test/acc=") for r in listed)
+    compared = runs_cli.main(["--compare", *(r["run_dir"] for r in rows)])
+    keys = {r["key"]: r for r in compared}
+    assert "optim.lr" in keys and "seed" not in keys and "val/acc_best" in keys
+    assert [keys["optim.lr"][r["run_dir"]] for r in rows] == [0.001, 0.003]
+
+
+def test_optuna_study_summary_has_every_trial(tmp_path):
+    sweep_dir, rows, _ = _multirun(["hparams_search=optuna", "hydra.sweeper.n_trials=2",
+                                    "hydra.sweeper.sampler.seed=0"], tmp_path)
+    assert [r["job"] for r in rows] == ["0", "1"] and {r["status"] for r in rows} == {"COMPLETED"}
+    assert all(r["optim.lr"] and r["optim.weight_decay"] for r in rows)  # each trial's sampled params
+    assert (sweep_dir / "optimization_results.yaml").exists()  # the sweeper's own best-trial file stays
+    best = [r for r in rows if r["best"] == "True"]
+    assert len(best) == 1 and float(best[0]["value"]) == max(float(r["value"]) for r in rows)
+
+
+def test_runs_cli_marks_unfinished_runs_and_refuses_a_missing_dir(tmp_path):
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "config_resolved.yaml").write_text("seed: 0\n")
+    (row,) = runs_cli.main(["--runs", str(tmp_path / "runs"), "--csv", str(tmp_path / "runs.csv")])
+    assert (row["run"], row["status"]) == ("a", "unfinished")
+    assert (tmp_path / "runs.csv").read_text().startswith("run,status")
+    with pytest.raises(FileNotFoundError, match="--runs"):
+        runs_cli.main(["--runs", str(tmp_path / "missing")])
