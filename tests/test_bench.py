@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 import torch
 
 from longmixer.bench import (BudgetExceeded, _slot, compile_model, compose_model_config, main, markdown, measure,
