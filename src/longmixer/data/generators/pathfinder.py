@@ -11,9 +11,15 @@ Departures from upstream, all deliberate:
 - Randomness: one `np.random.Generator` per image, seeded by `SeedSequence(seed, spawn_key=(resolution, contour
   length, image index))`, so the output is byte-identical for a seed whatever the number of worker processes.
   Upstream used unseeded global `np.random` and Python `random`.
-- `scipy.misc.imresize` / `imsave` no longer exist; `_imresize` and `_to_uint8` rebuild them (bytescale, then PIL
-  Lanczos), and `cv2.dilate` is `scipy.ndimage.maximum_filter` (both correlate with the kernel, no reflection).
+- `scipy.misc.imresize` / `imsave` no longer exist; `_imresize` and `_bytescale` rebuild them (bytescale, then PIL
+  Lanczos). `cv2.dilate` is `scipy.ndimage.maximum_filter` with OpenCV's border: positions whose kernel taps all
+  fall outside the image get the lowest float, and, as upstream, a dilated mask holding such a value offers no
+  free coordinate (`_free_coordinates`). OpenCV is therefore not needed at run time.
+- Labels come in complementary pairs (`_label`); upstream draws each independently.
 - Metadata is written as text, as in the released files (upstream wrote `np.save` arrays).
+
+Equivalence is measured, not assumed: tests/data/test_pathfinder_official_stats.py compares distractors per image,
+ink fraction, target-pair attempts and label balance with constants measured from the upstream code (docs/data.md).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import logging
 import math
 import os
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -126,13 +133,20 @@ def _imresize(arr: np.ndarray, size: int) -> np.ndarray:
     return np.asarray(Image.fromarray(_bytescale(arr)).resize((size, size), Image.LANCZOS))
 
 
+# OpenCV's dilation pads with the lowest value of the dtype (`morphologyDefaultBorderValue`): a pixel whose kernel taps
+# all fall outside the image keeps that value. The seed structuring element is one-sided (the paddle leaves its
+# tail in one direction), so for most orientations a band along one or two borders comes out at -DBL_MAX.
+OUTSIDE = -np.finfo(np.float64).max
+
+
 def _dilate(image: np.ndarray, footprint: np.ndarray) -> np.ndarray:
-    """`cv2.dilate(image, footprint)`: a max filter that correlates with the kernel (no reflection, no border)."""
+    """`cv2.dilate(float64 image, footprint)`: the max over the kernel taps that land inside the image (a
+    correlation: no reflection of the kernel, anchor at its center), and `OUTSIDE` where no tap lands inside."""
     from scipy.ndimage import maximum_filter
 
-    if not footprint.any():  # cv2 with an empty kernel leaves the image unchanged
-        return image.astype(np.float64)
-    return maximum_filter(image.astype(np.float64), footprint=footprint, mode="constant", cval=0.0)
+    if not footprint.any():
+        raise ValueError("an empty dilation kernel: cv2.dilate would shift the image (never used by the generator)")
+    return maximum_filter(image.astype(np.float64), footprint=footprint, mode="constant", cval=OUTSIDE)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -190,8 +204,13 @@ def _place(shape: tuple[int, int], start: Sequence[int], theta: float, p: Snakes
 
 
 def _free_coordinates(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pixels whose occupancy is at most 0.3 (upstream `np.ceil(mask - 0.3) == 0`)."""
-    return np.nonzero(np.ceil(mask - 0.3) == 0)
+    """Pixels whose occupancy is at most 0.3 (upstream `np.ceil(mask - 0.3) == 0`), and none at all when any value
+    is negative: upstream `find_available_coordinates` returns no coordinate for a mask with a negative entry, which
+    is what a dilation with `OUTSIDE` border pixels gives (the seed is then not placed)."""
+    level = np.ceil(mask - 0.3)
+    if level.min() < 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.nonzero(level == 0)
 
 
 def _in_bounds(coord: Sequence[int], shape: tuple[int, int]) -> bool:
@@ -384,14 +403,17 @@ def _make_snake(rng, image, mask, num_segments: int, p: SnakesParams, margin: in
 
 def _many_snakes(rng, image, mask, num_snakes: int, max_trial: int, num_segments: int, p: SnakesParams,
                  margin: int):
-    """Distractors (`snakes.make_many_snakes` with allow_incomplete=True, stop_with_availability=0.01)."""
+    """Distractors (`snakes.make_many_snakes` with allow_incomplete=True, stop_with_availability=0.01):
+    (image, mask, number of snakes completed)."""
+    placed = 0
     for _ in range(num_snakes):
         for _ in range(max_trial + 1):
             made = _make_snake(rng, image, mask, num_segments, p, margin, stop_with_availability=0.01)
             if made is not None:
                 image, mask = made
+                placed += 1
                 break
-    return image, mask
+    return image, mask, placed
 
 
 def _marker(p: SnakesParams, coord: Sequence[int]) -> np.ndarray:
@@ -402,12 +424,14 @@ def _marker(p: SnakesParams, coord: Sequence[int]) -> np.ndarray:
 
 
 def generate_image(p: SnakesParams, rng: np.random.Generator, label: int | None = None,
-                   max_attempts: int = 100_000) -> tuple[np.ndarray, int, int]:
+                   max_attempts: int = 100_000, stats: dict[str, int] | None = None) -> tuple[np.ndarray, int, int]:
     """One Pathfinder image (`snakes2.from_wrapper`, one loop iteration).
 
     Args:
         label: force the label (the draw that upstream uses is still consumed); None draws it.
-        max_attempts: upstream retries the two target snakes forever; Path-X (margin 3) needs ~800 on average.
+        max_attempts: upstream retries the two target snakes forever (see docs/data.md for the measured means).
+        stats: if given, receives `pair_attempts` (calls of the two-target step) and `distractors` (distractor
+            snakes completed), the quantities docs/data.md compares with the official generator.
     Returns:
         image: uint8 [W, W], min-max scaled as `scipy.misc.imsave` did; label: 1 if both markers lie on the same
         contour, else 0; margin: the paddle margin sampled for this image (metadata column 9).
@@ -415,7 +439,7 @@ def generate_image(p: SnakesParams, rng: np.random.Generator, label: int | None 
     drawn = int(rng.integers(2))
     label = drawn if label is None else int(label)
     margin = int(p.paddle_margin_list[int(rng.integers(len(p.paddle_margin_list)))])
-    for _ in range(max_attempts):
+    for attempt in range(1, max_attempts + 1):
         pair = _two_snakes(rng, p, margin)
         if pair is not None:
             break
@@ -423,13 +447,16 @@ def generate_image(p: SnakesParams, rng: np.random.Generator, label: int | None 
         raise RuntimeError(f"could not place two target snakes in {max_attempts} attempts with {p}; "
                            "lower contour_length or seed_distance")
     image, mask, origin, terminal = pair
+    distractors = 0
     if p.num_distractor_snakes > 0:
-        image, mask = _many_snakes(rng, image, mask, p.num_distractor_snakes, p.max_distractor_contour_retrial,
-                                   p.distractor_length, p, margin)
+        image, mask, distractors = _many_snakes(rng, image, mask, p.num_distractor_snakes,
+                                                p.max_distractor_contour_retrial, p.distractor_length, p, margin)
     if p.use_single_paddles:
         total = int(150 / ((7.5 + 13 * margin + 4 * margin * margin) / 123.5))
         n_single = total - 2 * p.contour_length - p.num_distractor_snakes * p.distractor_length
-        image, mask = _many_snakes(rng, image, mask, n_single, p.max_paddle_retrial, 1, p, margin)
+        image, mask, _ = _many_snakes(rng, image, mask, n_single, p.max_paddle_retrial, 1, p, margin)
+    if stats is not None:
+        stats["pair_attempts"], stats["distractors"] = attempt, distractors
     origin_idx = int(rng.integers(2))
     terminal_idx = origin_idx if label == 1 else 1 - origin_idx
     markers = np.maximum(_marker(p, origin[origin_idx]), _marker(p, terminal[terminal_idx])) / 255.0
@@ -456,13 +483,26 @@ def _label(p: SnakesParams, seed: int, index: int) -> int:
     return first if index % 2 == 0 else 1 - first
 
 
-def _write_batch(job: tuple[str, SnakesParams, int, int, int, int]) -> int:
+_progress_queue = None  # in worker processes: where each finished image is reported
+
+
+def _init_worker(queue) -> None:
+    global _progress_queue
+    _progress_queue = queue
+
+
+def _write_batch(job: tuple[str, SnakesParams, int, int, int, int], on_image=None) -> int:
     """Generate images [start, start + count) as batch `batch_id`; metadata is written last (atomic rename), so a
-    batch with a metadata file is complete and is skipped on a rerun."""
+    batch with a metadata file is complete and is skipped on a rerun. Each image is reported to `on_image` (or,
+    in a worker process, to the progress queue)."""
     out_dir, p, seed, batch_id, start, count = job
+    if on_image is None and _progress_queue is not None:
+        on_image = _progress_queue.put
     out = Path(out_dir)
     meta_path = out / "metadata" / f"{batch_id}.npy"
     if meta_path.exists():
+        if on_image is not None:
+            on_image(count)
         return 0
     img_dir = out / "imgs" / str(batch_id)
     img_dir.mkdir(parents=True, exist_ok=True)
@@ -471,6 +511,8 @@ def _write_batch(job: tuple[str, SnakesParams, int, int, int, int]) -> int:
         image, label, margin = generate_image(p, _image_rng(p, seed, start + k), label=_label(p, seed, start + k))
         Image.fromarray(image, mode="L").save(img_dir / f"sample_{k}.png", optimize=False)
         rows.append(_metadata_row(p, batch_id, k, label, margin))
+        if on_image is not None:
+            on_image(1)
     meta_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = meta_path.with_suffix(".tmp")
     tmp.write_text("\n".join(rows) + "\n")
@@ -491,7 +533,8 @@ def generate_pathfinder(root: str | os.PathLike, resolution: int, difficulty: st
         seed: the output is a function of (seed, resolution, difficulty, image index) only, not of num_workers.
         num_workers: processes; batches are the unit of work.
         params: override `snakes_params(resolution, difficulty)` (tests use this for tiny settings).
-        on_progress: called with the number of images finished after each batch.
+        on_progress: called with the number of images finished, image by image (batches already on disk count at
+            once), also from worker processes.
     Returns:
         The difficulty folder.
     """
@@ -505,15 +548,23 @@ def generate_pathfinder(root: str | os.PathLike, resolution: int, difficulty: st
     log.info("generating %d Pathfinder images (%dx%d, difficulty %s) into %s with %d workers",
              num_images, resolution, resolution, difficulty, out, num_workers)
     if num_workers <= 1:
-        results = map(_write_batch, jobs)
-    else:
-        pool = ProcessPoolExecutor(max_workers=num_workers)
-        results = pool.map(_write_batch, jobs)
-    try:
-        for job, done in zip(jobs, results):
+        for job in jobs:
+            _write_batch(job, on_progress)
+        return out
+    with multiprocessing.Manager() as manager:
+        queue = manager.Queue()
+        with ProcessPoolExecutor(max_workers=num_workers, initializer=_init_worker, initargs=(queue,)) as pool:
+            pending = {pool.submit(_write_batch, job) for job in jobs}
+            while pending:
+                finished, pending = wait(pending, timeout=0.5)
+                for future in finished:
+                    future.result()  # re-raise a worker's error
+                while not queue.empty():
+                    n = queue.get()
+                    if on_progress is not None:
+                        on_progress(n)
+        while not queue.empty():
+            n = queue.get()
             if on_progress is not None:
-                on_progress(job[5])
-    finally:
-        if num_workers > 1:
-            pool.shutdown()
+                on_progress(n)
     return out
