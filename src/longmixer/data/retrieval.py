@@ -52,6 +52,9 @@ def read_aan_tsv(path: Path, max_len: int) -> tuple[list[np.ndarray], list[np.nd
             labels.append(int(label))
             docs1.append(byte_ids(cols[3], max_len))
             docs2.append(byte_ids(cols[4], max_len))
+    if not labels:
+        raise ValueError(f"{path} holds no examples; the split is empty: re-extract the LRA release's tsv_data or "
+                         "point data.source_dir at a complete copy")
     return docs1, docs2, labels
 
 
