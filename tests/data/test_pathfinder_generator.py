@@ -159,3 +159,16 @@ def test_tiny_custom_parameters_generate(tmp_path):
     p = replace(gen.snakes_params(32, "baseline"), contour_length=3, num_distractor_snakes=1)
     folder = gen.generate_pathfinder(tmp_path, 32, "baseline", 2, params=p)
     assert len(read_metadata(folder)) == 2
+
+
+def test_progress_is_reported_per_image_also_from_workers(tmp_path):
+    calls = []
+    gen.generate_pathfinder(tmp_path / "one", 32, "baseline", 4, images_per_batch=4, on_progress=calls.append)
+    assert calls == [1, 1, 1, 1]
+    calls = []
+    gen.generate_pathfinder(tmp_path / "two", 32, "baseline", 4, images_per_batch=2, num_workers=2,
+                            on_progress=calls.append)
+    assert sum(calls) == 4 and len(calls) == 4
+    calls = []  # batches already on disk count at once
+    gen.generate_pathfinder(tmp_path / "one", 32, "baseline", 4, images_per_batch=4, on_progress=calls.append)
+    assert calls == [4]

@@ -256,7 +256,9 @@ class SequenceDataModule(pl.LightningDataModule):
 
     @property
     def prepare_hint(self) -> str:
-        return f"python scripts/prepare_data.py {self.name} paths.data_dir={self.data_dir}"
+        source = getattr(self, "source_dir", None)
+        extra = "" if source is None else f" data.source_dir={source}"
+        return f"python scripts/prepare_data.py {self.name} paths.data_dir={self.data_dir}{extra}"
 
     def prepare_fingerprint(self) -> dict[str, Any]:
         """The config values that determine the prepared files; a manifest made with others is rebuilt."""

@@ -42,9 +42,9 @@ class Pin:
     md5: str | None = None
 
 
-def download_hint(task: str, err: object) -> str:
+def download_hint(what: str, err: object) -> str:
     """The one-line message for a download that failed (also printed by scripts/prepare_data.py)."""
-    return (f"could not download the data for {task!r}: {err}; check the network (or a proxy) and run the same "
+    return (f"could not download {what}: {err}; check the network (or a proxy) and run the same "
             f"command again (partial downloads resume), or put the original files in a folder and pass "
             f"data.source_dir=<folder> (docs/data.md lists what each task expects)")
 
@@ -132,7 +132,7 @@ def download(url: str, dest: Path, pin: Pin = Pin(), chunk: int = 1 << 20) -> Pa
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
         if isinstance(err, DataDownloadError):
             raise
-        raise DataDownloadError(download_hint(dest.name, err)) from None
+        raise DataDownloadError(download_hint(url, err)) from None
     check_file(part, pin)
     os.replace(part, dest)
     dest.with_name(dest.name + ".sha256").write_text(f"{_digest(dest, 'sha256')}  {dest.name}\n")
