@@ -24,7 +24,7 @@ from PIL import Image, UnidentifiedImageError
 
 from longmixer.data.base import SequenceDataModule, label_counts
 from longmixer.data.download import progress
-from longmixer.data.generators.pathfinder import difficulty_dir, generate_pathfinder
+from longmixer.data.generators.pathfinder import GENERATOR_VERSION, difficulty_dir, generate_pathfinder
 from longmixer.data.image import GrayPixelDataset, pixel_mode
 
 log = logging.getLogger(__name__)
@@ -225,10 +225,13 @@ class GeneratedPathfinder(Pathfinder):
 
     def prepare_fingerprint(self) -> dict:
         return {**super().prepare_fingerprint(), "num_images": self.num_images,
-                "generator_seed": self.generator_seed, "images_per_batch": self.images_per_batch}
+                "generator_seed": self.generator_seed, "images_per_batch": self.images_per_batch,
+                "generator_version": GENERATOR_VERSION}
 
     def _source(self) -> Path:
-        raw = self.root / "raw" / f"pathfinder{self.resolution}"
+        # finished batches are reused on a rerun, so the folder is keyed by everything that shapes them
+        raw = (self.root / "raw" / f"v{GENERATOR_VERSION}_per_batch{self.images_per_batch}"
+               / f"pathfinder{self.resolution}")
         with progress(f"generating {self.name}", self.num_images, unit="images") as advance:
             return generate_pathfinder(raw, self.resolution, self.difficulty, self.num_images,
                                        seed=self.generator_seed, images_per_batch=self.images_per_batch,

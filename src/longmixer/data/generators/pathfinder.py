@@ -39,6 +39,9 @@ from PIL import Image, ImageDraw
 
 log = logging.getLogger(__name__)
 
+# Part of the prepared data's key: a change to what the generator draws must bump it, so that images made by an
+# earlier version are regenerated rather than served (2: OpenCV's dilation border and the free-coordinate rule).
+GENERATOR_VERSION = 2
 DIFFICULTIES = {"baseline": 6, "9": 9, "14": 14}  # difficulty -> contour_length (snakes2_wrapper.py level loop)
 
 
