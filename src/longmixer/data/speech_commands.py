@@ -161,7 +161,9 @@ class SpeechCommands(SequenceDataModule):
         for name in ("validation_list.txt", "testing_list.txt"):
             if (raw / name).exists():
                 (root / name).write_text((raw / name).read_text())
-        log.info("SC10: kept %d full-length clips, dropped %d shorter ones", len(files), dropped)
+        if dropped:
+            log.warning("SC10: kept %d full-length clips, dropped %d shorter ones (s4 keeps only 1 s clips)",
+                        len(files), dropped)
         splits = {"all": {"count": len(files), "labels": label_counts(labels), "dropped_short": dropped}}
         return splits, {"seq_len": SAMPLE_RATE, "d_input": 1, "num_classes": len(SC10_CLASSES)}
 
