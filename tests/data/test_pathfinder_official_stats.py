@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from longmixer.data.generators import pathfinder as gen
+from longmixer.data.generators import snake_raster as raster
 
 # Pathfinder-32, contour length 14: 1,200 official images (np.random.seed 0 and 1, 600 each).
 PF32 = {"distractors": 1.20, "ink": 0.1262, "pair_attempts": 315.0, "label1": 0.481}
@@ -56,11 +57,11 @@ def test_opencv_border_rule():
     mask[2, 2] = 0.5
     kernel = np.zeros((3, 3), dtype=bool)
     kernel[2, 2] = True  # one tap, one pixel down-right of the anchor
-    out = gen._dilate(mask, kernel)
+    out = raster.dilate(mask, kernel)
     assert out[1, 1] == 0.5 and out[0, 0] == 0.0
-    assert (out[5, :] == gen.OUTSIDE).all() and (out[:, 5] == gen.OUTSIDE).all()
-    assert len(gen._free_coordinates(out)[0]) == 0
-    assert len(gen._free_coordinates(out[:5, :5])[0]) == 24  # no border value: every pixel but the 0.5 one
+    assert (out[5, :] == raster.OUTSIDE).all() and (out[:, 5] == raster.OUTSIDE).all()
+    assert len(raster.free_coordinates(out)[0]) == 0
+    assert len(raster.free_coordinates(out[:5, :5])[0]) == 24  # no border value: every pixel but the 0.5 one
 
 
 def test_seed_structuring_element_is_one_sided_for_most_orientations():
@@ -71,6 +72,6 @@ def test_seed_structuring_element_is_one_sided_for_most_orientations():
     blocked = 0
     for degrees in range(-180, 180, 10):
         struct = gen._seed_struct(np.deg2rad(degrees), p, margin)
-        dilated = gen._dilate(np.zeros((resolution, resolution)), struct)
-        blocked += int((dilated == gen.OUTSIDE).any())
+        dilated = raster.dilate(np.zeros((resolution, resolution)), struct)
+        blocked += int((dilated == raster.OUTSIDE).any())
     assert blocked >= 18

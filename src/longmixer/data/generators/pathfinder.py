@@ -11,10 +11,10 @@ Departures from upstream, all deliberate:
 - Randomness: one `np.random.Generator` per image, seeded by `SeedSequence(seed, spawn_key=(resolution, contour
   length, image index))`, so the output is byte-identical for a seed whatever the number of worker processes.
   Upstream used unseeded global `np.random` and Python `random`.
-- `scipy.misc.imresize` / `imsave` no longer exist; `_imresize` and `_bytescale` rebuild them (bytescale, then PIL
+- `scipy.misc.imresize` / `imsave` no longer exist; `imresize` and `bytescale` rebuild them (bytescale, then PIL
   Lanczos). `cv2.dilate` is `scipy.ndimage.maximum_filter` with OpenCV's border: positions whose kernel taps all
   fall outside the image get the lowest float, and, as upstream, a dilated mask holding such a value offers no
-  free coordinate (`_free_coordinates`). OpenCV is therefore not needed at run time.
+  free coordinate (`free_coordinates`). OpenCV is therefore not needed at run time.
 - Labels come in complementary pairs (`_label`); upstream draws each independently.
 - Metadata is written as text, as in the released files (upstream wrote `np.save` arrays).
 
@@ -27,15 +27,18 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import multiprocessing
 import os
 from collections.abc import Sequence
-import multiprocessing
 from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image
+
+from longmixer.data.generators.snake_raster import (bytescale, dilate, dilated_at, flip, free_coordinates, imresize,
+                                                   in_bounds, place, translate)
 
 log = logging.getLogger(__name__)
 
@@ -105,138 +108,6 @@ def snakes_params(resolution: int, difficulty: str) -> SnakesParams:
                         num_distractor_snakes=budget // distractor_length, **spec)
 
 
-# ----------------------------------------------------------------------------------------------- raster helpers
-
-def _translate(coord: Sequence[float], theta: float, dist: float) -> tuple[int, int]:
-    """Move (y, x) by `dist` along `theta`; upstream rounds up (`np.ceil`), which biases the walk, and we keep it."""
-    return int(math.ceil(coord[0] + dist * math.sin(theta))), int(math.ceil(coord[1] + dist * math.cos(theta)))
-
-
-def _flip(theta: float) -> float:
-    return theta + math.pi if theta < 0 else theta - math.pi
-
-
-def _disk(radius: float) -> np.ndarray:
-    r = int(radius)
-    y, x = np.ogrid[-r:r + 1, -r:r + 1]
-    return (x * x + y * y) <= radius * radius  # [2r+1, 2r+1] bool
-
-
-def _bytescale(arr: np.ndarray) -> np.ndarray:
-    """`scipy.misc.bytescale`: min-max map to 0..255 with round-half-up (uint8 input passes through)."""
-    if arr.dtype == np.uint8:
-        return arr
-    lo, hi = float(arr.min()), float(arr.max())
-    scale = 255.0 / ((hi - lo) or 1.0)
-    return (np.clip((arr - lo) * scale, 0, 255) + 0.5).astype(np.uint8)
-
-
-def _imresize(arr: np.ndarray, size: int) -> np.ndarray:
-    """`scipy.misc.imresize(arr, (size, size), interp='lanczos')`: bytescale, then a PIL Lanczos resize to uint8."""
-    return np.asarray(Image.fromarray(_bytescale(arr)).resize((size, size), Image.LANCZOS))
-
-
-# OpenCV's dilation pads with the lowest value of the dtype (`morphologyDefaultBorderValue`): a pixel whose kernel taps
-# all fall outside the image keeps that value. The seed structuring element is one-sided (the paddle leaves its
-# tail in one direction), so for most orientations a band along one or two borders comes out at -DBL_MAX.
-OUTSIDE = -np.finfo(np.float64).max
-
-
-def _dilate(image: np.ndarray, footprint: np.ndarray) -> np.ndarray:
-    """`cv2.dilate(float64 image, footprint)`: the max over the kernel taps that land inside the image (a
-    correlation: no reflection of the kernel, anchor at its center), and `OUTSIDE` where no tap lands inside."""
-    from scipy.ndimage import maximum_filter
-
-    if not footprint.any():
-        raise ValueError("an empty dilation kernel: cv2.dilate would shift the image (never used by the generator)")
-    return maximum_filter(image.astype(np.float64), footprint=footprint, mode="constant", cval=OUTSIDE)
-
-
-@functools.lru_cache(maxsize=8192)
-def _segment_stamp(theta: float, length: int, thickness: float, margin: int, aa: int) -> tuple[np.ndarray, np.ndarray]:
-    """One paddle around its start point: (line [2R+1]^2 in [0, 1], occupancy mask [2R+1]^2 in [0, 1]).
-
-    `snakes.draw_line_n_mask`: draw at `aa` times the resolution with width round(thickness*aa), Lanczos down; the
-    mask is the same line dilated by a disk of radius margin*aa before the downsampling.
-    """
-    if round(thickness * aa) != thickness * aa:
-        raise ValueError(f"paddle_thickness={thickness} * antialias_scale={aa} must be an integer")
-    R = length + int(math.ceil(thickness)) + margin
-    c = R * aa
-    head = _translate((c, c), theta, length * aa)
-    blown = Image.new("F", (2 * c + 1, 2 * c + 1), 0.0)
-    ImageDraw.Draw(blown).line([(c, c), (head[1], head[0])], fill=255.0, width=int(round(thickness * aa)))
-    blown_arr = np.asarray(blown)
-    line = _imresize(blown_arr, 2 * R + 1).astype(np.float64) / 255.0
-    mask_blown = _dilate(blown_arr, _disk(margin * aa)).astype(np.uint8)  # 0 / 255
-    mask = _imresize(mask_blown, 2 * R + 1).astype(np.float64) / 255.0
-    line.flags.writeable = False
-    mask.flags.writeable = False
-    return line, mask  # [2R+1, 2R+1] each
-
-
-@dataclass(frozen=True)
-class _Paddle:
-    """A paddle placed in the window: its clipped box and the stamp crops (line scaled by contrast, mask)."""
-
-    box: tuple[slice, slice]
-    line: np.ndarray
-    mask: np.ndarray
-
-    def draw(self, image: np.ndarray) -> None:
-        image[self.box] = np.maximum(image[self.box], self.line)
-
-    def occupy(self, mask: np.ndarray) -> None:
-        mask[self.box] = np.maximum(mask[self.box], self.mask)
-
-    def overlaps(self, mask: np.ndarray) -> bool:
-        """Upstream rejects a paddle when `max(mask + paddle_mask) >= 1.8`; outside the box that sum is <= 1."""
-        return self.mask.size > 0 and float(np.max(mask[self.box] + self.mask)) >= 1.8
-
-
-def _place(shape: tuple[int, int], start: Sequence[int], theta: float, p: SnakesParams, margin: int,
-           contrast: float = 1.0) -> _Paddle:
-    """The paddle stamp put at `start`, clipped at the window borders (`draw_line_n_mask`'s placement)."""
-    line, mask = _segment_stamp(float(theta), p.paddle_length, p.paddle_thickness, margin, p.antialias_scale)
-    R = line.shape[0] // 2
-    y0, x0 = start[0] - R, start[1] - R
-    ys, xs = max(y0, 0), max(x0, 0)
-    ye, xe = max(min(start[0] + R, shape[0] - 1) + 1, ys), max(min(start[1] + R, shape[1] - 1) + 1, xs)
-    crop = (slice(ys - y0, ye - y0), slice(xs - x0, xe - x0))
-    return _Paddle((slice(ys, ye), slice(xs, xe)), line[crop] * contrast, mask[crop])
-
-
-def _free_coordinates(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pixels whose occupancy is at most 0.3 (upstream `np.ceil(mask - 0.3) == 0`), and none at all when any value
-    is negative: upstream `find_available_coordinates` returns no coordinate for a mask with a negative entry, which
-    is what a dilation with `OUTSIDE` border pixels gives (the seed is then not placed)."""
-    level = np.ceil(mask - 0.3)
-    if level.min() < 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    return np.nonzero(level == 0)
-
-
-def _in_bounds(coord: Sequence[int], shape: tuple[int, int]) -> bool:
-    return 0 <= coord[0] < shape[0] and 0 <= coord[1] < shape[1]
-
-
-@functools.lru_cache(maxsize=16)
-def _disk_offsets(radius: int) -> tuple[np.ndarray, np.ndarray]:
-    dy, dx = np.nonzero(_disk(radius))
-    return dy - radius, dx - radius  # [K] each
-
-
-def _dilated_at(mask: np.ndarray, coords: np.ndarray, radius: int) -> np.ndarray:
-    """`_dilate(mask, _disk(radius))[coords]` without dilating the whole window: max over the disk around each."""
-    dy, dx = _disk_offsets(radius)
-    H, W = mask.shape
-    ys = coords[:, :1] + dy  # [M, K]
-    xs = coords[:, 1:] + dx  # [M, K]
-    inside = (ys >= 0) & (ys < H) & (xs >= 0) & (xs < W)
-    vals = mask.ravel()[np.where(inside, ys * W + xs, 0)] * inside
-    return vals.max(axis=1)  # [M]
-
-
 # ------------------------------------------------------------------------------------------------ snake growth
 # Canvases are float [W, W]: `image` (stroke intensities) and `mask` (occupancy in [0, 1], the padding border set).
 # Functions that grow a snake work on copies made by their caller and return None on failure.
@@ -248,7 +119,7 @@ def _seed_struct(theta: float, p: SnakesParams, margin: int) -> np.ndarray:
     n = (p.paddle_length + margin) * 2 + 1
     head = p.paddle_length + margin + 1
     struct = np.zeros((n, n))
-    _place((n, n), (head, head), theta, p, margin).occupy(struct)
+    place((n, n), (head, head), theta, p, margin).occupy(struct)
     return struct.astype(np.uint8).astype(bool)  # [n, n]
 
 
@@ -258,21 +129,21 @@ def _place_seed(rng: np.random.Generator, mask: np.ndarray, p: SnakesParams, mar
     or None when too little is free, no tail fits, or the paddle leaves the window `max_paddle_retrial` times."""
     shape = mask.shape
     L = p.paddle_length
-    if stop_with_availability is not None and len(_free_coordinates(mask)[0]) / mask.size < stop_with_availability:
+    if stop_with_availability is not None and len(free_coordinates(mask)[0]) / mask.size < stop_with_availability:
         return None
     for _ in range(p.max_paddle_retrial + 1):
         theta = int(rng.integers(-180, 180)) * math.pi / 180
         lined = mask.copy()
         lined[:border], lined[shape[0] - border:], lined[:, :border], lined[:, shape[1] - border:] = 1, 1, 1, 1
-        free_y, free_x = _free_coordinates(_dilate(lined, _seed_struct(theta, p, margin)))
+        free_y, free_x = free_coordinates(dilate(lined, _seed_struct(theta, p, margin)))
         if len(free_y) == 0:
             return None
         k = int(rng.integers(len(free_y)))
         tail = (int(free_y[k]), int(free_x[k]))
-        head = _translate(tail, theta, L)
-        pivot = _translate(head, _flip(theta), L + margin)
-        if _in_bounds(head, shape) and _in_bounds(pivot, shape):
-            return _place(shape, tail, theta, p, margin, contrast), pivot, theta, tail
+        head = translate(tail, theta, L)
+        pivot = translate(head, flip(theta), L + margin)
+        if in_bounds(head, shape) and in_bounds(pivot, shape):
+            return place(shape, tail, theta, p, margin, contrast), pivot, theta, tail
     return None
 
 
@@ -306,7 +177,7 @@ def _candidates(center: tuple[int, int], theta: float, radius: int, mask: np.nda
     coords, orient = coords[keep], orient[keep]
     delta = np.abs(orient - theta)
     delta = np.minimum(np.minimum(delta, 2 * math.pi - delta) * continuity, 0.5 * math.pi)
-    pmf = (1 - _dilated_at(mask, coords, margin)) * np.maximum(np.cos(delta), 0) ** 2
+    pmf = (1 - dilated_at(mask, coords, margin)) * np.maximum(np.cos(delta), 0) ** 2
     total = pmf.sum()
     if total < 1e-4:
         return None
@@ -317,7 +188,7 @@ def _extend(rng: np.random.Generator, pivot, theta: float, mask: np.ndarray, p: 
             contrast: float):
     """Choose the next paddle (`snakes.extend_snake`): (paddle, pivot, orientation, head) or None. The paddle is
     drawn from the sampled head back toward the pivot."""
-    new_pivot = _translate(pivot, theta, p.paddle_length + 2 * margin)
+    new_pivot = translate(pivot, theta, p.paddle_length + 2 * margin)
     cand = _candidates(new_pivot, theta, p.paddle_length + margin, mask, margin, p.continuity)
     if cand is None:
         return None
@@ -325,7 +196,7 @@ def _extend(rng: np.random.Generator, pivot, theta: float, mask: np.ndarray, p: 
     for _ in range(p.max_paddle_retrial + 1):
         k = int(np.argmax(cmf - rng.random() > 0))
         head = (int(coords[k, 0]), int(coords[k, 1]))
-        paddle = _place(mask.shape, head, _flip(float(orient[k])), p, margin, contrast)
+        paddle = place(mask.shape, head, flip(float(orient[k])), p, margin, contrast)
         if not paddle.overlaps(mask):
             return paddle, new_pivot, float(orient[k]), head
     return None
@@ -345,10 +216,10 @@ def _second_seed(rng: np.random.Generator, tail1: tuple[int, int], mask: np.ndar
         phi = int(rng.integers(0, 360)) * math.pi / 180
         tail = (int(np.round(tail1[0] + p.seed_distance * math.sin(phi))),
                 int(np.round(tail1[1] + p.seed_distance * math.cos(phi))))
-        head = _translate(tail, theta, p.paddle_length)
-        pivot = _translate(head, _flip(theta), p.paddle_length + margin)
-        if _in_bounds(head, mask.shape) and _in_bounds(pivot, mask.shape):
-            return _place(mask.shape, tail, theta, p, margin, contrast), pivot, theta, tail
+        head = translate(tail, theta, p.paddle_length)
+        pivot = translate(head, flip(theta), p.paddle_length + margin)
+        if in_bounds(head, mask.shape) and in_bounds(pivot, mask.shape):
+            return place(mask.shape, tail, theta, p, margin, contrast), pivot, theta, tail
     return None
 
 
@@ -423,7 +294,7 @@ def _marker(p: SnakesParams, coord: Sequence[int]) -> np.ndarray:
     """An anti-aliased disk of `marker_radius` at `coord` (`snakes2.draw_circle`), uint8 [W, W]."""
     W, aa = p.window_size, p.antialias_scale
     y, x = np.ogrid[-coord[0] * aa:(W - coord[0]) * aa, -coord[1] * aa:(W - coord[1]) * aa]
-    return _imresize((x * x + y * y <= (p.marker_radius * aa) ** 2).astype(np.float64), W)
+    return imresize((x * x + y * y <= (p.marker_radius * aa) ** 2).astype(np.float64), W)
 
 
 def generate_image(p: SnakesParams, rng: np.random.Generator, label: int | None = None,
@@ -463,7 +334,7 @@ def generate_image(p: SnakesParams, rng: np.random.Generator, label: int | None 
     origin_idx = int(rng.integers(2))
     terminal_idx = origin_idx if label == 1 else 1 - origin_idx
     markers = np.maximum(_marker(p, origin[origin_idx]), _marker(p, terminal[terminal_idx])) / 255.0
-    return _bytescale(np.maximum(image, markers)), label, margin
+    return bytescale(np.maximum(image, markers)), label, margin
 
 
 # ------------------------------------------------------------------------------------------- sharded writing
