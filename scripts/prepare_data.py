@@ -5,7 +5,8 @@ pathfinder_gen, pathx_gen, ...). The data config is composed with Hydra's compos
 (so `paths.data_dir` defaults to `$LONGMIXER_DATA` or `./data`) and `seed`; overrides such as
 `data.num_images=2000` or `paths.data_dir=/scratch/data` apply as in training. The datamodule's `prepare_data()`
 runs (skipped when a matching manifest exists), then its `setup()` checks that the prepared data reads back, and
-the manifest's summary is printed.
+the manifest's summary is printed. Every run re-verifies the prepared files against the sha256 recorded in the
+manifest, so `make data TASK=<task>` doubles as an integrity check.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import argparse
 import json
 import logging
 import sys
-import urllib.error
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -53,19 +53,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from hydra.utils import instantiate
 
+    from longmixer.data.download import DataDownloadError
+    from longmixer.data.integrity import DataIntegrityError
+
     cfg = compose_data(args.task, args.overrides)
     datamodule = instantiate(cfg.data)
     try:
         datamodule.prepare_data()
-    except (ConnectionError, TimeoutError, urllib.error.URLError) as err:
-        # A download failed: say so in one line with the two ways out, not a library traceback.
-        print(f"error: could not download the data for {args.task!r}: {err}\n"
-              f"  check the network (or a proxy) and run this command again (partial downloads resume), or put the "
-              f"original files in a folder and pass data.source_dir=<folder> (docs/data.md lists what each task "
-              f"expects)", file=sys.stderr)
+        checked = datamodule.verify()
+        datamodule.setup("fit")
+    except (DataDownloadError, DataIntegrityError) as err:
+        # the same one-line message a training run ends with, without the library traceback
+        print(f"error: {err}", file=sys.stderr)
         return 2
-    datamodule.setup("fit")
-    print(f"{args.task}: prepared at {datamodule.root}")
+    print(f"{args.task}: prepared at {datamodule.root} ({checked} files match their sha256)")
     print(summary(datamodule.manifest))
     return 0
 

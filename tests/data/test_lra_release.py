@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from longmixer.data import lra_release as lra
+from longmixer.data.download import DataDownloadError, Pin
 
 
 def _release_tar() -> bytes:
@@ -77,8 +78,8 @@ def test_download_resumes_a_partial_file(tmp_path, server):
 
 def test_download_with_wrong_size_keeps_the_partial_file(tmp_path, server):
     url, handler = server
-    with pytest.raises(OSError, match="re-run the same command to resume"):
-        lra.download(url, tmp_path / "x.gz", expected_size=len(handler.payload) + 10)
+    with pytest.raises(DataDownloadError, match=f"expected {len(handler.payload) + 10}"):
+        lra.download(url, tmp_path / "x.gz", Pin(size=len(handler.payload) + 10))
     assert (tmp_path / "x.gz.part").exists() and not (tmp_path / "x.gz").exists()
 
 

@@ -130,3 +130,29 @@ def test_missing_difficulty_and_bad_metadata(tmp_path):
 def test_config_errors(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         Pathfinder(data_dir=tmp_path, **overrides)
+
+
+def test_generated_data_is_keyed_by_every_generator_setting(tmp_path, caplog):
+    """A changed generator setting (or generator version) regenerates instead of serving or mixing old images."""
+    import json
+    import logging
+
+    from longmixer.data.base import DatasetNotPreparedError
+    from longmixer.data.generators.pathfinder import GENERATOR_VERSION
+    from longmixer.data.pathfinder import GeneratedPathfinder
+
+    common = dict(data_dir=tmp_path, difficulty="baseline", num_images=10, batch_size=2)
+    dm = GeneratedPathfinder(images_per_batch=5, **common)
+    dm.prepare_data()
+    manifest = json.loads((dm.root / "manifest.json").read_text())
+    assert manifest["meta"]["generator_version"] == GENERATOR_VERSION
+    other = GeneratedPathfinder(images_per_batch=4, **common)
+    assert other.root == dm.root  # same folder: the manifest key, not the path, tells them apart
+    with pytest.raises(DatasetNotPreparedError, match="images_per_batch"):
+        other.setup()
+    with caplog.at_level(logging.WARNING):
+        other.prepare_data()
+    assert "rebuilding" in caplog.text
+    raw = sorted(p.name for p in (dm.root / "raw").iterdir())
+    assert raw == [f"v{GENERATOR_VERSION}_per_batch4", f"v{GENERATOR_VERSION}_per_batch5"]
+    other.setup()

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from longmixer.data.generators import pathfinder as gen
+from longmixer.data.generators import snake_raster as raster
 from longmixer.data.pathfinder import read_metadata
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def test_candidates_match_the_upstream_formula(center):
     mask = (rng.random((32, 32)) > 0.85).astype(float) * rng.random((32, 32))
     theta = 0.7
     ours = gen._candidates(center, theta, 3, mask, 1, 1.0)
-    ref = _upstream_candidates(center, theta, 3, gen._dilate(mask, gen._disk(1)), 1.0)
+    ref = _upstream_candidates(center, theta, 3, raster.dilate(mask, raster.disk(1)), 1.0)
     assert (ours is None) == (ref is None)
     if ref is None:
         return
@@ -113,13 +114,13 @@ def test_candidates_match_the_upstream_formula(center):
 
 
 def test_segment_stamp_is_antialiased_and_checks_thickness():
-    line, mask = gen._segment_stamp(0.0, 2, 0.5, 1, 2)
+    line, mask = raster.segment_stamp(0.0, 2, 0.5, 1, 2)
     assert line.shape == mask.shape == (9, 9)
     # a 1-pixel line drawn at 2x and Lanczos-downsampled is grey (about 0.5), as upstream's PF32 strokes
     assert 0.3 < line.max() < 0.8 and mask.max() == 1.0
     assert (mask > 0.3).sum() > 3 * (line > 0.3).sum()  # the occupancy mask is the line dilated by the margin
     with pytest.raises(ValueError, match="must be an integer"):
-        gen._segment_stamp(0.0, 2, 0.75, 1, 2)
+        raster.segment_stamp(0.0, 2, 0.75, 1, 2)
 
 
 def test_two_targets_start_seed_distance_apart():
@@ -159,3 +160,16 @@ def test_tiny_custom_parameters_generate(tmp_path):
     p = replace(gen.snakes_params(32, "baseline"), contour_length=3, num_distractor_snakes=1)
     folder = gen.generate_pathfinder(tmp_path, 32, "baseline", 2, params=p)
     assert len(read_metadata(folder)) == 2
+
+
+def test_progress_is_reported_per_image_also_from_workers(tmp_path):
+    calls = []
+    gen.generate_pathfinder(tmp_path / "one", 32, "baseline", 4, images_per_batch=4, on_progress=calls.append)
+    assert calls == [1, 1, 1, 1]
+    calls = []
+    gen.generate_pathfinder(tmp_path / "two", 32, "baseline", 4, images_per_batch=2, num_workers=2,
+                            on_progress=calls.append)
+    assert sum(calls) == 4 and len(calls) == 4
+    calls = []  # batches already on disk count at once
+    gen.generate_pathfinder(tmp_path / "one", 32, "baseline", 4, images_per_batch=4, on_progress=calls.append)
+    assert calls == [4]

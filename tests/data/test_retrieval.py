@@ -47,6 +47,16 @@ def test_documents_are_truncated_to_seq_len(aan):
     assert len(item["inputs"]) == 48 and len(item["inputs2"]) == len("Graph-based parsing")
 
 
+def test_truncation_is_counted_in_a_warning(tmp_path, caplog):
+    folder = write_retrieval_fixture(tmp_path)["source_dir"]
+    with caplog.at_level("WARNING", logger="longmixer.data.integrity"):
+        read_aan_tsv(f"{folder}/new_aan_pairs.train.tsv", max_len=20)
+    long_docs = sum(len(row[3].encode()) > 20 for row in AAN_ROWS["train"]) + \
+        sum(len(row[4].encode()) > 20 for row in AAN_ROWS["train"])
+    assert f"new_aan_pairs.train.tsv documents: {long_docs} of 16 examples are longer than data.seq_len=20" \
+        in caplog.text
+
+
 def test_wrong_column_count_names_the_line(tmp_path):
     path = tmp_path / "new_aan_pairs.train.tsv"
     path.write_text("1.0\ta\tb\ttext one\ttext two\n0.0\ta\tb\tonly four columns\n")

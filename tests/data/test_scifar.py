@@ -44,7 +44,8 @@ def test_splits_counts_and_manifest(scifar):
     assert len(scifar.datasets["test"]) == CIFAR_TEST
     manifest = json.loads((scifar.root / "manifest.json").read_text())
     assert manifest["splits"]["train"]["count"] == n_train and manifest["splits"]["test"]["count"] == CIFAR_TEST
-    assert manifest["meta"] == {"seq_len": 1024, "d_input": 3, "num_classes": 10}
+    source = str((scifar.source_dir).resolve())
+    assert manifest["meta"] == {"seq_len": 1024, "d_input": 3, "num_classes": 10, "source_dir": source}
 
 
 def test_test_item_is_normalized_rgb_sequence(scifar):
@@ -96,3 +97,22 @@ def test_missing_data_and_wrong_shapes(tmp_path):
     dm.prepare_data()
     with pytest.raises(ValueError, match="data.d_input=1 does not match"):
         dm.setup()
+
+
+def test_a_crafted_pickle_with_a_forbidden_global_is_refused(tmp_path):
+    """Reading a download must not run code: a pickle that calls os.system is refused before anything runs."""
+    import os
+    import pickle
+
+    class Exploit:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'pwned'}",)
+
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(pickle.dumps({b"data": Exploit(), b"labels": [0]}))
+    with pytest.raises(ValueError, match=r"global posix\.system is not allowed|global os\.system is not allowed"):
+        read_cifar_batch(path)
+    assert not (tmp_path / "pwned").exists()
+    path.write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match="not a readable CIFAR-10 python batch"):
+        read_cifar_batch(path)

@@ -2,6 +2,13 @@
 
 `prepare_data()` runs on rank 0 behind a file lock and writes `<data_dir>/<name>/` with a `manifest.json`;
 `setup()` only reads and raises `DatasetNotPreparedError` naming the command that prepares the data.
+
+Integrity (docs/data.md): the manifest records every file's sha256 and every array's shape and dtype, plus a
+digest of its own content. `setup()` runs the cheap checks on every run (`integrity.check_prepared`: manifest
+digest, shapes, dtypes, counts, label histograms, label and token ranges); `verify()` re-hashes every file
+(`prepare_data.py` calls it). The settings that determine the prepared files (`prepare_fingerprint`, plus
+`source_dir`) are stored in the manifest: other settings rebuild the data in `prepare_data()` and are refused in
+`setup()`.
 """
 
 from __future__ import annotations
@@ -20,14 +27,19 @@ import torch
 from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from longmixer.data.integrity import (DataIntegrityError, DatasetNotPreparedError, check_prepared, sha256_of,
+                                      verify_files, warn_truncated)
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 
 
-class DatasetNotPreparedError(RuntimeError):
-    """The prepared data is missing or incomplete; the message names the command that prepares it."""
+def default_num_workers(gpu: bool) -> int:
+    """DataLoader workers when the config leaves `num_workers` null: min(8, CPUs) when a GPU consumes the batches
+    (decoding must not starve it), 0 on CPU (workers would compete with the model for the same cores)."""
+    return min(8, os.cpu_count() or 1) if gpu else 0
 
 
 def default_data_dir() -> Path:
@@ -35,20 +47,26 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("LONGMIXER_DATA", "data"))
 
 
-def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+def manifest_digest(manifest: Mapping[str, Any]) -> str:
+    """sha256 of the manifest's content (its `digest` key excluded): an edited manifest no longer matches it."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def write_manifest(root: Path, splits: Mapping[str, Mapping[str, Any]], meta: Mapping[str, Any]) -> dict:
-    """Write `root/manifest.json`: per split counts and label balance, the config that made the data, and a
-    sha256 of every file in `root` (the manifest itself excluded). Written last and atomically, so a manifest
-    means the data is complete."""
-    files = {p.name: sha256_of(p) for p in sorted(root.iterdir()) if p.is_file() and p.name not in (MANIFEST, ".lock")}
-    manifest = {"version": MANIFEST_VERSION, "splits": dict(splits), "meta": dict(meta), "files": files}
+    """Write `root/manifest.json`: per split counts and label balance, the config that made the data, a sha256 of
+    every file in `root` (the manifest itself excluded), the shape and dtype of every `.npy` array, and a digest
+    of all of it. Written last and atomically, so a manifest means the data is complete."""
+    paths = [p for p in sorted(root.iterdir()) if p.is_file() and p.name not in (MANIFEST, ".lock")]
+    files = {p.name: sha256_of(p) for p in paths}
+    arrays = {}
+    for p in paths:
+        if p.suffix == ".npy":
+            array = np.load(p, mmap_mode="r", allow_pickle=False)
+            arrays[p.name] = {"shape": list(array.shape), "dtype": array.dtype.str}
+    manifest = {"version": MANIFEST_VERSION, "splits": json.loads(json.dumps(splits)), "meta": dict(meta),
+                "files": files, "arrays": arrays}
+    manifest["digest"] = manifest_digest(manifest)
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
     os.replace(tmp, root / MANIFEST)
@@ -60,7 +78,18 @@ def read_manifest(root: Path, prepare_hint: str) -> dict:
     if not path.exists():
         raise DatasetNotPreparedError(f"no prepared data at {root} (missing {MANIFEST}); prepare it with "
                                       f"`{prepare_hint}`")
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataIntegrityError(f"{path} is not valid JSON ({err}); delete {root} and re-run "
+                                 f"`{prepare_hint}`") from None
+    version = manifest.get("version") if isinstance(manifest, dict) else None
+    if version != MANIFEST_VERSION:
+        raise DataIntegrityError(f"{path} has manifest version {version}, this code reads version {MANIFEST_VERSION}; "
+                                 f"delete {root} and re-run `{prepare_hint}`")
+    if manifest.get("digest") != manifest_digest(manifest):
+        raise DataIntegrityError(f"{path} was edited after it was written (its digest no longer matches its "
+                                 f"content); delete {root} and re-run `{prepare_hint}`")
     missing = [name for name in manifest["files"] if not (root / name).exists()]
     if missing:
         raise DatasetNotPreparedError(f"prepared data at {root} is incomplete (missing {missing[:3]}); re-run "
@@ -94,6 +123,8 @@ class RaggedDataset(Dataset):
         self.offsets = np.load(root / f"{split}.offsets.npy")
         self.labels = np.load(root / f"{split}.labels.npy")
         self.max_len = max_len
+        if max_len is not None:
+            warn_truncated(f"{root.name} {split}", np.diff(self.offsets), max_len)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -193,20 +224,29 @@ class SequenceDataModule(pl.LightningDataModule):
     Args:
         data_dir: where prepared data lives (`${paths.data_dir}`: `$LONGMIXER_DATA` or `./data`).
         batch_size: per-device training batch size; evaluation uses `eval_batch_size` (default the same).
-        num_workers: DataLoader workers.
+        num_workers: DataLoader workers; None: `default_num_workers()` (min(8, CPUs) with a GPU, 0 without).
         seed: shuffling seed (the run's `seed`); `split_seed` freezes train/val splits where the task makes them.
+        pin_memory: page-locked batches for faster host-to-GPU copies; None: on when a GPU is present.
+        persistent_workers: keep worker processes between epochs (only with num_workers > 0); None: on.
     """
 
     name = "base"
 
     def __init__(self, data_dir: str | Path | None = None, batch_size: int = 32, eval_batch_size: int | None = None,
-                 num_workers: int = 0, seed: int = 0, split_seed: int = 0, pin_memory: bool = False):
+                 num_workers: int | None = None, seed: int = 0, split_seed: int = 0, pin_memory: bool | None = None,
+                 persistent_workers: bool | None = None):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"data.batch_size={batch_size} must be >= 1")
+        if num_workers is not None and num_workers < 0:
+            raise ValueError(f"data.num_workers={num_workers} must be >= 0 (or null for the default)")
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
-        self.num_workers, self.seed, self.split_seed, self.pin_memory = num_workers, seed, split_seed, pin_memory
+        gpu = torch.cuda.is_available()
+        self.num_workers = default_num_workers(gpu) if num_workers is None else num_workers
+        self.pin_memory = gpu if pin_memory is None else pin_memory
+        self.persistent_workers = self.num_workers > 0 and (persistent_workers is not False)
+        self.seed, self.split_seed = seed, split_seed
         self.datasets: dict[str, Dataset] = {}
         self.manifest: dict | None = None
 
@@ -216,24 +256,41 @@ class SequenceDataModule(pl.LightningDataModule):
 
     @property
     def prepare_hint(self) -> str:
-        return f"python scripts/prepare_data.py {self.name} paths.data_dir={self.data_dir}"
+        source = getattr(self, "source_dir", None)
+        extra = "" if source is None else f" data.source_dir={source}"
+        return f"python scripts/prepare_data.py {self.name} paths.data_dir={self.data_dir}{extra}"
 
     def prepare_fingerprint(self) -> dict[str, Any]:
         """The config values that determine the prepared files; a manifest made with others is rebuilt."""
         return {}
+
+    def fingerprint(self) -> dict[str, Any]:
+        """`prepare_fingerprint()` plus the resolved `source_dir` (None: the task's download or generator)."""
+        source = getattr(self, "source_dir", None)
+        return {**self.prepare_fingerprint(),
+                "source_dir": None if source is None else str(Path(source).expanduser().resolve())}
+
+    def _stale(self, meta: Mapping[str, Any]) -> dict[str, tuple]:
+        # a json round trip, so that tuples compare equal to the lists the manifest holds
+        wanted = json.loads(json.dumps(self.fingerprint()))
+        return {k: (meta.get(k), v) for k, v in wanted.items() if meta.get(k) != v}
 
     def prepare_data(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.root / ".lock")):
             manifest_path = self.root / MANIFEST
             if manifest_path.exists():
-                meta = json.loads(manifest_path.read_text()).get("meta", {})
-                if all(meta.get(k) == v for k, v in self.prepare_fingerprint().items()):
+                try:
+                    stale = self._stale(json.loads(manifest_path.read_text()).get("meta", {}))
+                except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+                    stale = {"manifest.json": ("unreadable", "rebuild")}
+                if not stale:
                     return
-                log.info("prepared data at %s was made with other settings; rebuilding", self.root)
+                log.warning("prepared data at %s was made with other settings (key: (prepared, requested) = %s); "
+                            "rebuilding it", self.root, stale)
                 manifest_path.unlink()
             splits, meta = self._prepare(self.root)
-            write_manifest(self.root, splits, {**meta, **self.prepare_fingerprint()})
+            write_manifest(self.root, splits, {**meta, **self.fingerprint()})
             log.info("prepared %s at %s: %s", self.name, self.root,
                      {k: v.get("count") for k, v in splits.items()})
 
@@ -241,12 +298,20 @@ class SequenceDataModule(pl.LightningDataModule):
         if self.datasets:
             return
         self.manifest = read_manifest(self.root, self.prepare_hint)
-        meta = self.manifest.get("meta", {})
-        stale = {k: (meta.get(k), v) for k, v in self.prepare_fingerprint().items() if meta.get(k) != v}
+        stale = self._stale(self.manifest.get("meta", {}))
         if stale:
             raise DatasetNotPreparedError(f"prepared data at {self.root} was made with other settings "
                                           f"(key: (prepared, requested) = {stale}); re-run `{self.prepare_hint}`")
+        check_prepared(self.root, self.manifest, self.prepare_hint, num_classes=getattr(self, "num_classes", None),
+                       vocab_size=getattr(self, "vocab_size", None))
         self.datasets = self._load(self.root, self.manifest)
+
+    def verify(self) -> int:
+        """Re-hash every prepared file against the manifest (the slow check); returns the number of files."""
+        manifest = read_manifest(self.root, self.prepare_hint)
+        check_prepared(self.root, manifest, self.prepare_hint, num_classes=getattr(self, "num_classes", None),
+                       vocab_size=getattr(self, "vocab_size", None))
+        return verify_files(self.root, manifest, self.prepare_hint)
 
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         raise TypeError(f"{type(self).__name__} must implement _prepare(root)")
@@ -267,7 +332,7 @@ class SequenceDataModule(pl.LightningDataModule):
         sampler = EpochSampler(len(dataset), self.seed, shuffle=train, rank=rank, world_size=world)
         kwargs = dict(batch_size=self.batch_size if train else self.eval_batch_size, collate_fn=self.collate,
                       num_workers=self.num_workers, pin_memory=self.pin_memory, drop_last=False,
-                      persistent_workers=self.num_workers > 0,
+                      persistent_workers=self.persistent_workers,
                       # a private generator: creating an iterator must not draw from the global RNG, or a resumed
                       # run's dropout masks would drift from the uninterrupted run's
                       generator=torch.Generator().manual_seed(self.seed))

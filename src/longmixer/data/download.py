@@ -1,81 +1,177 @@
-"""Downloads and archives for every dataset: a resumable HTTP download (Range requests, size check, sha256 recorded
-beside the file) and unpacking of .tar(.gz) / .zip archives."""
+"""Downloads and archives for every dataset: a resumable HTTPS download checked against a pinned size and digest,
+unpacking of .tar(.gz) / .zip archives, and progress reporting that also works without a terminal.
+
+A hand-written downloader rather than pooch: it must resume a multi-GB partial file with a Range request and check
+servers that send no Content-Length against the pinned size, and pooch restarts partial downloads from zero.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import sys
 import tarfile
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-
-def progress_bar(description: str, total: int | None):
-    """A transient rich progress bar for byte transfers, and its task id."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, \
-        TransferSpeedColumn
-
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TimeRemainingColumn(), transient=True)
-    return bar, bar.add_task(description, total=total)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def download(url: str, dest: Path, expected_size: int | None = None, chunk: int = 1 << 20) -> Path:
-    """Download `url` to `dest`, resuming a partial `dest.part` with an HTTP Range request.
+class DataDownloadError(ConnectionError):
+    """A download that could not be done or that arrived damaged; the message is one line naming the ways out."""
 
-    The file keeps its final name only once its size equals the server's Content-Length (or `expected_size`);
-    a server that ignores the Range header makes the download restart from zero.
+
+@dataclass(frozen=True)
+class Pin:
+    """What a download must be: its size in bytes and a digest (`sha256` or, where upstream publishes only that,
+    `md5`); None where no trustworthy value is published (then the sha256 of the first download is recorded beside
+    the file and checked on every later use)."""
+
+    size: int | None = None
+    sha256: str | None = None
+    md5: str | None = None
+
+
+def download_hint(what: str, err: object) -> str:
+    """The one-line message for a download that failed (also printed by scripts/prepare_data.py)."""
+    return (f"could not download {what}: {err}; check the network (or a proxy) and run the same "
+            f"command again (partial downloads resume), or put the original files in a folder and pass "
+            f"data.source_dir=<folder> (docs/data.md lists what each task expects)")
+
+
+@contextlib.contextmanager
+def progress(description: str, total: int | None, unit: str = "items",
+             min_interval_s: float = 30.0) -> Iterator[Callable[[int], None]]:
+    """Yield `advance(n)`. In a terminal a transient rich bar (refreshed several times a second); otherwise an INFO
+    line at most every `min_interval_s` seconds and every 10% of `total`, so logs of batch jobs show progress."""
+    if sys.stderr.isatty():
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                       transient=True)
+        with bar:
+            task = bar.add_task(description, total=total)
+            yield lambda n: bar.advance(task, n)
+        return
+    state = {"done": 0, "last_t": time.monotonic(), "last_decile": 0}
+
+    def advance(n: int) -> None:
+        state["done"] += n
+        decile = state["done"] * 10 // total if total else 0
+        now = time.monotonic()
+        if decile > state["last_decile"] or now - state["last_t"] >= min_interval_s:
+            state["last_t"], state["last_decile"] = now, decile
+            log.info("%s: %d/%s %s", description, state["done"], total if total is not None else "?", unit)
+
+    yield advance
+
+
+def _digest(path: Path, algorithm: str, chunk: int = 1 << 20) -> str:
+    h = hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_file(path: Path, pin: Pin) -> None:
+    """Compare `path` with its pin (size first, then the digest) or with the sha256 recorded at its first download.
 
     Raises:
-        OSError: the transfer ended short of the announced size (re-run to resume).
+        DataDownloadError: naming the file, what differs and the fix.
+    """
+    size = path.stat().st_size
+    fix = f"delete {path} and run the same command again to download it afresh"
+    if pin.size is not None and size != pin.size:
+        raise DataDownloadError(f"{path} is {size} bytes, expected {pin.size}: an interrupted or damaged download; "
+                                f"{fix}")
+    for algorithm in ("sha256", "md5"):
+        expected = getattr(pin, algorithm)
+        if expected is not None and _digest(path, algorithm) != expected:
+            raise DataDownloadError(f"{path} has {algorithm} {_digest(path, algorithm)}, expected {expected}; {fix}")
+    recorded = path.with_name(path.name + ".sha256")
+    if pin.sha256 is None and recorded.exists():
+        expected = recorded.read_text().split()[0]
+        if _digest(path, "sha256") != expected:
+            raise DataDownloadError(f"{path} no longer matches the sha256 recorded at its download ({recorded}); {fix}")
+
+
+def download(url: str, dest: Path, pin: Pin = Pin(), chunk: int = 1 << 20) -> Path:
+    """Download `url` (https only) to `dest`, resuming a partial `dest.part` with an HTTP Range request.
+
+    The file takes its final name only once its size equals the pinned size (else the server's Content-Length)
+    and its digest matches the pin; an existing `dest` is checked the same way before it is reused. A transfer
+    whose length nobody states (no pin, no Content-Length) is refused rather than trusted.
+
+    Raises:
+        DataDownloadError: the network failed, the transfer ended short, or the file does not match its pin;
+            the message is one line (`download_hint`).
     """
     dest = Path(dest)
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "https" and not (parts.scheme == "http" and parts.hostname in LOOPBACK):
+        raise ValueError(f"{url} is not https; downloads are fetched over https only (plain http only from this "
+                         "machine, e.g. a local mirror)")
     if dest.exists():
+        check_file(dest, pin)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
+    try:
+        _fetch(url, part, pin.size, chunk)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
+        if isinstance(err, DataDownloadError):
+            raise
+        raise DataDownloadError(download_hint(url, err)) from None
+    check_file(part, pin)
+    os.replace(part, dest)
+    dest.with_name(dest.name + ".sha256").write_text(f"{_digest(dest, 'sha256')}  {dest.name}\n")
+    return dest
+
+
+def _fetch(url: str, part: Path, expected_size: int | None, chunk: int) -> None:
     have = part.stat().st_size if part.exists() else 0
+    if expected_size is not None and have == expected_size:
+        return
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
     try:
-        response = urllib.request.urlopen(request)
+        response = urllib.request.urlopen(request, timeout=60)
     except urllib.error.HTTPError as err:
-        if err.code != 416:  # 416: the partial file is already complete
-            raise
-        response = None
-    if response is None:
-        total = have
-    else:
-        with response:
-            resumed = response.status == 206
-            if have and not resumed:
-                log.info("server ignored the Range request; restarting %s", dest.name)
-                have = 0
-            length = int(response.headers.get("Content-Length") or 0)
-            total = have + length if length else expected_size
-            log.info("downloading %s -> %s (%s bytes, resuming at %d)", url, dest, total, have)
-            bar, task = progress_bar(dest.name, total)
-            with bar, open(part, "ab" if resumed else "wb") as f:
-                bar.update(task, completed=have)
-                while block := response.read(chunk):
-                    f.write(block)
-                    bar.advance(task, len(block))
+        if err.code == 416 and expected_size is None:  # the partial file may be complete; its size is unknown
+            raise DataDownloadError(f"{url}: the server reports {part} complete but states no size and none is "
+                                    f"pinned; delete it and download again") from None
+        raise
+    with response:
+        resumed = response.status == 206
+        if have and not resumed:
+            log.info("server ignored the Range request; restarting %s", part.name)
+            have = 0
+        length = int(response.headers.get("Content-Length") or 0)
+        total = have + length if length else expected_size
+        if total is None:
+            raise DataDownloadError(f"{url} sends no Content-Length and no size is pinned for it, so a cut transfer "
+                                    f"could not be told from a complete one; pin its size in the code")
+        log.info("downloading %s -> %s (%d bytes, resuming at %d)", url, part.parent, total, have)
+        with progress(f"downloading {part.name[:-5]}", total, unit="bytes") as advance, \
+                open(part, "ab" if resumed else "wb") as f:
+            advance(have)
+            while block := response.read(chunk):
+                f.write(block)
+                advance(len(block))
     size = part.stat().st_size
-    expected = expected_size or total
-    if expected is not None and size != expected:
-        raise OSError(f"download of {url} stopped at {size} of {expected} bytes; re-run the same command to resume "
-                      f"(the partial file is {part})")
-    os.replace(part, dest)
-    digest = hashlib.sha256()
-    with open(dest, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    dest.with_name(dest.name + ".sha256").write_text(f"{digest.hexdigest()}  {dest.name}\n")
-    return dest
+    if size != total:
+        raise DataDownloadError(f"download of {url} stopped at {size} of {total} bytes; run the same command again "
+                                f"to resume (the partial file is {part})")
 
 
 def extract(archive: Path, dest: Path) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 from longmixer.data.lm_stream import LMDataModule
 from longmixer.data.download import download, extract
 
-ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
+ENWIK8_URL = "https://mattmahoney.net/dc/enwik8.zip"  # no checksum published: recorded at first download
 ENWIK8_BYTES = 100_000_000
 SPLIT_BYTES = 5_000_000
 
@@ -49,12 +49,14 @@ class Enwik8(LMDataModule):
     def __init__(self, eval_bytes: int = SPLIT_BYTES, seq_len: int = 2048, vocab_size: int = 257, k_min: int = 1,
                  k_max: int = 1, eval_window: int | None = None, eval_context: int = 0, metric: str = "bpc",
                  roll: bool = True, source_dir: str | Path | None = None, data_dir: str | Path | None = None,
-                 batch_size: int = 8, eval_batch_size: int | None = None, num_workers: int = 0, seed: int = 0,
-                 split_seed: int = 0, pin_memory: bool = False):
+                 batch_size: int = 8, eval_batch_size: int | None = None, num_workers: int | None = None, seed: int = 0,
+                 split_seed: int = 0, pin_memory: bool | None = None,
+                 persistent_workers: bool | None = None):
         super().__init__(seq_len=seq_len, vocab_size=vocab_size, k_min=k_min, k_max=k_max, eval_window=eval_window,
                          eval_context=eval_context, metric=metric, roll=roll, data_dir=data_dir,
                          batch_size=batch_size, eval_batch_size=eval_batch_size, num_workers=num_workers, seed=seed,
-                         split_seed=split_seed, pin_memory=pin_memory)
+                         split_seed=split_seed, pin_memory=pin_memory,
+                         persistent_workers=persistent_workers)
         self.eval_bytes = eval_bytes
         self.source_dir = None if source_dir is None else Path(source_dir)
 

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
 from longmixer.data.download import download, extract
-from longmixer.data.scifar import CIFAR10_URL, holdout_split, read_cifar_batch
+from longmixer.data.scifar import CIFAR10_PIN, CIFAR10_URL, holdout_split, read_cifar_batch
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class GrayscaleCIFAR(SequenceDataModule):
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         raw = self.source_dir or root / "raw" / "cifar-10-batches-py"
         if self.source_dir is None and not raw.exists():
-            extract(download(CIFAR10_URL, root / "raw" / "cifar-10-python.tar.gz"), root / "raw")
+            extract(download(CIFAR10_URL, root / "raw" / "cifar-10-python.tar.gz", CIFAR10_PIN), root / "raw")
         splits = {}
         for split, files in (("train", [f"data_batch_{i}" for i in range(1, 6)]), ("test", ["test_batch"])):
             missing = [f for f in files if not (raw / f).exists()]

@@ -9,10 +9,11 @@ import os
 from pathlib import Path
 
 import numpy as np
-from rich.progress import Progress
 
 from longmixer.data.base import RaggedDataset, SequenceDataModule, label_counts, save_ragged
+from longmixer.data.download import progress
 from longmixer.data.generators.listops import OPERATORS, SHARD, ListOpsSpec, write_tsv_splits
+from longmixer.data.integrity import read_utf8_lines
 
 log = logging.getLogger(__name__)
 
@@ -34,17 +35,18 @@ def read_tsv(path: Path) -> tuple[list[np.ndarray], list[int]]:
     if not path.exists():
         raise FileNotFoundError(f"ListOps file {path} is missing")
     sequences, labels = [], []
-    with open(path, newline="") as f:
-        reader = csv.reader(f, delimiter="\t")
-        header = next(reader, None)
-        if header is None or [h.strip() for h in header[:2]] != ["Source", "Target"]:
-            raise ValueError(f"{path} is not an LRA ListOps TSV: its header is {header!r}, expected "
-                             "['Source', 'Target']")
-        for line_no, row in enumerate(reader, start=2):
-            if len(row) != 2 or not row[1].strip().isdigit() or not 0 <= int(row[1]) <= 9:
-                raise ValueError(f"{path}:{line_no}: expected `<source>\\t<digit 0-9>`, got {row[:2]!r}")
-            sequences.append(tokenize(row[0]))
-            labels.append(int(row[1]))
+    reader = csv.reader(read_utf8_lines(path, "ListOps", "re-extract the file or regenerate it"), delimiter="\t")
+    header = next(reader, None)
+    if header is None or [h.strip() for h in header[:2]] != ["Source", "Target"]:
+        raise ValueError(f"{path} is not an LRA ListOps TSV: its header is {header!r}, expected "
+                         "['Source', 'Target']")
+    for line_no, row in enumerate(reader, start=2):
+        if len(row) != 2 or not row[1].strip().isdigit() or not 0 <= int(row[1]) <= 9:
+            raise ValueError(f"{path}:{line_no}: expected `<source>\\t<digit 0-9>`, got {row[:2]!r}")
+        sequences.append(tokenize(row[0]))
+        labels.append(int(row[1]))
+    if not sequences:
+        raise ValueError(f"{path} has a header but no examples; the split is empty: re-extract or regenerate it")
     return sequences, labels
 
 
@@ -126,10 +128,8 @@ class GeneratedListOps(ListOps):
     def _source_tsvs(self) -> Path:
         out = self.root / "tsv"
         total = self.spec.num_train + self.spec.num_val + self.spec.num_test
-        with Progress(transient=True) as bar:
-            task = bar.add_task("generating ListOps", total=total)
-            # LRA sizes take minutes on one core: draw the generator's shards on every core (same output)
-            workers = min(16, os.cpu_count() or 1) if total > 20_000 else 1
-            write_tsv_splits(out, self.spec, self.generator_seed, progress=lambda n: bar.advance(task, n),
-                             workers=workers)
+        # LRA sizes take minutes on one core: draw the generator's shards on every core (same output)
+        workers = min(16, os.cpu_count() or 1) if total > 20_000 else 1
+        with progress("generating ListOps", total, unit="examples") as advance:
+            write_tsv_splits(out, self.spec, self.generator_seed, progress=advance, workers=workers)
         return out

@@ -263,10 +263,12 @@ class LMDataModule(SequenceDataModule):
 
     def __init__(self, seq_len: int, vocab_size: int, k_min: int = 1, k_max: int = 1, eval_window: int | None = None,
                  eval_context: int = 0, metric: str = "ppl", roll: bool = True, data_dir: str | Path | None = None,
-                 batch_size: int = 8, eval_batch_size: int | None = None, num_workers: int = 0, seed: int = 0,
-                 split_seed: int = 0, pin_memory: bool = False):
+                 batch_size: int = 8, eval_batch_size: int | None = None, num_workers: int | None = None, seed: int = 0,
+                 split_seed: int = 0, pin_memory: bool | None = None,
+                 persistent_workers: bool | None = None):
         super().__init__(data_dir=data_dir, batch_size=batch_size, eval_batch_size=eval_batch_size,
-                         num_workers=num_workers, seed=seed, split_seed=split_seed, pin_memory=pin_memory)
+                         num_workers=num_workers, seed=seed, split_seed=split_seed, pin_memory=pin_memory,
+                         persistent_workers=persistent_workers)
         if metric not in LM_METRICS:
             raise ValueError(f"data.metric={metric!r} is not one of {LM_METRICS}")
         if not 1 <= k_min <= k_max:
@@ -296,4 +298,4 @@ class LMDataModule(SequenceDataModule):
         kwargs = dict(num_workers=self.num_workers, pin_memory=self.pin_memory)
         if train:  # workers are re-created each epoch so that they receive the stream's new epoch and skip
             return LMStreamLoader(self.datasets[split], **kwargs)
-        return DataLoader(self.datasets[split], batch_size=None, persistent_workers=self.num_workers > 0, **kwargs)
+        return DataLoader(self.datasets[split], batch_size=None, persistent_workers=self.persistent_workers, **kwargs)

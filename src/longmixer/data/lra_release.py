@@ -4,7 +4,8 @@ where each task's files sit inside it.
 `lra_release.gz` is a gzipped tar of about 8 GB (18.6 GB unpacked, LRA issue #12) that holds, under one or two
 `lra_release/` levels, `listops-1000/`, `tsv_data/` (AAN retrieval), and `pathfinder{32,64,128,256}/` with
 `curv_baseline/`, `curv_contour_length_9/` and `curv_contour_length_14/` (frameworks.md section 2). No checksum is
-published; the download is checked against the server's Content-Length and its sha256 is recorded beside it.
+published; the download is checked against the server's Content-Length and its sha256 is recorded beside it
+at the first download and checked on every later use.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from longmixer.data.download import download, progress_bar
+from longmixer.data.download import download, progress
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,14 @@ def extract(archive: Path, dest: Path, parts: Sequence[str] | None = None) -> No
     unknown = [p for p in wanted if p not in PARTS]
     if unknown:
         raise ValueError(f"parts={unknown} are not in the LRA release; choose from {PARTS}")
-    bar, task = progress_bar(f"extracting {archive.name}", archive.stat().st_size)
-    with bar, open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r|gz") as tar:
+    with progress(f"extracting {archive.name}", archive.stat().st_size, unit="bytes") as advance, \
+            open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r|gz") as tar:
+        done = 0
         for member in tar:
             if any(part in Path(member.name).parts for part in wanted):
                 tar.extract(member, dest, filter="data")
-            bar.update(task, completed=raw.tell())
+            advance(raw.tell() - done)
+            done = raw.tell()
     for part in wanted:
         (Path(dest) / f".extracted-{part}").touch()
 

@@ -21,10 +21,16 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
-from longmixer.data.download import download
+from longmixer.data.download import Pin, download
 from longmixer.data.scifar import PixelSequenceDataset, check_shapes, holdout_split
 
 MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
+MNIST_MD5 = {  # the md5 values torchvision pins for these files
+    "train-images-idx3-ubyte": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+    "train-labels-idx1-ubyte": "d53e105ee54ea40749a09fcbcd1e9432",
+    "t10k-images-idx3-ubyte": "9fb629c4189551a2d022fa330f9573f3",
+    "t10k-labels-idx1-ubyte": "ec29112dd5afa0611ce80d1b7f02629c",
+}
 MNIST_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
                "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 PERMUTATIONS = ("none", "random", "bitreversal")
@@ -73,7 +79,7 @@ def _find(raw: Path, stem: str, may_download: bool) -> Path:
             return raw / name
     if not may_download:
         raise FileNotFoundError(f"data.source_dir={raw} has neither {stem} nor {stem}.gz")
-    return download(MNIST_URL + stem + ".gz", raw / (stem + ".gz"))
+    return download(MNIST_URL + stem + ".gz", raw / (stem + ".gz"), Pin(md5=MNIST_MD5.get(stem)))
 
 
 class MNIST(SequenceDataModule):
@@ -95,10 +101,12 @@ class MNIST(SequenceDataModule):
     def __init__(self, seq_len: int = 784, d_input: int = 1, num_classes: int = 10, permutation: str = "none",
                  permutation_seed: int = 0, val_fraction: float = 0.1, source_dir: str | Path | None = None,
                  data_dir: str | Path | None = None,
-                 batch_size: int = 50, eval_batch_size: int | None = None, num_workers: int = 0, seed: int = 0,
-                 split_seed: int = 42, pin_memory: bool = False):
+                 batch_size: int = 50, eval_batch_size: int | None = None, num_workers: int | None = None,
+                 seed: int = 0, split_seed: int = 42, pin_memory: bool | None = None,
+                 persistent_workers: bool | None = None):
         super().__init__(data_dir=data_dir, batch_size=batch_size, eval_batch_size=eval_batch_size,
-                         num_workers=num_workers, seed=seed, split_seed=split_seed, pin_memory=pin_memory)
+                         num_workers=num_workers, seed=seed, split_seed=split_seed, pin_memory=pin_memory,
+                         persistent_workers=persistent_workers)
         if permutation not in PERMUTATIONS:
             raise ValueError(f"data.permutation={permutation!r} is not one of {PERMUTATIONS}")
         self.seq_len, self.d_input, self.num_classes = seq_len, d_input, num_classes

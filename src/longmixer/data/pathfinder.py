@@ -23,7 +23,8 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from longmixer.data.base import SequenceDataModule, label_counts
-from longmixer.data.generators.pathfinder import difficulty_dir, generate_pathfinder
+from longmixer.data.download import progress
+from longmixer.data.generators.pathfinder import GENERATOR_VERSION, difficulty_dir, generate_pathfinder
 from longmixer.data.image import GrayPixelDataset, pixel_mode
 
 log = logging.getLogger(__name__)
@@ -164,13 +165,9 @@ class Pathfinder(SequenceDataModule):
         return pathfinder_dir(release, self.resolution, difficulty_dir(self.difficulty))
 
     def _pack(self, folder: Path, root: Path) -> dict:
-        from rich.progress import Progress
-
         total = len(read_metadata(folder))
-        with Progress(transient=True) as bar:
-            task = bar.add_task(f"packing {folder.name}", total=total)
-            return pack_pathfinder(folder, root, self.resolution, self.split_seed,
-                                   on_progress=lambda n: bar.advance(task, n))
+        with progress(f"packing {folder.name}", total, unit="images") as advance:
+            return pack_pathfinder(folder, root, self.resolution, self.split_seed, on_progress=advance)
 
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         folder = self._source()
@@ -228,18 +225,18 @@ class GeneratedPathfinder(Pathfinder):
 
     def prepare_fingerprint(self) -> dict:
         return {**super().prepare_fingerprint(), "num_images": self.num_images,
-                "generator_seed": self.generator_seed, "images_per_batch": self.images_per_batch}
+                "generator_seed": self.generator_seed, "images_per_batch": self.images_per_batch,
+                "generator_version": GENERATOR_VERSION}
 
     def _source(self) -> Path:
-        from rich.progress import Progress
-
-        raw = self.root / "raw" / f"pathfinder{self.resolution}"
-        with Progress(transient=True) as bar:
-            task = bar.add_task(f"generating {self.name}", total=self.num_images)
+        # finished batches are reused on a rerun, so the folder is keyed by everything that shapes them
+        raw = (self.root / "raw" / f"v{GENERATOR_VERSION}_per_batch{self.images_per_batch}"
+               / f"pathfinder{self.resolution}")
+        with progress(f"generating {self.name}", self.num_images, unit="images") as advance:
             return generate_pathfinder(raw, self.resolution, self.difficulty, self.num_images,
                                        seed=self.generator_seed, images_per_batch=self.images_per_batch,
                                        num_workers=self.generator_workers or os.cpu_count() or 1,
-                                       on_progress=lambda n: bar.advance(task, n))
+                                       on_progress=advance)
 
 
 class GeneratedPathX(GeneratedPathfinder):

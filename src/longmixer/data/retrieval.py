@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from longmixer.data.base import RaggedDataset, SequenceDataModule, label_counts, save_ragged
+from longmixer.data.integrity import warn_truncated
 from longmixer.data.text import BYTE_VOCAB, byte_ids, check_vocab
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def read_aan_tsv(path: Path, max_len: int) -> tuple[list[np.ndarray], list[np.nd
     if not path.exists():
         raise FileNotFoundError(f"AAN file {path} is missing; run `python scripts/prepare_data.py retrieval` or "
                                 "point data.source_dir at the LRA release's tsv_data folder")
-    docs1, docs2, labels = [], [], []
+    docs1, docs2, labels, raw_lengths = [], [], [], []
     with open(path, "rb") as f:  # bytes: the documents are byte-encoded anyway, and no decoding can fail
         for line_no, line in enumerate(f, start=1):
             cols = line.rstrip(b"\r\n").split(b"\t")
@@ -52,6 +53,11 @@ def read_aan_tsv(path: Path, max_len: int) -> tuple[list[np.ndarray], list[np.nd
             labels.append(int(label))
             docs1.append(byte_ids(cols[3], max_len))
             docs2.append(byte_ids(cols[4], max_len))
+            raw_lengths += [len(cols[3]), len(cols[4])]
+    if not labels:
+        raise ValueError(f"{path} holds no examples; the split is empty: re-extract the LRA release's tsv_data or "
+                         "point data.source_dir at a complete copy")
+    warn_truncated(f"{path.name} documents", np.asarray(raw_lengths), max_len)
     return docs1, docs2, labels
 
 

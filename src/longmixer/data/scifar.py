@@ -14,6 +14,7 @@ Source: the CIFAR-10 python tarball (`cifar-10-batches-py/{data_batch_1..5, test
 from __future__ import annotations
 
 import logging
+import io
 import pickle
 from pathlib import Path
 
@@ -22,20 +23,44 @@ import torch
 from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
-from longmixer.data.download import download, extract
+from longmixer.data.download import Pin, download, extract
 
 log = logging.getLogger(__name__)
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+CIFAR10_PIN = Pin(size=170_498_071, md5="c58f30108f718f92721af3b95e74349a")  # the md5 published on the CIFAR page
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.247, 0.243, 0.261)
 SIDE = 32
 
 
+class _BatchUnpickler(pickle.Unpickler):
+    """Unpickles the CIFAR python batches (dicts of bytes, str, lists, ints and numpy arrays) and nothing else: any
+    other global (a function a crafted file would call) is refused, so reading a download cannot run code."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+               ("numpy._core.multiarray", "scalar"), ("builtins", "bytes"), ("_codecs", "encode")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR batch")
+        return super().find_class(module, name)
+
+
 def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """One pickled CIFAR-10 batch -> (images uint8 [N, 1024, 3] row-major pixels x RGB, labels int64 [N])."""
-    with open(path, "rb") as f:
-        batch = pickle.load(f, encoding="bytes")
+    """One pickled CIFAR-10 batch -> (images uint8 [N, 1024, 3] row-major pixels x RGB, labels int64 [N]).
+
+    Raises:
+        ValueError: the file is not a CIFAR batch, or it references a global a batch never holds.
+    """
+    try:
+        batch = _BatchUnpickler(io.BytesIO(Path(path).read_bytes()), encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as err:
+        raise ValueError(f"{path} is not a readable CIFAR-10 python batch ({err}); delete the extracted folder and "
+                         "prepare again (the archive is re-checked against its md5)") from None
+    if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
+        raise ValueError(f"{path} holds no b'data' / b'labels' dict; is it a cifar-10-batches-py file?")
     data = np.asarray(batch[b"data"], dtype=np.uint8)
     if data.ndim != 2 or data.shape[1] != 3 * SIDE * SIDE:
         raise ValueError(f"{path}: expected b'data' of shape [N, 3072], got {data.shape}")
@@ -125,10 +150,12 @@ class SCIFAR(SequenceDataModule):
 
     def __init__(self, seq_len: int = 1024, d_input: int = 3, num_classes: int = 10, val_fraction: float = 0.1,
                  augment: bool = False, source_dir: str | Path | None = None, data_dir: str | Path | None = None,
-                 batch_size: int = 50, eval_batch_size: int | None = None, num_workers: int = 0, seed: int = 0,
-                 split_seed: int = 42, pin_memory: bool = False):
+                 batch_size: int = 50, eval_batch_size: int | None = None, num_workers: int | None = None,
+                 seed: int = 0, split_seed: int = 42, pin_memory: bool | None = None,
+                 persistent_workers: bool | None = None):
         super().__init__(data_dir=data_dir, batch_size=batch_size, eval_batch_size=eval_batch_size,
-                         num_workers=num_workers, seed=seed, split_seed=split_seed, pin_memory=pin_memory)
+                         num_workers=num_workers, seed=seed, split_seed=split_seed, pin_memory=pin_memory,
+                         persistent_workers=persistent_workers)
         self.seq_len, self.d_input, self.num_classes = seq_len, d_input, num_classes
         self.val_fraction, self.augment = val_fraction, augment
         self.source_dir = None if source_dir is None else Path(source_dir)
@@ -136,7 +163,7 @@ class SCIFAR(SequenceDataModule):
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         raw = self.source_dir or root / "raw" / "cifar-10-batches-py"
         if self.source_dir is None and not raw.exists():
-            extract(download(CIFAR10_URL, root / "raw" / "cifar-10-python.tar.gz"), root / "raw")
+            extract(download(CIFAR10_URL, root / "raw" / "cifar-10-python.tar.gz", CIFAR10_PIN), root / "raw")
         splits = {}
         for split, files in (("train", [f"data_batch_{i}" for i in range(1, 6)]), ("test", ["test_batch"])):
             parts = [read_cifar_batch(raw / f) for f in files]

@@ -27,12 +27,13 @@ import torch
 from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
-from longmixer.data.download import download, extract
+from longmixer.data.download import Pin, download, extract
 from longmixer.data.scifar import check_shapes
 
 log = logging.getLogger(__name__)
 
-SC_URL = "http://download.tensorflow.org/data/speech_commands_v0.02.tar.gz"
+SC_URL = "https://storage.googleapis.com/download.tensorflow.org/data/speech_commands_v0.02.tar.gz"
+SC_PIN = Pin(sha256="af14739ee7dc311471de98f5f9d2c9191b18aedfe957f4a6ff791c709868ff58")  # as torchaudio pins it
 SC10_CLASSES = ("yes", "no", "up", "down", "left", "right", "on", "off", "stop", "go")
 SAMPLE_RATE = 16_000
 SPLITS = ("stratified", "official")
@@ -122,10 +123,12 @@ class SpeechCommands(SequenceDataModule):
     def __init__(self, seq_len: int = SAMPLE_RATE, d_input: int = 1, num_classes: int = 10,
                  split: str = "stratified", eval_resolution: int = 1, source_dir: str | Path | None = None,
                  data_dir: str | Path | None = None,
-                 batch_size: int = 20, eval_batch_size: int | None = None, num_workers: int = 0, seed: int = 0,
-                 split_seed: int = 0, pin_memory: bool = False):
+                 batch_size: int = 20, eval_batch_size: int | None = None, num_workers: int | None = None,
+                 seed: int = 0, split_seed: int = 0, pin_memory: bool | None = None,
+                 persistent_workers: bool | None = None):
         super().__init__(data_dir=data_dir, batch_size=batch_size, eval_batch_size=eval_batch_size,
-                         num_workers=num_workers, seed=seed, split_seed=split_seed, pin_memory=pin_memory)
+                         num_workers=num_workers, seed=seed, split_seed=split_seed, pin_memory=pin_memory,
+                         persistent_workers=persistent_workers)
         if split not in SPLITS:
             raise ValueError(f"data.split={split!r} is not one of {SPLITS}")
         if eval_resolution not in (1, 2):
@@ -137,7 +140,7 @@ class SpeechCommands(SequenceDataModule):
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         raw = self.source_dir or root / "raw"
         if self.source_dir is None and not all((raw / word).is_dir() for word in SC10_CLASSES):
-            extract(download(SC_URL, raw / "speech_commands_v0.02.tar.gz"), raw)
+            extract(download(SC_URL, raw / "speech_commands_v0.02.tar.gz", SC_PIN), raw)
         files, labels, clips, dropped = [], [], [], 0
         for label, word in enumerate(SC10_CLASSES):
             for path in sorted((raw / word).glob("*.wav")):
@@ -158,7 +161,9 @@ class SpeechCommands(SequenceDataModule):
         for name in ("validation_list.txt", "testing_list.txt"):
             if (raw / name).exists():
                 (root / name).write_text((raw / name).read_text())
-        log.info("SC10: kept %d full-length clips, dropped %d shorter ones", len(files), dropped)
+        if dropped:
+            log.warning("SC10: kept %d full-length clips, dropped %d shorter ones (s4 keeps only 1 s clips)",
+                        len(files), dropped)
         splits = {"all": {"count": len(files), "labels": label_counts(labels), "dropped_short": dropped}}
         return splits, {"seq_len": SAMPLE_RATE, "d_input": 1, "num_classes": len(SC10_CLASSES)}
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from longmixer.data.base import RaggedDataset, SequenceDataModule, label_counts, save_ragged
+from longmixer.data.download import DataDownloadError, download_hint
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def load_imdb(source_dir: Path | None, cache_dir: Path) -> dict[str, tuple[list[
     """{"train", "test"} -> (texts, labels) from the hub (or a folder of its parquet files).
 
     Raises:
+        DataDownloadError: the hub cannot be reached (one line, as scripts/prepare_data.py prints it).
         FileNotFoundError: `source_dir` holds no `train-*.parquet` / `test-*.parquet`.
         ValueError: a row has no `text`/`label` column or a label outside {0, 1}.
     """
@@ -60,7 +62,10 @@ def load_imdb(source_dir: Path | None, cache_dir: Path) -> dict[str, tuple[list[
                                     f"folder of the {HF_NAME} parquet files or set it to null to download")
         ds = datasets.load_dataset("parquet", data_files=files, cache_dir=str(cache_dir))
     else:
-        ds = datasets.load_dataset(HF_NAME, cache_dir=str(cache_dir))
+        try:
+            ds = datasets.load_dataset(HF_NAME, cache_dir=str(cache_dir))
+        except ConnectionError as err:  # datasets reports an unreachable hub as ConnectionError
+            raise DataDownloadError(download_hint(f"text ({HF_NAME} from the Hugging Face hub)", err)) from None
     out = {}
     for split in ("train", "test"):
         table = ds[split]

@@ -11,9 +11,15 @@ Departures from upstream, all deliberate:
 - Randomness: one `np.random.Generator` per image, seeded by `SeedSequence(seed, spawn_key=(resolution, contour
   length, image index))`, so the output is byte-identical for a seed whatever the number of worker processes.
   Upstream used unseeded global `np.random` and Python `random`.
-- `scipy.misc.imresize` / `imsave` no longer exist; `_imresize` and `_to_uint8` rebuild them (bytescale, then PIL
-  Lanczos), and `cv2.dilate` is `scipy.ndimage.maximum_filter` (both correlate with the kernel, no reflection).
+- `scipy.misc.imresize` / `imsave` no longer exist; `imresize` and `bytescale` rebuild them (bytescale, then PIL
+  Lanczos). `cv2.dilate` is `scipy.ndimage.maximum_filter` with OpenCV's border: positions whose kernel taps all
+  fall outside the image get the lowest float, and, as upstream, a dilated mask holding such a value offers no
+  free coordinate (`free_coordinates`). OpenCV is therefore not needed at run time.
+- Labels come in complementary pairs (`_label`); upstream draws each independently.
 - Metadata is written as text, as in the released files (upstream wrote `np.save` arrays).
+
+Equivalence is measured, not assumed: tests/data/test_pathfinder_official_stats.py compares distractors per image,
+ink fraction, target-pair attempts and label balance with constants measured from the upstream code (docs/data.md).
 """
 
 from __future__ import annotations
@@ -21,17 +27,24 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import multiprocessing
 import os
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image
+
+from longmixer.data.generators.snake_raster import (bytescale, dilate, dilated_at, flip, free_coordinates, imresize,
+                                                   in_bounds, place, translate)
 
 log = logging.getLogger(__name__)
 
+# Part of the prepared data's key: a change to what the generator draws must bump it, so that images made by an
+# earlier version are regenerated rather than served (2: OpenCV's dilation border and the free-coordinate rule).
+GENERATOR_VERSION = 2
 DIFFICULTIES = {"baseline": 6, "9": 9, "14": 14}  # difficulty -> contour_length (snakes2_wrapper.py level loop)
 
 
@@ -95,126 +108,6 @@ def snakes_params(resolution: int, difficulty: str) -> SnakesParams:
                         num_distractor_snakes=budget // distractor_length, **spec)
 
 
-# ----------------------------------------------------------------------------------------------- raster helpers
-
-def _translate(coord: Sequence[float], theta: float, dist: float) -> tuple[int, int]:
-    """Move (y, x) by `dist` along `theta`; upstream rounds up (`np.ceil`), which biases the walk, and we keep it."""
-    return int(math.ceil(coord[0] + dist * math.sin(theta))), int(math.ceil(coord[1] + dist * math.cos(theta)))
-
-
-def _flip(theta: float) -> float:
-    return theta + math.pi if theta < 0 else theta - math.pi
-
-
-def _disk(radius: float) -> np.ndarray:
-    r = int(radius)
-    y, x = np.ogrid[-r:r + 1, -r:r + 1]
-    return (x * x + y * y) <= radius * radius  # [2r+1, 2r+1] bool
-
-
-def _bytescale(arr: np.ndarray) -> np.ndarray:
-    """`scipy.misc.bytescale`: min-max map to 0..255 with round-half-up (uint8 input passes through)."""
-    if arr.dtype == np.uint8:
-        return arr
-    lo, hi = float(arr.min()), float(arr.max())
-    scale = 255.0 / ((hi - lo) or 1.0)
-    return (np.clip((arr - lo) * scale, 0, 255) + 0.5).astype(np.uint8)
-
-
-def _imresize(arr: np.ndarray, size: int) -> np.ndarray:
-    """`scipy.misc.imresize(arr, (size, size), interp='lanczos')`: bytescale, then a PIL Lanczos resize to uint8."""
-    return np.asarray(Image.fromarray(_bytescale(arr)).resize((size, size), Image.LANCZOS))
-
-
-def _dilate(image: np.ndarray, footprint: np.ndarray) -> np.ndarray:
-    """`cv2.dilate(image, footprint)`: a max filter that correlates with the kernel (no reflection, no border)."""
-    from scipy.ndimage import maximum_filter
-
-    if not footprint.any():  # cv2 with an empty kernel leaves the image unchanged
-        return image.astype(np.float64)
-    return maximum_filter(image.astype(np.float64), footprint=footprint, mode="constant", cval=0.0)
-
-
-@functools.lru_cache(maxsize=8192)
-def _segment_stamp(theta: float, length: int, thickness: float, margin: int, aa: int) -> tuple[np.ndarray, np.ndarray]:
-    """One paddle around its start point: (line [2R+1]^2 in [0, 1], occupancy mask [2R+1]^2 in [0, 1]).
-
-    `snakes.draw_line_n_mask`: draw at `aa` times the resolution with width round(thickness*aa), Lanczos down; the
-    mask is the same line dilated by a disk of radius margin*aa before the downsampling.
-    """
-    if round(thickness * aa) != thickness * aa:
-        raise ValueError(f"paddle_thickness={thickness} * antialias_scale={aa} must be an integer")
-    R = length + int(math.ceil(thickness)) + margin
-    c = R * aa
-    head = _translate((c, c), theta, length * aa)
-    blown = Image.new("F", (2 * c + 1, 2 * c + 1), 0.0)
-    ImageDraw.Draw(blown).line([(c, c), (head[1], head[0])], fill=255.0, width=int(round(thickness * aa)))
-    blown_arr = np.asarray(blown)
-    line = _imresize(blown_arr, 2 * R + 1).astype(np.float64) / 255.0
-    mask_blown = _dilate(blown_arr, _disk(margin * aa)).astype(np.uint8)  # 0 / 255
-    mask = _imresize(mask_blown, 2 * R + 1).astype(np.float64) / 255.0
-    line.flags.writeable = False
-    mask.flags.writeable = False
-    return line, mask  # [2R+1, 2R+1] each
-
-
-@dataclass(frozen=True)
-class _Paddle:
-    """A paddle placed in the window: its clipped box and the stamp crops (line scaled by contrast, mask)."""
-
-    box: tuple[slice, slice]
-    line: np.ndarray
-    mask: np.ndarray
-
-    def draw(self, image: np.ndarray) -> None:
-        image[self.box] = np.maximum(image[self.box], self.line)
-
-    def occupy(self, mask: np.ndarray) -> None:
-        mask[self.box] = np.maximum(mask[self.box], self.mask)
-
-    def overlaps(self, mask: np.ndarray) -> bool:
-        """Upstream rejects a paddle when `max(mask + paddle_mask) >= 1.8`; outside the box that sum is <= 1."""
-        return self.mask.size > 0 and float(np.max(mask[self.box] + self.mask)) >= 1.8
-
-
-def _place(shape: tuple[int, int], start: Sequence[int], theta: float, p: SnakesParams, margin: int,
-           contrast: float = 1.0) -> _Paddle:
-    """The paddle stamp put at `start`, clipped at the window borders (`draw_line_n_mask`'s placement)."""
-    line, mask = _segment_stamp(float(theta), p.paddle_length, p.paddle_thickness, margin, p.antialias_scale)
-    R = line.shape[0] // 2
-    y0, x0 = start[0] - R, start[1] - R
-    ys, xs = max(y0, 0), max(x0, 0)
-    ye, xe = max(min(start[0] + R, shape[0] - 1) + 1, ys), max(min(start[1] + R, shape[1] - 1) + 1, xs)
-    crop = (slice(ys - y0, ye - y0), slice(xs - x0, xe - x0))
-    return _Paddle((slice(ys, ye), slice(xs, xe)), line[crop] * contrast, mask[crop])
-
-
-def _free_coordinates(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pixels whose occupancy is at most 0.3 (upstream `np.ceil(mask - 0.3) == 0`)."""
-    return np.nonzero(np.ceil(mask - 0.3) == 0)
-
-
-def _in_bounds(coord: Sequence[int], shape: tuple[int, int]) -> bool:
-    return 0 <= coord[0] < shape[0] and 0 <= coord[1] < shape[1]
-
-
-@functools.lru_cache(maxsize=16)
-def _disk_offsets(radius: int) -> tuple[np.ndarray, np.ndarray]:
-    dy, dx = np.nonzero(_disk(radius))
-    return dy - radius, dx - radius  # [K] each
-
-
-def _dilated_at(mask: np.ndarray, coords: np.ndarray, radius: int) -> np.ndarray:
-    """`_dilate(mask, _disk(radius))[coords]` without dilating the whole window: max over the disk around each."""
-    dy, dx = _disk_offsets(radius)
-    H, W = mask.shape
-    ys = coords[:, :1] + dy  # [M, K]
-    xs = coords[:, 1:] + dx  # [M, K]
-    inside = (ys >= 0) & (ys < H) & (xs >= 0) & (xs < W)
-    vals = mask.ravel()[np.where(inside, ys * W + xs, 0)] * inside
-    return vals.max(axis=1)  # [M]
-
-
 # ------------------------------------------------------------------------------------------------ snake growth
 # Canvases are float [W, W]: `image` (stroke intensities) and `mask` (occupancy in [0, 1], the padding border set).
 # Functions that grow a snake work on copies made by their caller and return None on failure.
@@ -226,7 +119,7 @@ def _seed_struct(theta: float, p: SnakesParams, margin: int) -> np.ndarray:
     n = (p.paddle_length + margin) * 2 + 1
     head = p.paddle_length + margin + 1
     struct = np.zeros((n, n))
-    _place((n, n), (head, head), theta, p, margin).occupy(struct)
+    place((n, n), (head, head), theta, p, margin).occupy(struct)
     return struct.astype(np.uint8).astype(bool)  # [n, n]
 
 
@@ -236,21 +129,21 @@ def _place_seed(rng: np.random.Generator, mask: np.ndarray, p: SnakesParams, mar
     or None when too little is free, no tail fits, or the paddle leaves the window `max_paddle_retrial` times."""
     shape = mask.shape
     L = p.paddle_length
-    if stop_with_availability is not None and len(_free_coordinates(mask)[0]) / mask.size < stop_with_availability:
+    if stop_with_availability is not None and len(free_coordinates(mask)[0]) / mask.size < stop_with_availability:
         return None
     for _ in range(p.max_paddle_retrial + 1):
         theta = int(rng.integers(-180, 180)) * math.pi / 180
         lined = mask.copy()
         lined[:border], lined[shape[0] - border:], lined[:, :border], lined[:, shape[1] - border:] = 1, 1, 1, 1
-        free_y, free_x = _free_coordinates(_dilate(lined, _seed_struct(theta, p, margin)))
+        free_y, free_x = free_coordinates(dilate(lined, _seed_struct(theta, p, margin)))
         if len(free_y) == 0:
             return None
         k = int(rng.integers(len(free_y)))
         tail = (int(free_y[k]), int(free_x[k]))
-        head = _translate(tail, theta, L)
-        pivot = _translate(head, _flip(theta), L + margin)
-        if _in_bounds(head, shape) and _in_bounds(pivot, shape):
-            return _place(shape, tail, theta, p, margin, contrast), pivot, theta, tail
+        head = translate(tail, theta, L)
+        pivot = translate(head, flip(theta), L + margin)
+        if in_bounds(head, shape) and in_bounds(pivot, shape):
+            return place(shape, tail, theta, p, margin, contrast), pivot, theta, tail
     return None
 
 
@@ -284,7 +177,7 @@ def _candidates(center: tuple[int, int], theta: float, radius: int, mask: np.nda
     coords, orient = coords[keep], orient[keep]
     delta = np.abs(orient - theta)
     delta = np.minimum(np.minimum(delta, 2 * math.pi - delta) * continuity, 0.5 * math.pi)
-    pmf = (1 - _dilated_at(mask, coords, margin)) * np.maximum(np.cos(delta), 0) ** 2
+    pmf = (1 - dilated_at(mask, coords, margin)) * np.maximum(np.cos(delta), 0) ** 2
     total = pmf.sum()
     if total < 1e-4:
         return None
@@ -295,7 +188,7 @@ def _extend(rng: np.random.Generator, pivot, theta: float, mask: np.ndarray, p: 
             contrast: float):
     """Choose the next paddle (`snakes.extend_snake`): (paddle, pivot, orientation, head) or None. The paddle is
     drawn from the sampled head back toward the pivot."""
-    new_pivot = _translate(pivot, theta, p.paddle_length + 2 * margin)
+    new_pivot = translate(pivot, theta, p.paddle_length + 2 * margin)
     cand = _candidates(new_pivot, theta, p.paddle_length + margin, mask, margin, p.continuity)
     if cand is None:
         return None
@@ -303,7 +196,7 @@ def _extend(rng: np.random.Generator, pivot, theta: float, mask: np.ndarray, p: 
     for _ in range(p.max_paddle_retrial + 1):
         k = int(np.argmax(cmf - rng.random() > 0))
         head = (int(coords[k, 0]), int(coords[k, 1]))
-        paddle = _place(mask.shape, head, _flip(float(orient[k])), p, margin, contrast)
+        paddle = place(mask.shape, head, flip(float(orient[k])), p, margin, contrast)
         if not paddle.overlaps(mask):
             return paddle, new_pivot, float(orient[k]), head
     return None
@@ -323,10 +216,10 @@ def _second_seed(rng: np.random.Generator, tail1: tuple[int, int], mask: np.ndar
         phi = int(rng.integers(0, 360)) * math.pi / 180
         tail = (int(np.round(tail1[0] + p.seed_distance * math.sin(phi))),
                 int(np.round(tail1[1] + p.seed_distance * math.cos(phi))))
-        head = _translate(tail, theta, p.paddle_length)
-        pivot = _translate(head, _flip(theta), p.paddle_length + margin)
-        if _in_bounds(head, mask.shape) and _in_bounds(pivot, mask.shape):
-            return _place(mask.shape, tail, theta, p, margin, contrast), pivot, theta, tail
+        head = translate(tail, theta, p.paddle_length)
+        pivot = translate(head, flip(theta), p.paddle_length + margin)
+        if in_bounds(head, mask.shape) and in_bounds(pivot, mask.shape):
+            return place(mask.shape, tail, theta, p, margin, contrast), pivot, theta, tail
     return None
 
 
@@ -384,30 +277,35 @@ def _make_snake(rng, image, mask, num_segments: int, p: SnakesParams, margin: in
 
 def _many_snakes(rng, image, mask, num_snakes: int, max_trial: int, num_segments: int, p: SnakesParams,
                  margin: int):
-    """Distractors (`snakes.make_many_snakes` with allow_incomplete=True, stop_with_availability=0.01)."""
+    """Distractors (`snakes.make_many_snakes` with allow_incomplete=True, stop_with_availability=0.01):
+    (image, mask, number of snakes completed)."""
+    placed = 0
     for _ in range(num_snakes):
         for _ in range(max_trial + 1):
             made = _make_snake(rng, image, mask, num_segments, p, margin, stop_with_availability=0.01)
             if made is not None:
                 image, mask = made
+                placed += 1
                 break
-    return image, mask
+    return image, mask, placed
 
 
 def _marker(p: SnakesParams, coord: Sequence[int]) -> np.ndarray:
     """An anti-aliased disk of `marker_radius` at `coord` (`snakes2.draw_circle`), uint8 [W, W]."""
     W, aa = p.window_size, p.antialias_scale
     y, x = np.ogrid[-coord[0] * aa:(W - coord[0]) * aa, -coord[1] * aa:(W - coord[1]) * aa]
-    return _imresize((x * x + y * y <= (p.marker_radius * aa) ** 2).astype(np.float64), W)
+    return imresize((x * x + y * y <= (p.marker_radius * aa) ** 2).astype(np.float64), W)
 
 
 def generate_image(p: SnakesParams, rng: np.random.Generator, label: int | None = None,
-                   max_attempts: int = 100_000) -> tuple[np.ndarray, int, int]:
+                   max_attempts: int = 100_000, stats: dict[str, int] | None = None) -> tuple[np.ndarray, int, int]:
     """One Pathfinder image (`snakes2.from_wrapper`, one loop iteration).
 
     Args:
         label: force the label (the draw that upstream uses is still consumed); None draws it.
-        max_attempts: upstream retries the two target snakes forever; Path-X (margin 3) needs ~800 on average.
+        max_attempts: upstream retries the two target snakes forever (see docs/data.md for the measured means).
+        stats: if given, receives `pair_attempts` (calls of the two-target step) and `distractors` (distractor
+            snakes completed), the quantities docs/data.md compares with the official generator.
     Returns:
         image: uint8 [W, W], min-max scaled as `scipy.misc.imsave` did; label: 1 if both markers lie on the same
         contour, else 0; margin: the paddle margin sampled for this image (metadata column 9).
@@ -415,7 +313,7 @@ def generate_image(p: SnakesParams, rng: np.random.Generator, label: int | None 
     drawn = int(rng.integers(2))
     label = drawn if label is None else int(label)
     margin = int(p.paddle_margin_list[int(rng.integers(len(p.paddle_margin_list)))])
-    for _ in range(max_attempts):
+    for attempt in range(1, max_attempts + 1):
         pair = _two_snakes(rng, p, margin)
         if pair is not None:
             break
@@ -423,17 +321,20 @@ def generate_image(p: SnakesParams, rng: np.random.Generator, label: int | None 
         raise RuntimeError(f"could not place two target snakes in {max_attempts} attempts with {p}; "
                            "lower contour_length or seed_distance")
     image, mask, origin, terminal = pair
+    distractors = 0
     if p.num_distractor_snakes > 0:
-        image, mask = _many_snakes(rng, image, mask, p.num_distractor_snakes, p.max_distractor_contour_retrial,
-                                   p.distractor_length, p, margin)
+        image, mask, distractors = _many_snakes(rng, image, mask, p.num_distractor_snakes,
+                                                p.max_distractor_contour_retrial, p.distractor_length, p, margin)
     if p.use_single_paddles:
         total = int(150 / ((7.5 + 13 * margin + 4 * margin * margin) / 123.5))
         n_single = total - 2 * p.contour_length - p.num_distractor_snakes * p.distractor_length
-        image, mask = _many_snakes(rng, image, mask, n_single, p.max_paddle_retrial, 1, p, margin)
+        image, mask, _ = _many_snakes(rng, image, mask, n_single, p.max_paddle_retrial, 1, p, margin)
+    if stats is not None:
+        stats["pair_attempts"], stats["distractors"] = attempt, distractors
     origin_idx = int(rng.integers(2))
     terminal_idx = origin_idx if label == 1 else 1 - origin_idx
     markers = np.maximum(_marker(p, origin[origin_idx]), _marker(p, terminal[terminal_idx])) / 255.0
-    return _bytescale(np.maximum(image, markers)), label, margin
+    return bytescale(np.maximum(image, markers)), label, margin
 
 
 # ------------------------------------------------------------------------------------------- sharded writing
@@ -456,13 +357,26 @@ def _label(p: SnakesParams, seed: int, index: int) -> int:
     return first if index % 2 == 0 else 1 - first
 
 
-def _write_batch(job: tuple[str, SnakesParams, int, int, int, int]) -> int:
+_progress_queue = None  # in worker processes: where each finished image is reported
+
+
+def _init_worker(queue) -> None:
+    global _progress_queue
+    _progress_queue = queue
+
+
+def _write_batch(job: tuple[str, SnakesParams, int, int, int, int], on_image=None) -> int:
     """Generate images [start, start + count) as batch `batch_id`; metadata is written last (atomic rename), so a
-    batch with a metadata file is complete and is skipped on a rerun."""
+    batch with a metadata file is complete and is skipped on a rerun. Each image is reported to `on_image` (or,
+    in a worker process, to the progress queue)."""
     out_dir, p, seed, batch_id, start, count = job
+    if on_image is None and _progress_queue is not None:
+        on_image = _progress_queue.put
     out = Path(out_dir)
     meta_path = out / "metadata" / f"{batch_id}.npy"
     if meta_path.exists():
+        if on_image is not None:
+            on_image(count)
         return 0
     img_dir = out / "imgs" / str(batch_id)
     img_dir.mkdir(parents=True, exist_ok=True)
@@ -471,6 +385,8 @@ def _write_batch(job: tuple[str, SnakesParams, int, int, int, int]) -> int:
         image, label, margin = generate_image(p, _image_rng(p, seed, start + k), label=_label(p, seed, start + k))
         Image.fromarray(image, mode="L").save(img_dir / f"sample_{k}.png", optimize=False)
         rows.append(_metadata_row(p, batch_id, k, label, margin))
+        if on_image is not None:
+            on_image(1)
     meta_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = meta_path.with_suffix(".tmp")
     tmp.write_text("\n".join(rows) + "\n")
@@ -491,7 +407,8 @@ def generate_pathfinder(root: str | os.PathLike, resolution: int, difficulty: st
         seed: the output is a function of (seed, resolution, difficulty, image index) only, not of num_workers.
         num_workers: processes; batches are the unit of work.
         params: override `snakes_params(resolution, difficulty)` (tests use this for tiny settings).
-        on_progress: called with the number of images finished after each batch.
+        on_progress: called with the number of images finished, image by image (batches already on disk count at
+            once), also from worker processes.
     Returns:
         The difficulty folder.
     """
@@ -505,15 +422,23 @@ def generate_pathfinder(root: str | os.PathLike, resolution: int, difficulty: st
     log.info("generating %d Pathfinder images (%dx%d, difficulty %s) into %s with %d workers",
              num_images, resolution, resolution, difficulty, out, num_workers)
     if num_workers <= 1:
-        results = map(_write_batch, jobs)
-    else:
-        pool = ProcessPoolExecutor(max_workers=num_workers)
-        results = pool.map(_write_batch, jobs)
-    try:
-        for job, done in zip(jobs, results):
+        for job in jobs:
+            _write_batch(job, on_progress)
+        return out
+    with multiprocessing.Manager() as manager:
+        queue = manager.Queue()
+        with ProcessPoolExecutor(max_workers=num_workers, initializer=_init_worker, initargs=(queue,)) as pool:
+            pending = {pool.submit(_write_batch, job) for job in jobs}
+            while pending:
+                finished, pending = wait(pending, timeout=0.5)
+                for future in finished:
+                    future.result()  # re-raise a worker's error
+                while not queue.empty():
+                    n = queue.get()
+                    if on_progress is not None:
+                        on_progress(n)
+        while not queue.empty():
+            n = queue.get()
             if on_progress is not None:
-                on_progress(job[5])
-    finally:
-        if num_workers > 1:
-            pool.shutdown()
+                on_progress(n)
     return out

@@ -1,0 +1,118 @@
+"""Downloads: pinned sizes and digests, cut transfers without Content-Length, re-checked files on reuse, https only,
+one-line errors, and progress that logs when stderr is not a terminal."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import logging
+import threading
+
+import pytest
+
+from longmixer.data import download as dl
+from longmixer.data.download import DataDownloadError, Pin
+
+PAYLOAD = bytes(hashlib.sha256(str(i).encode()).digest()[0] for i in range(20_000))
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Serves PAYLOAD; `cut` < 1 sends only that fraction of it with no Content-Length, then closes."""
+
+    cut = 1.0
+    requests: list = []
+
+    def do_GET(self):  # noqa: N802 (http.server API)
+        rng = self.headers.get("Range")
+        type(self).requests.append(rng)
+        start = int(rng.split("=")[1].split("-")[0]) if rng else 0
+        body = PAYLOAD[start:]
+        self.send_response(206 if rng else 200)
+        if self.cut < 1.0:
+            body = body[:int(len(PAYLOAD) * self.cut)]
+            self.send_header("Connection", "close")
+        else:
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    _Handler.cut, _Handler.requests = 1.0, []
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/file.bin"
+    httpd.shutdown()
+
+
+def test_cut_transfer_without_content_length_is_not_accepted(tmp_path, server):
+    _Handler.cut = 0.4
+    with pytest.raises(DataDownloadError, match="sends no Content-Length and no size is pinned"):
+        dl.download(server, tmp_path / "file.bin")
+    assert not (tmp_path / "file.bin").exists()
+
+
+def test_cut_transfer_with_a_pinned_size_resumes(tmp_path, server):
+    _Handler.cut = 0.4
+    pin = Pin(size=len(PAYLOAD), sha256=hashlib.sha256(PAYLOAD).hexdigest())
+    with pytest.raises(DataDownloadError, match=f"stopped at 8000 of {len(PAYLOAD)} bytes; run the same command"):
+        dl.download(server, tmp_path / "file.bin", pin)
+    assert (tmp_path / "file.bin.part").stat().st_size == 8000 and not (tmp_path / "file.bin").exists()
+    _Handler.cut = 1.0
+    assert dl.download(server, tmp_path / "file.bin", pin).read_bytes() == PAYLOAD
+    assert _Handler.requests[-1] == "bytes=8000-"
+
+
+def test_pinned_digest_mismatch_is_refused(tmp_path, server):
+    with pytest.raises(DataDownloadError, match="has sha256 .* expected 00"):
+        dl.download(server, tmp_path / "file.bin", Pin(sha256="00" * 32))
+    with pytest.raises(DataDownloadError, match="has md5 .* expected ff"):
+        dl.download(server, tmp_path / "other.bin", Pin(md5="ff" * 16))
+    assert not (tmp_path / "file.bin").exists() and not (tmp_path / "other.bin").exists()
+    md5 = hashlib.md5(PAYLOAD).hexdigest()  # noqa: S324 (the digest upstream publishes)
+    assert dl.download(server, tmp_path / "ok.bin", Pin(size=len(PAYLOAD), md5=md5)).read_bytes() == PAYLOAD
+
+
+def test_an_existing_file_is_checked_before_reuse(tmp_path, server):
+    path = dl.download(server, tmp_path / "file.bin")  # no pin: the sha256 is recorded beside it
+    assert (tmp_path / "file.bin.sha256").read_text().split()[0] == hashlib.sha256(PAYLOAD).hexdigest()
+    path.write_bytes(PAYLOAD[:-1] + b"\x00")
+    n = len(_Handler.requests)
+    with pytest.raises(DataDownloadError, match="no longer matches the sha256 recorded at its download"):
+        dl.download(server, path)
+    with pytest.raises(DataDownloadError, match="expected 1"):
+        dl.download(server, path, Pin(size=1))
+    assert len(_Handler.requests) == n  # nothing was fetched again behind the user's back
+
+
+def test_only_https_and_every_task_url_is_https(tmp_path):
+    with pytest.raises(ValueError, match="is not https"):
+        dl.download("http://example.org/x.zip", tmp_path / "x.zip")
+    from longmixer.data import enwik8, lra_release, mnist, scifar, speech_commands, wikitext103
+
+    for url in (enwik8.ENWIK8_URL, lra_release.LRA_URL, mnist.MNIST_URL, scifar.CIFAR10_URL, speech_commands.SC_URL,
+                wikitext103.WT103_URL):
+        assert url.startswith("https://"), url
+    assert scifar.CIFAR10_PIN.md5 and speech_commands.SC_PIN.sha256 and len(mnist.MNIST_MD5) == 4
+
+
+def test_unreachable_server_gives_one_line(tmp_path):
+    with pytest.raises(DataDownloadError) as caught:
+        dl.download("http://127.0.0.1:9/none.zip", tmp_path / "none.zip")
+    assert "\n" not in str(caught.value) and "data.source_dir=<folder>" in str(caught.value)
+    assert caught.value.__suppress_context__
+
+
+def test_progress_logs_at_deciles_without_a_terminal(caplog):
+    with caplog.at_level(logging.INFO, logger="longmixer.data.download"):
+        with dl.progress("generating x", 200, unit="images") as advance:
+            for _ in range(200):
+                advance(1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "generating x: 20/200 images" and lines[-1] == "generating x: 200/200 images"
+    assert len(lines) == 10

@@ -1,0 +1,181 @@
+"""Prepared data that is checked: every row of the data-integrity table, on small ListOps/IMDB files in the real
+formats (a damaged array, edited labels or manifest, bad source bytes, an empty split, a changed source folder,
+silent truncation, a download that cannot happen)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from longmixer.data import integrity
+from longmixer.data.base import DataIntegrityError, DatasetNotPreparedError
+from longmixer.data.download import DataDownloadError
+from longmixer.data.listops import ListOps
+
+ROWS = {"train": [("( ( [MAX 2 9 ) 4 ] )", 9), ("( [MIN 3 1 ] )", 1), ("( ( [SM 5 6 ) 1 ] )", 2),
+                  ("( [MED 1 7 3 ] )", 3)] * 3,
+        "val": [("( [MAX 1 2 ] )", 2), ("( ( [MIN 8 ( [MAX 2 3 ] ) ) 9 ] )", 3)],
+        "test": [("( [SM 1 1 ] )", 2), ("( [MAX 0 5 ] )", 5), ("( [MIN 4 6 ] )", 4)]}
+
+
+def write_listops(folder: Path, rows=ROWS) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, examples in rows.items():
+        lines = ["Source\tTarget"] + [f"{src}\t{label}" for src, label in examples]
+        (folder / f"basic_{split}.tsv").write_bytes(("\n".join(lines) + "\n").encode())
+    return folder
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    dm = ListOps(data_dir=tmp_path / "data", source_dir=str(write_listops(tmp_path / "src")), batch_size=2)
+    dm.prepare_data()
+    return dm
+
+
+def fresh(dm: ListOps, **overrides) -> ListOps:
+    kwargs = dict(data_dir=dm.data_dir, source_dir=dm.source_dir, batch_size=2, seq_len=dm.seq_len)
+    return ListOps(**{**kwargs, **overrides})
+
+
+def test_intact_data_passes_both_checks(prepared):
+    prepared.setup()
+    assert prepared.verify() == len(prepared.manifest["files"])
+
+
+def test_truncated_array_is_named(prepared):
+    path = prepared.root / "train.tokens.npy"
+    path.write_bytes(path.read_bytes()[:-7])
+    with pytest.raises(DataIntegrityError, match=r"train\.tokens\.npy is unreadable.*re-run `python scripts/prep"):
+        fresh(prepared).setup()
+
+
+def test_zero_byte_array_is_named(prepared):
+    (prepared.root / "val.labels.npy").write_bytes(b"")
+    with pytest.raises(DataIntegrityError, match=r"val\.labels\.npy is unreadable"):
+        fresh(prepared).setup()
+
+
+def test_out_of_vocabulary_token_is_named_with_its_index(prepared):
+    path = prepared.root / "test.tokens.npy"
+    tokens = np.load(path)
+    tokens[3] = 40  # the vocabulary has 17 ids
+    np.save(path, tokens)
+    with pytest.raises(DataIntegrityError, match=r"test\.tokens\.npy: token 40 at index 3 is outside \[0, "
+                                                 r"data\.vocab_size=17\)"):
+        fresh(prepared).setup()
+
+
+def test_out_of_range_label_is_named_with_its_index(prepared):
+    path = prepared.root / "train.labels.npy"
+    labels = np.load(path)
+    labels[5] = 12
+    np.save(path, labels)
+    with pytest.raises(DataIntegrityError, match=r"train\.labels\.npy: label 12 at index 5 is outside \[0, "
+                                                 r"data\.num_classes=10\)"):
+        fresh(prepared).setup()
+
+
+def test_labels_changed_in_place_are_caught_cheaply_and_by_sha256(prepared):
+    path = prepared.root / "test.labels.npy"
+    np.save(path, np.zeros_like(np.load(path)))  # same shape and dtype, every label 0
+    with pytest.raises(DataIntegrityError, match=r"test\.labels\.npy: label counts \{'0': 3\} differ"):
+        fresh(prepared).setup()
+    with pytest.raises(DataIntegrityError, match=r"test\.labels\.npy has another sha256"):
+        integrity.verify_files(prepared.root, json.loads((prepared.root / "manifest.json").read_text()), "hint")
+
+
+def test_edited_manifest_is_refused(prepared):
+    path = prepared.root / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["splits"]["test"]["labels"] = {"0": 3}
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(DataIntegrityError, match="manifest.json was edited after it was written"):
+        fresh(prepared).setup()
+
+
+def test_non_utf8_byte_names_file_line_and_column(tmp_path):
+    folder = write_listops(tmp_path / "src")
+    path = folder / "basic_val.tsv"
+    lines = path.read_bytes().split(b"\n")
+    lines[2] = lines[2][:4] + b"\xff" + lines[2][4:]
+    path.write_bytes(b"\n".join(lines))
+    dm = ListOps(data_dir=tmp_path / "data", source_dir=str(folder))
+    with pytest.raises(ValueError, match=r"basic_val\.tsv:3:5: byte 0xff is not UTF-8"):
+        dm.prepare_data()
+
+
+def test_empty_split_names_the_file(tmp_path):
+    folder = write_listops(tmp_path / "src", {**ROWS, "val": []})
+    dm = ListOps(data_dir=tmp_path / "data", source_dir=str(folder))
+    with pytest.raises(ValueError, match=r"basic_val\.tsv has a header but no examples"):
+        dm.prepare_data()
+
+
+def test_changed_source_dir_rebuilds_or_is_refused(prepared, tmp_path, caplog):
+    other = write_listops(tmp_path / "other", {**ROWS, "test": [("( [MAX 7 8 ] )", 8)]})
+    # setup() alone (a training run that skipped prepare_data) refuses to serve the old data
+    with pytest.raises(DatasetNotPreparedError, match="was made with other settings.*source_dir"):
+        fresh(prepared, source_dir=str(other)).setup()
+    # prepare_data() rebuilds from the new folder, saying so
+    dm = fresh(prepared, source_dir=str(other))
+    with caplog.at_level(logging.WARNING):
+        dm.prepare_data()
+    assert "rebuilding" in caplog.text
+    dm.setup()
+    assert len(dm.datasets["test"]) == 1
+    assert dm.manifest["meta"]["source_dir"] == str(other.resolve())
+
+
+def test_truncation_warns_once_with_counts(prepared, caplog):
+    lengths = np.diff(np.load(prepared.root / "train.offsets.npy"))
+    cut = int((lengths > 4).sum())
+    assert 0 < cut < len(lengths)
+    with caplog.at_level(logging.WARNING, logger="longmixer.data.integrity"):
+        dm = fresh(prepared, seq_len=4)
+        dm.setup()
+        fresh(prepared, seq_len=4).setup()
+    lines = [r.getMessage() for r in caplog.records if "train:" in r.getMessage()]
+    assert lines == [f"{prepared.root.name} train: {cut} of {len(lengths)} examples are longer than data.seq_len=4 "
+                     "and are truncated"]
+    assert all(len(dm.datasets["train"][i]["inputs"]) <= 4 for i in range(len(lengths)))
+
+
+def test_a_run_without_network_ends_with_the_same_line_as_prepare_data(tmp_path, monkeypatch, capsys):
+    import datasets
+
+    from longmixer.data.text import IMDB
+    from scripts import prepare_data
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'stanfordnlp/imdb' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    dm = IMDB(data_dir=tmp_path / "data")
+    with pytest.raises(DataDownloadError) as caught:
+        dm.prepare_data()
+    message = str(caught.value)
+    assert "\n" not in message and "data.source_dir=<folder>" in message
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__  # no library traceback chained
+    assert prepare_data.main(["text", f"paths.data_dir={tmp_path / 'data'}"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+def test_verify_reports_a_damaged_file_through_prepare_data_script(prepared, capsys):
+    from scripts import prepare_data
+
+    source = prepared.source_dir
+    path = prepared.root / "val.tokens.npy"
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 1  # the last token's low bit: same size, header and vocabulary range; only the sha256 tells
+    path.write_bytes(bytes(data))
+    code = prepare_data.main(["listops", f"paths.data_dir={prepared.data_dir}", f"data.source_dir={source}"])
+    assert code == 2
+    assert "val.tokens.npy has another sha256" in capsys.readouterr().err
+    shutil.rmtree(prepared.root)
+    assert prepare_data.main(["listops", f"paths.data_dir={prepared.data_dir}", f"data.source_dir={source}"]) == 0
