@@ -4,7 +4,7 @@ is what users run. Per run: tokens/s over all ranks, speedup and scaling efficie
 memory of every GPU, and the global-batch loss of every step; the loss curves of one recipe must overlap.
 
 Each run is `python -m longmixer.train experiment=<recipe> data=<generated data> data.batch_size=<global / N>
-trainer=<gpu | ddp | fsdp> trainer.devices=N trainer.max_steps=<steps>` with validation, testing and checkpoints
+trainer=<gpu | ddp | zero> trainer.devices=N trainer.max_steps=<steps>` with validation, testing and checkpoints
 off and `callbacks/scaling.py::ScalingProbe` as the only callback (it writes the per-step loss averaged over the
 global batch, the timed tokens/s and the per-rank peak memory). Recipes with BatchNorm switch to
 `model.norm=syncbatchnorm` (per-rank statistics would change the model with N), and dropout is set to 0 unless
@@ -84,16 +84,20 @@ def dropout_overrides(recipe: Recipe) -> list[str]:
     return out
 
 
-def run_overrides(name: str, recipe: Recipe, world: int, args, out: Path) -> list[str]:
-    """The `longmixer.train` overrides of one run of `recipe` on `world` devices."""
+def run_id(name: str, world: int, strategy: str) -> str:
+    return f"{name}_n1" if world == 1 else f"{name}_{strategy}_n{world}"
+
+
+def run_overrides(name: str, recipe: Recipe, world: int, strategy: str, args, out: Path) -> list[str]:
+    """The `longmixer.train` overrides of one run of `recipe` on `world` devices (one device: no strategy)."""
     if recipe.global_batch % world:
         raise SystemExit(f"scaling: global batch {recipe.global_batch} of {name} is not divisible by {world} "
                          "devices; pick --global-batch as a multiple of every device count")
-    if args.cpu:
-        trainer = ["trainer=cpu"] if world == 1 else ["trainer=ddp", "trainer.accelerator=cpu"]
+    if world == 1:
+        trainer = ["trainer=cpu" if args.cpu else "trainer=gpu"]
     else:
-        trainer = (["trainer=gpu"] if world == 1 and args.strategy == "ddp" else
-                   [f"trainer={args.strategy}", "trainer.accelerator=gpu", "trainer.precision=bf16-mixed"])
+        trainer = [f"trainer={strategy}", f"trainer.accelerator={'cpu' if args.cpu else 'gpu'}",
+                   f"trainer.precision={'32-true' if args.cpu else 'bf16-mixed'}"]
     data = []
     if recipe.data.startswith("listops"):  # generate just the examples the steps consume (+ one spare batch)
         data = [f"data.num_train={recipe.global_batch * (args.steps + 1)}", "data.num_val=16", "data.num_test=16"]
@@ -103,9 +107,9 @@ def run_overrides(name: str, recipe: Recipe, world: int, args, out: Path) -> lis
             "trainer.log_every_n_steps=1", "+trainer.enable_checkpointing=false", "trainer.enable_progress_bar=false",
             "trainer.enable_model_summary=false", "test=false", "callbacks=none",
             "+callbacks.scaling._target_=longmixer.callbacks.scaling.ScalingProbe",
-            f"+callbacks.scaling.out={out / 'runs' / f'{name}_n{world}.json'}",
+            f"+callbacks.scaling.out={out / 'runs' / (run_id(name, world, strategy) + '.json')}",
             f"+callbacks.scaling.warmup_steps={args.warmup}", f"paths.data_dir={args.data_dir or out / 'data'}",
-            f"paths.log_dir={out / 'logs'}", f"run_tag=scaling_{args.strategy}_n{world}", f"seed={args.seed}"]
+            f"paths.log_dir={out / 'logs'}", f"run_tag=scaling_{strategy}_n{world}", f"seed={args.seed}"]
 
 
 def child_env(cpu: bool) -> dict[str, str]:
@@ -116,22 +120,24 @@ def child_env(cpu: bool) -> dict[str, str]:
     return env
 
 
-def run_one(name: str, recipe: Recipe, world: int, args, out: Path, extra: list[str]) -> dict:
-    overrides = [*run_overrides(name, recipe, world, args, out), *extra]
+def run_one(name: str, recipe: Recipe, world: int, strategy: str, args, out: Path, extra: list[str]) -> dict:
+    overrides = [*run_overrides(name, recipe, world, strategy, args, out), *extra]
     cmd = [sys.executable, "-m", "longmixer.train", *overrides]
-    log_path = out / "runs" / f"{name}_n{world}.log"
+    log_path = out / "runs" / (run_id(name, world, strategy) + ".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, env=child_env(args.cpu), stdout=log, stderr=subprocess.STDOUT,
                               timeout=args.timeout)
     wall = time.perf_counter() - start
-    probe = out / "runs" / f"{name}_n{world}.json"
+    probe = out / "runs" / (run_id(name, world, strategy) + ".json")
+    strategy = "single" if world == 1 else strategy
     if proc.returncode != 0 or not probe.exists():
         tail = log_path.read_text()[-2000:]
-        return {"recipe": name, "world_size": world, "failed": f"exit {proc.returncode}; log {log_path}",
-                "log_tail": tail, "command": " ".join(cmd)}
-    return {"recipe": name, "wall_s": wall, "command": " ".join(cmd), **json.loads(probe.read_text())}
+        return {"recipe": name, "strategy": strategy, "world_size": world, "log_tail": tail,
+                "failed": f"exit {proc.returncode}; log {log_path}", "command": " ".join(cmd)}
+    return {"recipe": name, "strategy": strategy, "wall_s": wall, "command": " ".join(cmd),
+            **json.loads(probe.read_text())}
 
 
 def summarise(results: list[dict]) -> list[dict]:
@@ -146,7 +152,7 @@ def summarise(results: list[dict]) -> list[dict]:
         speedup = r["tokens_per_s"] / ref["tokens_per_s"] if ref else float("nan")
         diff = max(abs(a - b) for a, b in zip(r["loss"], ref["loss"])) if ref else float("nan")
         peaks = [p for p in r["peak_mem_gib"] if p is not None]
-        rows.append({"recipe": r["recipe"], "devices": r["world_size"], "global_batch": r["rows_per_step"][0],
+        rows.append({"recipe": r["recipe"], "strategy": r["strategy"], "devices": r["world_size"], "global_batch": r["rows_per_step"][0],
                      "tokens_per_step": r["tokens_per_step"][0], "steps": r["steps"], "timed_steps": r["timed_steps"],
                      "tokens_per_s": r["tokens_per_s"], "speedup": speedup, "efficiency": speedup / r["world_size"],
                      "peak_mem_gib_max": max(peaks) if peaks else float("nan"),
@@ -156,11 +162,11 @@ def summarise(results: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'recipe':<20} {'dev':>3} {'batch':>5} {'tokens/s':>12} {'speedup':>7} {'eff':>5} {'peak GiB':>8} "
+    head = (f"{'recipe':<20} {'strategy':<8} {'dev':>3} {'batch':>5} {'tokens/s':>12} {'speedup':>7} {'eff':>5} {'peak GiB':>8} "
             f"{'loss 0 -> last':>16} {'max|dloss|':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['recipe']:<20} {r['devices']:>3} {r['global_batch']:>5} {r['tokens_per_s']:>12,.0f} "
+        lines.append(f"{r['recipe']:<20} {r['strategy']:<8} {r['devices']:>3} {r['global_batch']:>5} {r['tokens_per_s']:>12,.0f} "
                      f"{r['speedup']:>7.3f} {r['efficiency']:>5.2f} {r['peak_mem_gib_max']:>8.2f} "
                      f"{r['loss_first']:>7.4f} -> {r['loss_last']:<6.4f} {r['max_abs_loss_diff_vs_1']:>10.2e}")
     return "\n".join(lines)
@@ -176,10 +182,10 @@ def write_outputs(out: Path, results: list[dict], rows: list[dict], meta: dict) 
             writer.writerow({**r, "peak_mem_gib_per_device": " ".join(f"{p:.3f}" for p in r["peak_mem_gib_per_device"])})
     with open(out / "loss_curves.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["recipe", "devices", "step", "loss"])
+        writer.writerow(["recipe", "strategy", "devices", "step", "loss"])
         for r in results:
             for step, loss in enumerate(r.get("loss", [])):
-                writer.writerow([r["recipe"], r["world_size"], step, f"{loss:.8f}"])
+                writer.writerow([r["recipe"], r["strategy"], r["world_size"], step, f"{loss:.8f}"])
 
 
 def device_counts(args) -> list[int] | None:
@@ -207,7 +213,8 @@ def parse_args(argv):
     p.add_argument("--gpus", type=int, nargs="+", help="device counts (default 1 2 4, up to the GPUs present)")
     p.add_argument("--cpu", type=int, nargs="+", help="run on CPU with this many gloo processes instead (e.g. 1 2)")
     p.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), help=f"default: {' '.join(GPU_DEFAULT)}")
-    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp", help="multi-device trainer config")
+    p.add_argument("--strategies", nargs="+", choices=("ddp", "zero"), default=["ddp"],
+                   help="trainer configs of the multi-device runs (zero: DDP with sharded optimizer state)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
     p.add_argument("--global-batch", type=int, help="rows per step for every recipe (default: the recipe's)")
@@ -224,8 +231,6 @@ def parse_args(argv):
         p.error("--gpus and --cpu exclude each other")
     if any(n < 1 for n in (args.gpus or args.cpu or [1])):
         p.error("device counts must be >= 1")
-    if args.strategy == "fsdp" and args.cpu:
-        p.error("--strategy fsdp runs on GPUs only here; the CPU path is DDP over gloo")
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup {args.warmup} must be in [0, --steps {args.steps})")
     return args
@@ -248,18 +253,20 @@ def main(argv: list[str] | None = None) -> int:
             recipe = Recipe(recipe.experiment, recipe.data, args.global_batch, recipe.overrides)
         extra = [*(dropout_overrides(recipe) if args.dropout == "off" else []), *args.extra]
         for world in counts:
-            result = run_one(name, recipe, world, args, out, extra)
-            results.append(result)
-            state = result.get("failed") or f"{result['tokens_per_s']:,.0f} tokens/s"
-            print(f"{name} on {world} {'process(es)' if args.cpu else 'GPU(s)'}: {state}", flush=True)
+            for strategy in (["single"] if world == 1 else args.strategies):
+                result = run_one(name, recipe, world, strategy, args, out, extra)
+                results.append(result)
+                state = result.get("failed") or f"{result['tokens_per_s']:,.0f} tokens/s"
+                print(f"{name} on {world} {'process(es)' if args.cpu else 'GPU(s)'} ({result['strategy']}): "
+                      f"{state}", flush=True)
     rows = summarise(results)
-    meta = {"devices": "cpu/gloo" if args.cpu else "cuda", "strategy": args.strategy, "steps": args.steps,
+    meta = {"devices": "cpu/gloo" if args.cpu else "cuda", "strategies": args.strategies, "steps": args.steps,
             "warmup": args.warmup, "dropout": args.dropout, "env": NO_MULTICAST, "argv": sys.argv[1:]}
     write_outputs(out, results, rows, meta)
     print(table(rows))
     failed = [r for r in results if "failed" in r]
     for r in failed:
-        print(f"FAILED {r['recipe']} on {r['world_size']}: {r['failed']}\n{r['log_tail']}", file=sys.stderr)
+        print(f"FAILED {r['recipe']} on {r['world_size']} ({r['strategy']}): {r['failed']}\n{r['log_tail']}", file=sys.stderr)
     print(f"results: {out / 'scaling.json'}, {out / 'scaling.csv'}, {out / 'loss_curves.csv'}")
     return 1 if failed else 0
 
