@@ -7,8 +7,9 @@ Each run is `python -m longmixer.train experiment=<recipe> data=<generated data>
 trainer=<gpu | ddp | zero> trainer.devices=N trainer.max_steps=<steps>` with validation, testing and checkpoints
 off and `callbacks/scaling.py::ScalingProbe` as the only callback (it writes the per-step loss averaged over the
 global batch, the timed tokens/s and the per-rank peak memory). Recipes with BatchNorm switch to
-`model.norm=syncbatchnorm` (per-rank statistics would change the model with N), and dropout is set to 0 unless
-`--dropout recipe` (each rank draws the same masks, so with dropout the curves differ by more than rounding).
+`model.norm=syncbatchnorm` (per-rank statistics would change the model with N), dropout is set to 0 unless
+`--dropout recipe` (each rank draws the same masks, so with dropout the curves differ by more than rounding), and
+the LR warmup is shortened to `--lr-warmup` steps so that the compared models actually train.
 Every process is started with NVLink multicast off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1).
 
@@ -104,12 +105,14 @@ def run_overrides(name: str, recipe: Recipe, world: int, strategy: str, args, ou
     return [f"experiment={recipe.experiment}", f"data={recipe.data}", *recipe.overrides, *data,
             f"data.batch_size={recipe.global_batch // world}", *trainer, f"trainer.devices={world}",
             f"trainer.max_steps={args.steps}", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
-            "trainer.log_every_n_steps=1", "trainer.accumulate_grad_batches=1", "+trainer.enable_checkpointing=false", "trainer.enable_progress_bar=false",
+            "trainer.log_every_n_steps=1", "trainer.accumulate_grad_batches=1", "+trainer.enable_checkpointing=false",
+            "trainer.enable_progress_bar=false",
             "trainer.enable_model_summary=false", "test=false", "callbacks=none",
             "+callbacks.scaling._target_=longmixer.callbacks.scaling.ScalingProbe",
             f"+callbacks.scaling.out={out / 'runs' / (run_id(name, world, strategy) + '.json')}",
             f"+callbacks.scaling.warmup_steps={args.warmup}", f"paths.data_dir={args.data_dir or out / 'data'}",
-            f"paths.log_dir={out / 'logs'}", f"run_tag=scaling_{strategy}_n{world}", f"seed={args.seed}"]
+            f"paths.log_dir={out / 'logs'}", f"run_tag=scaling_{strategy}_n{world}", f"seed={args.seed}",
+            f"optim.warmup_steps={args.lr_warmup}"]
 
 
 def child_env(cpu: bool) -> dict[str, str]:
@@ -152,7 +155,8 @@ def summarise(results: list[dict]) -> list[dict]:
         speedup = r["tokens_per_s"] / ref["tokens_per_s"] if ref else float("nan")
         diff = max(abs(a - b) for a, b in zip(r["loss"], ref["loss"])) if ref else float("nan")
         peaks = [p for p in r["peak_mem_gib"] if p is not None]
-        rows.append({"recipe": r["recipe"], "strategy": r["strategy"], "devices": r["world_size"], "global_batch": r["rows_per_step"][0],
+        rows.append({"recipe": r["recipe"], "strategy": r["strategy"], "devices": r["world_size"],
+                     "global_batch": r["rows_per_step"][0],
                      "tokens_per_step": r["tokens_per_step"][0], "steps": r["steps"], "timed_steps": r["timed_steps"],
                      "tokens_per_s": r["tokens_per_s"], "speedup": speedup, "efficiency": speedup / r["world_size"],
                      "peak_mem_gib_max": max(peaks) if peaks else float("nan"),
@@ -162,11 +166,13 @@ def summarise(results: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'recipe':<20} {'strategy':<8} {'dev':>3} {'batch':>5} {'tokens/s':>12} {'speedup':>7} {'eff':>5} {'peak GiB':>8} "
+    head = (f"{'recipe':<20} {'strategy':<8} {'dev':>3} {'batch':>5} {'tokens/s':>12} {'speedup':>7} {'eff':>5} "
+            f"{'peak GiB':>8} "
             f"{'loss 0 -> last':>16} {'max|dloss|':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['recipe']:<20} {r['strategy']:<8} {r['devices']:>3} {r['global_batch']:>5} {r['tokens_per_s']:>12,.0f} "
+        lines.append(f"{r['recipe']:<20} {r['strategy']:<8} {r['devices']:>3} {r['global_batch']:>5} "
+                     f"{r['tokens_per_s']:>12,.0f} "
                      f"{r['speedup']:>7.3f} {r['efficiency']:>5.2f} {r['peak_mem_gib_max']:>8.2f} "
                      f"{r['loss_first']:>7.4f} -> {r['loss_last']:<6.4f} {r['max_abs_loss_diff_vs_1']:>10.2e}")
     return "\n".join(lines)
@@ -179,7 +185,8 @@ def write_outputs(out: Path, results: list[dict], rows: list[dict], meta: dict) 
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for r in rows:
-            writer.writerow({**r, "peak_mem_gib_per_device": " ".join(f"{p:.3f}" for p in r["peak_mem_gib_per_device"])})
+            peaks = " ".join(f"{p:.3f}" for p in r["peak_mem_gib_per_device"])
+            writer.writerow({**r, "peak_mem_gib_per_device": peaks})
     with open(out / "loss_curves.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["recipe", "strategy", "devices", "step", "loss"])
@@ -217,6 +224,9 @@ def parse_args(argv):
                    help="trainer configs of the multi-device runs (zero: DDP with sharded optimizer state)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
+    p.add_argument("--lr-warmup", type=int, default=10,
+                   help="optim.warmup_steps of the runs (the recipes' thousands would leave the lr ~0 for the "
+                        "whole run, and the loss-curve comparison would compare untrained models)")
     p.add_argument("--global-batch", type=int, help="rows per step for every recipe (default: the recipe's)")
     p.add_argument("--dropout", choices=("off", "recipe"), default="off",
                    help="off: every dropout rate 0, so the curves can match to rounding")
@@ -246,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.recipes or (["quickstart"] if args.cpu else list(GPU_DEFAULT))
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    meta = {"devices": "cpu/gloo" if args.cpu else "cuda", "strategies": args.strategies, "steps": args.steps,
+            "warmup": args.warmup, "dropout": args.dropout, "env": NO_MULTICAST, "argv": sys.argv[1:]}
     results = []
     for name in names:
         recipe = RECIPES[name]
@@ -259,14 +271,13 @@ def main(argv: list[str] | None = None) -> int:
                 state = result.get("failed") or f"{result['tokens_per_s']:,.0f} tokens/s"
                 print(f"{name} on {world} {'process(es)' if args.cpu else 'GPU(s)'} ({result['strategy']}): "
                       f"{state}", flush=True)
+                write_outputs(out, results, summarise(results), meta)  # a run cut short keeps what it measured
     rows = summarise(results)
-    meta = {"devices": "cpu/gloo" if args.cpu else "cuda", "strategies": args.strategies, "steps": args.steps,
-            "warmup": args.warmup, "dropout": args.dropout, "env": NO_MULTICAST, "argv": sys.argv[1:]}
-    write_outputs(out, results, rows, meta)
     print(table(rows))
     failed = [r for r in results if "failed" in r]
     for r in failed:
-        print(f"FAILED {r['recipe']} on {r['world_size']} ({r['strategy']}): {r['failed']}\n{r['log_tail']}", file=sys.stderr)
+        print(f"FAILED {r['recipe']} on {r['world_size']} ({r['strategy']}): {r['failed']}\n{r['log_tail']}",
+              file=sys.stderr)
     print(f"results: {out / 'scaling.json'}, {out / 'scaling.csv'}, {out / 'loss_curves.csv'}")
     return 1 if failed else 0
 
