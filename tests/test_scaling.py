@@ -101,9 +101,11 @@ def test_zero_checkpoint_holds_the_full_optimizer_state(tmp_path):
 def test_zero_trainer_config_builds_the_zero_strategy(compose):
     from hydra.utils import instantiate
 
+    from longmixer.utils.config import validate_config
     from longmixer.utils.strategies import ZeroDDPStrategy
 
     cfg = compose(["trainer=zero", "trainer.accelerator=cpu", "trainer.devices=1"])
+    validate_config(cfg)
     assert isinstance(instantiate(cfg.trainer.strategy), ZeroDDPStrategy)
 
 
