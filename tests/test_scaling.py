@@ -128,3 +128,13 @@ def test_scaling_without_two_gpus_notes_and_exits_zero(tmp_path, capsys, monkeyp
     out = capsys.readouterr().out.strip()
     assert out.count("\n") == 0 and out.startswith("scaling: skipped")
     assert not (tmp_path / "out").exists()
+
+
+def test_scaling_run_past_its_timeout_is_killed_and_reported(tmp_path, capsys):
+    scaling = _scaling_module()
+    out = tmp_path / "out"
+    assert scaling.main(["--cpu", "1", "--recipes", "quickstart", "--steps", "2", "--warmup", "1", "--timeout", "1",
+                         "--out", str(out)]) == 1
+    (run,) = json.loads((out / "scaling.json").read_text())["runs"]
+    assert run["failed"].startswith("exit killed after --timeout 1 s") and run["world_size"] == 1
+    assert "FAILED quickstart on 1 (single)" in capsys.readouterr().err

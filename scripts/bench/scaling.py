@@ -26,6 +26,7 @@ import argparse
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -91,9 +92,6 @@ def run_id(name: str, world: int, strategy: str) -> str:
 
 def run_overrides(name: str, recipe: Recipe, world: int, strategy: str, args, out: Path) -> list[str]:
     """The `longmixer.train` overrides of one run of `recipe` on `world` devices (one device: no strategy)."""
-    if recipe.global_batch % world:
-        raise SystemExit(f"scaling: global batch {recipe.global_batch} of {name} is not divisible by {world} "
-                         "devices; pick --global-batch as a multiple of every device count")
     if world == 1:
         trainer = ["trainer=cpu" if args.cpu else "trainer=gpu"]
     else:
@@ -110,7 +108,8 @@ def run_overrides(name: str, recipe: Recipe, world: int, strategy: str, args, ou
             "trainer.enable_model_summary=false", "test=false", "callbacks=none",
             "+callbacks.scaling._target_=longmixer.callbacks.scaling.ScalingProbe",
             f"+callbacks.scaling.out={out / 'runs' / (run_id(name, world, strategy) + '.json')}",
-            f"+callbacks.scaling.warmup_steps={args.warmup}", f"paths.data_dir={args.data_dir or out / 'data'}",
+            f"+callbacks.scaling.warmup_steps={args.warmup}",
+            f"paths.data_dir={(args.data_dir or out / 'data').resolve()}",
             f"paths.log_dir={out / 'logs'}", f"run_tag=scaling_{strategy}_n{world}", f"seed={args.seed}",
             f"optim.warmup_steps={args.lr_warmup}"]
 
@@ -128,17 +127,25 @@ def run_one(name: str, recipe: Recipe, world: int, strategy: str, args, out: Pat
     cmd = [sys.executable, "-m", "longmixer.train", *overrides]
     log_path = out / "runs" / (run_id(name, world, strategy) + ".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    probe = out / "runs" / (run_id(name, world, strategy) + ".json")
+    probe.unlink(missing_ok=True)  # a file left by an earlier run must not pass for this one's result
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, env=child_env(args.cpu), stdout=log, stderr=subprocess.STDOUT,
-                              timeout=args.timeout)
+        # its own session: on a timeout the whole group goes (Lightning starts ranks 1..N-1 from rank 0)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(args.cpu), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = f"killed after --timeout {args.timeout} s"
     wall = time.perf_counter() - start
-    probe = out / "runs" / (run_id(name, world, strategy) + ".json")
     strategy = "single" if world == 1 else strategy
-    if proc.returncode != 0 or not probe.exists():
+    if returncode != 0 or not probe.exists():
         tail = log_path.read_text()[-2000:]
         return {"recipe": name, "strategy": strategy, "world_size": world, "log_tail": tail,
-                "failed": f"exit {proc.returncode}; log {log_path}", "command": " ".join(cmd)}
+                "failed": f"exit {returncode}; log {log_path}", "command": " ".join(cmd)}
     return {"recipe": name, "strategy": strategy, "wall_s": wall, "command": " ".join(cmd),
             **json.loads(probe.read_text())}
 
@@ -254,10 +261,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     counts = sorted(set(counts))
     names = args.recipes or (["quickstart"] if args.cpu else list(GPU_DEFAULT))
+    for name in names:
+        batch = args.global_batch or RECIPES[name].global_batch
+        if any(batch % n for n in counts):
+            raise SystemExit(f"scaling: global batch {batch} of {name} is not divisible by every device count "
+                             f"{counts}; pick --global-batch as a multiple of each")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     meta = {"devices": "cpu/gloo" if args.cpu else "cuda", "strategies": args.strategies, "steps": args.steps,
-            "warmup": args.warmup, "dropout": args.dropout, "env": NO_MULTICAST, "argv": sys.argv[1:]}
+            "warmup": args.warmup, "dropout": args.dropout, "env": NO_MULTICAST,
+            "argv": sys.argv[1:] if argv is None else argv}
     results = []
     for name in names:
         recipe = RECIPES[name]
