@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from torch import nn
 
 NORMS = ("layernorm", "scalenorm", "rmsnorm", "batchnorm", "syncbatchnorm")
@@ -61,7 +62,10 @@ class MaskedBatchNorm(nn.Module):
             w = torch.ones_like(xf[..., :1]) if mask is None else mask.unsqueeze(-1).to(xf.dtype)  # [B, L, 1]
             stats = torch.cat([(xf * w).sum((0, 1)), (xf.pow(2) * w).sum((0, 1)), w.sum((0, 1))])  # [2D + 1]
             if self.sync and dist.is_available() and dist.is_initialized():
-                dist.all_reduce(stats)
+                # the differentiable all-reduce: its backward all-reduces the gradient of the moments, so each
+                # rank's inputs also get the other ranks' loss terms through the shared mean and variance (with
+                # an in-place dist.all_reduce they do not, and the DDP gradient is not the full-batch one)
+                stats = dist_nn.all_reduce(stats)
             d = x.shape[-1]
             count = stats[-1].clamp_min(1.0)
             mean = stats[:d] / count
