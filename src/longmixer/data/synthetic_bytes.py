@@ -71,12 +71,12 @@ class SyntheticBytes(LMDataModule):
                  zipf_a: float = 1.1, generator_seed: int = 0, seq_len: int = 2048, vocab_size: int = 257,
                  k_min: int = 1, k_max: int = 1, eval_window: int | None = None, eval_context: int = 0,
                  metric: str = "bpc", roll: bool = True, data_dir: str | Path | None = None, batch_size: int = 8,
-                 eval_batch_size: int | None = None, num_workers: int = 0, seed: int = 0, split_seed: int = 0,
-                 pin_memory: bool = False):
+                 eval_batch_size: int | None = None, num_workers: int | None = None, seed: int = 0,
+                 split_seed: int = 0, pin_memory: bool | None = None, persistent_workers: bool | None = None):
         super().__init__(seq_len=seq_len, vocab_size=vocab_size, k_min=k_min, k_max=k_max, eval_window=eval_window,
                          eval_context=eval_context, metric=metric, roll=roll, data_dir=data_dir,
                          batch_size=batch_size, eval_batch_size=eval_batch_size, num_workers=num_workers, seed=seed,
-                         split_seed=split_seed, pin_memory=pin_memory)
+                         split_seed=split_seed, pin_memory=pin_memory, persistent_workers=persistent_workers)
         for key, value in (("train_bytes", train_bytes), ("eval_bytes", eval_bytes), ("num_words", num_words)):
             if value < 2:
                 raise ValueError(f"data.{key}={value} must be >= 2")
