@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
-from longmixer.utils.run import instantiate_group, to_number
+from longmixer.runs.run import instantiate_group, to_number
 
 log = logging.getLogger("longmixer")
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")

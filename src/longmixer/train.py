@@ -18,9 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
-from longmixer.utils.run import (instantiate_group, majority_rates, resolved_config, result_table,
+from longmixer.runs.run import (instantiate_group, majority_rates, resolved_config, result_table,
                                  select_resume_checkpoint, to_number, write_results)
-from longmixer.utils.run_info import write_run_info
+from longmixer.runs.run_info import write_run_info
 
 log = logging.getLogger("longmixer")
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
