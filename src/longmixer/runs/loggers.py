@@ -1,10 +1,62 @@
-"""Logger factories: W&B offline by default, resumable under the same run id."""
+"""Logger factories: a CSV logger that keeps its history across resumes, and W&B (offline by default) resumable
+under the same run id."""
 
 from __future__ import annotations
 
+import csv
 import os
 import uuid
 from pathlib import Path
+
+from lightning_fabric.loggers.csv_logs import _ExperimentWriter
+from lightning_fabric.loggers.logger import rank_zero_experiment
+from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+
+
+class _AppendingWriter(ExperimentWriter):
+    """Lightning's CSV writer deletes an existing metrics.csv when it starts; this one keeps it and appends (the
+    header grows when new columns appear)."""
+
+    def _check_log_dir_exists(self) -> None:
+        if os.path.isfile(self.metrics_file_path):
+            with open(self.metrics_file_path, newline="") as f:
+                self.metrics_keys = sorted(csv.DictReader(f).fieldnames or [])
+
+
+class ResumableCSVLogger(CSVLogger):
+    """`CSVLogger` for a run dir that may be resumed: the history is kept, rows are flushed whenever a checkpoint
+    is written (so a killed run loses no row its checkpoint covers), and `rewind(step)` drops the rows a killed
+    run logged after its checkpoint (the resumed run logs them again)."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> _ExperimentWriter:
+        if self._experiment is None:
+            os.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+    def rewind(self, step: int) -> int:
+        """Keep only the rows with `step` below `step`; returns how many rows were dropped."""
+        path = Path(self.log_dir) / _ExperimentWriter.NAME_METRICS_FILE
+        if not path.is_file():
+            return 0
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            fields, rows = reader.fieldnames or [], list(reader)
+        kept = [r for r in rows if r.get("step") in (None, "") or int(float(r["step"])) < step]
+        if len(kept) != len(rows):
+            tmp = path.with_suffix(".csv.tmp")
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=fields)
+                writer.writeheader()
+                writer.writerows(kept)
+            tmp.replace(path)
+        return len(rows) - len(kept)
+
+    def after_save_checkpoint(self, checkpoint_callback) -> None:
+        self.save()
 
 
 def wandb_run_id(save_dir: str | Path) -> str:
@@ -28,5 +80,5 @@ def wandb_logger(project: str, save_dir: str, run_name: str, seed: int, tags=(),
     online = "WANDB_MODE" in os.environ or "WANDB_API_KEY" in os.environ
     mode = os.environ.get("WANDB_MODE", "online") if online else "offline"
     return WandbLogger(project=project, entity=entity, save_dir=save_dir, name=f"{run_name}-seed{seed}",
-                       group=group, tags=[*tags, *(t for t in (model_name, data_name) if t), f"seed{seed}"], id=wandb_run_id(save_dir), resume="allow",
-                       mode=mode)
+                       group=group, tags=[*tags, *(t for t in (model_name, data_name) if t), f"seed{seed}"],
+                       id=wandb_run_id(save_dir), resume="allow", mode=mode)

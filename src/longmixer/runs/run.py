@@ -1,4 +1,4 @@
-"""Support for the entry points: resume selection, instantiation of callbacks and loggers, the result table."""
+"""Support for the entry points: instantiation of callbacks and loggers, results.json and the result table."""
 
 from __future__ import annotations
 
@@ -11,28 +11,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("longmixer")
-
-
-def select_resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
-    """`ckpt_path` if given; else `<run_dir>/checkpoints/last.ckpt` under resume=auto.
-
-    Raises:
-        FileNotFoundError: `ckpt_path` does not exist.
-        ValueError: resume=never but the run dir already holds a checkpoint.
-    """
-    if cfg.ckpt_path is not None:
-        path = Path(cfg.ckpt_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path} does not exist")
-        return str(path)
-    last = run_dir / "checkpoints" / "last.ckpt"
-    if not last.exists():
-        return None
-    if cfg.resume == "never":
-        raise ValueError(f"run dir {run_dir} already holds {last}; pass resume=auto to continue that run, or "
-                         "run_tag=<name> to start a separate run")
-    log.info("resume=auto: continuing from %s", last)
-    return str(last)
 
 
 def instantiate_group(group: DictConfig | None, what: str) -> list[Any]:
@@ -63,12 +41,18 @@ def majority_rates(manifest: dict | None) -> dict[str, float]:
 
 
 def write_results(run_dir: Path, cfg: DictConfig, choices: dict, metrics: dict[str, float], best_ckpt: str | None,
-                  majority_rate: dict[str, float] | None = None) -> dict:
-    """`<run_dir>/results.json`: what report.py collects (experiment, model, data, seed, metrics)."""
+                  majority_rate: dict[str, float] | None = None, status: str = "finished") -> dict:
+    """`<run_dir>/results.json`: what report.py collects (experiment, model, data, seed, metrics). Metrics of an
+    earlier results.json that this call does not recompute are kept, so no metric is lost across resumes."""
+    path = run_dir / "results.json"
+    previous = json.loads(path.read_text()).get("metrics", {}) if path.exists() else {}
     results = {"run_name": cfg.run_name, "experiment": choices.get("experiment"), "model": choices.get("model"),
-               "data": choices.get("data"), "seed": cfg.seed, "tags": list(cfg.tags), "metrics": metrics,
-               "best_ckpt": best_ckpt, "run_dir": str(run_dir), "majority_rate": majority_rate}
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+               "data": choices.get("data"), "seed": cfg.seed, "tags": list(cfg.tags),
+               "metrics": {**previous, **metrics}, "best_ckpt": best_ckpt, "run_dir": str(run_dir),
+               "majority_rate": majority_rate, "status": status}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=2))
+    tmp.replace(path)
     return results
 
 
@@ -86,3 +70,70 @@ def result_table(results: dict) -> str:
 
 def resolved_config(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+
+
+def config_tree(cfg: DictConfig) -> str:
+    """The composed config as a rich tree (one branch per top-level group), rendered to text for the log."""
+    import io
+
+    import rich.syntax
+    import rich.tree
+    from rich.console import Console
+
+    tree = rich.tree.Tree("config")
+    for key, node in cfg.items():
+        text = OmegaConf.to_yaml(node, resolve=True) if isinstance(node, DictConfig) else str(node)
+        tree.add(str(key)).add(rich.syntax.Syntax(text.rstrip(), "yaml"))
+    out = io.StringIO()
+    Console(file=out, width=120, color_system=None).print(tree)
+    return out.getvalue()
+
+
+def first_validation_step(cfg: DictConfig, datamodule, world_size: int) -> int | None:
+    """The optimizer step of the first validation, or None where it cannot be known before training (an
+    iterable train set)."""
+    trainer = cfg.trainer
+    accumulate = max(1, int(trainer.get("accumulate_grad_batches") or 1))
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, int) and not isinstance(interval, bool):
+        return interval // accumulate
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    try:
+        batches = len(datamodule.train_dataloader())
+    except TypeError:
+        return None
+    batches = -(-batches // world_size)
+    limit = trainer.get("limit_train_batches")
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        batches = min(batches, limit)
+    elif isinstance(limit, float):
+        batches = int(batches * limit)
+    fraction = interval if isinstance(interval, float) else 1.0
+    epochs = int(trainer.get("check_val_every_n_epoch") or 1)
+    return max(1, int(batches * fraction)) * epochs // accumulate
+
+
+def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> None:
+    """Stop before training when no validation (and so no best checkpoint) would happen before `max_steps`.
+
+    Raises:
+        ValueError: naming the keys, when the run also tests (the papers' rule needs a best checkpoint).
+    """
+    max_steps = cfg.trainer.get("max_steps")
+    if cfg.trainer.get("fast_dev_run") or max_steps is None or max_steps < 0:
+        return
+    if cfg.trainer.get("limit_val_batches") == 0:
+        problem = "trainer.limit_val_batches=0 disables validation"
+    else:
+        first = first_validation_step(cfg, datamodule, world_size)
+        if first is None or first <= max_steps:
+            return
+        problem = (f"the first validation comes at step {first} (trainer.val_check_interval, "
+                   f"trainer.check_val_every_n_epoch, trainer.limit_train_batches, the epoch length) but "
+                   f"trainer.max_steps={max_steps}")
+    message = (f"{problem}: no validation, so no best checkpoint, before training stops. Raise trainer.max_steps "
+               "or validate earlier (trainer.val_check_interval=<steps>)")
+    if cfg.test:
+        raise ValueError(message + "; or pass test=false")
+    log.warning(message)
