@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ProgressBar
 from pytorch_lightning.utilities import rank_zero_only
 
-from longmixer.callbacks.checkpoint import RunInterrupted
+from longmixer.callbacks.checkpoint import ResumedLoggingStep, RunInterrupted
 from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
 from longmixer.runs.fault_injection import fault_callbacks
 from longmixer.runs.loggers import ResumableCSVLogger
@@ -69,7 +69,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     datamodule = instantiate(cfg.data)
     log.info("instantiating task <%s> with model <%s>", cfg.task._target_, cfg.model._target_)
     task = instantiate(cfg.task)
-    callbacks = instantiate_group(cfg.get("callbacks"), "callbacks") + fault_callbacks()
+    callbacks = [ResumedLoggingStep(), *instantiate_group(cfg.get("callbacks"), "callbacks"), *fault_callbacks()]
     if not cfg.trainer.get("enable_progress_bar", True):
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = instantiate_group(cfg.get("logger"), "logger")
@@ -119,16 +119,14 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
 
 
 def _rewind_loggers(trainer: pl.Trainer, ckpt_path: str) -> None:
-    """Drop the CSV rows a killed run logged after `ckpt_path` was written; the resumed run logs them again."""
-    loops = load_checkpoint(ckpt_path).get("loops", {})
-    stepped = loops.get("fit_loop", {}).get("epoch_loop.state_dict", {}).get("_batches_that_stepped")
-    if stepped is None:
-        return
+    """Drop the CSV rows a killed run logged after `ckpt_path` was written (their step column, the optimizer step
+    count before the logged batch, is at least the checkpoint's global step); the resumed run logs them again."""
+    step = int(load_checkpoint(ckpt_path)["global_step"])
     for logger in trainer.loggers:
         if isinstance(logger, ResumableCSVLogger) and trainer.is_global_zero:
-            dropped = logger.rewind(stepped)
+            dropped = logger.rewind(step)
             if dropped:
-                log.info("metrics.csv: dropped %d rows logged after the checkpoint (step >= %d)", dropped, stepped)
+                log.info("metrics.csv: dropped %d rows logged after the checkpoint (step >= %d)", dropped, step)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")

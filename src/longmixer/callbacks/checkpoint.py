@@ -23,7 +23,7 @@ import os
 import signal
 from weakref import proxy
 
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
 log = logging.getLogger("longmixer")
 
@@ -165,3 +165,25 @@ class AtomicModelCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+
+class ResumedLoggingStep(Callback):
+    """After a resume, sets the logging step to the optimizer step count before the first batch's hooks log.
+
+    Lightning 2.6 restores its logging step (`_batches_that_stepped`) one too far after an end-of-epoch
+    checkpoint, so every metrics.csv row of the resumed run would carry a step one past the uninterrupted run's.
+    With automatic optimization it equals `global_step` at every batch start. Put it first in the callback list,
+    so that callbacks logging in `on_train_batch_start` (the LR monitor) see the corrected step.
+    """
+
+    def __init__(self):
+        self._resumed = False
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._resumed = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._resumed:
+            self._resumed = False
+            if pl_module.automatic_optimization:
+                trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step

@@ -19,9 +19,28 @@ class _AppendingWriter(ExperimentWriter):
     header grows when new columns appear)."""
 
     def _check_log_dir_exists(self) -> None:
+        self._written: set[tuple] = set()
         if os.path.isfile(self.metrics_file_path):
             with open(self.metrics_file_path, newline="") as f:
-                self.metrics_keys = sorted(csv.DictReader(f).fieldnames or [])
+                reader = csv.DictReader(f)
+                self.metrics_keys = sorted(reader.fieldnames or [])
+                self._written = {_row_key(row) for row in reader}
+
+    def save(self) -> None:
+        # a row identical to one already written (a once-per-fit value such as the parameter count, logged
+        # again by the resumed run) is not repeated
+        fresh = []
+        for row in self.metrics:
+            key = _row_key(row)
+            if key not in self._written:
+                self._written.add(key)
+                fresh.append(row)
+        self.metrics = fresh
+        super().save()
+
+
+def _row_key(row: dict) -> tuple:
+    return tuple(sorted((k, float(v)) for k, v in row.items() if v not in ("", None)))
 
 
 class ResumableCSVLogger(CSVLogger):
