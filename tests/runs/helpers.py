@@ -46,13 +46,19 @@ def weights(ckpt: Path) -> dict[str, torch.Tensor]:
 TIMING = ("train/speed/", "time")
 
 
-def metric_rows(run_dir: Path) -> list[tuple]:
-    """metrics.csv as a sorted list of rows, each a tuple of (column, value) pairs without the timing columns."""
+# training metrics aggregated over an epoch: a resume mid-epoch restarts their accumulators (Lightning does not
+# checkpoint them), so after such a resume only their presence is compared
+EPOCH_AGGREGATES = ("train/acc", "train/loss_epoch")
+
+
+def metric_rows(run_dir: Path, skip_values: tuple[str, ...] = ()) -> list[tuple]:
+    """metrics.csv as a sorted list of rows, each a tuple of (column, value) pairs without the timing columns;
+    columns in `skip_values` keep their place with the value replaced by None."""
     rows = []
     for row in csv.DictReader(open(run_dir / "csv" / "metrics.csv")):
-        rows.append(tuple(sorted((k, float(v)) for k, v in row.items() if v not in ("", None)
-                                 and not k.startswith(TIMING))))
-    return sorted(rows)
+        rows.append(tuple(sorted((k, None if k in skip_values else float(v)) for k, v in row.items()
+                                 if v not in ("", None) and not k.startswith(TIMING))))
+    return sorted(rows, key=repr)
 
 
 def describe(proc: subprocess.CompletedProcess) -> str:

@@ -104,10 +104,15 @@ class AtomicModelCheckpoint(ModelCheckpoint):
             return
         step = trainer.global_step
         signum = self._stop_requested(trainer)
+        due = self.last_every_n_steps and step % self.last_every_n_steps == 0 and self._last_global_step_saved != step
+        if signum is None and not due:
+            return
+        # Lightning logs this step's row only after this hook; a resume from this checkpoint will not log it
+        # again, so it is logged (and flushed by the save) now. The loggers' second copy is the same row.
+        trainer._logger_connector.update_train_step_metrics()
         if signum is not None:
             self._stop(trainer, signum)
-        if self.last_every_n_steps and step % self.last_every_n_steps == 0 and self._last_global_step_saved != step:
-            self._save_last(trainer)
+        self._save_last(trainer)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if self._fitting(trainer) and self._should_save_on_train_epoch_end(trainer):

@@ -1,0 +1,56 @@
+"""Kill a real `python -m longmixer.train` subprocess, run the same command again, and compare with an
+uninterrupted run: the final weights, results.json and every metrics.csv row (timing columns aside) must be equal.
+
+The kill point is deterministic: the LONGMIXER_FAULT test hook (longmixer.runs.fault_injection) makes the run
+send itself the signal at a given step. The tiny run has 6 steps per epoch, validates at every epoch end (steps
+6 and 12) and rewrites last.ckpt every 4 steps and after each validation.
+"""
+
+import json
+import signal
+
+import pytest
+import torch
+
+from tests.runs.helpers import EPOCH_AGGREGATES, describe, metric_rows, run_dir_of, run_train, weights
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = run_train(tmp, [])
+    assert proc.returncode == 0, describe(proc)
+    return run_dir_of(tmp)
+
+
+def assert_same_run(reference, run_dir, mid_epoch: bool):
+    ref_w, got_w = weights(reference / "checkpoints" / "last.ckpt"), weights(run_dir / "checkpoints" / "last.ckpt")
+    assert ref_w.keys() == got_w.keys()
+    for name in ref_w:
+        assert torch.equal(ref_w[name], got_w[name]), name
+    ref_results = json.loads((reference / "results.json").read_text())
+    got_results = json.loads((run_dir / "results.json").read_text())
+    assert got_results["metrics"] == ref_results["metrics"]
+    assert {"val/acc", "val/loss", "test/acc"} <= set(got_results["metrics"])
+    skip = EPOCH_AGGREGATES if mid_epoch else ()
+    assert metric_rows(run_dir, skip) == metric_rows(reference, skip)  # complete: no row lost, none duplicated
+
+
+@pytest.mark.parametrize("fault, exit_code", [
+    ("SIGKILL:train:6", -signal.SIGKILL),  # right after the end-of-epoch validation checkpoint of step 6
+    ("SIGTERM:train:9", 143),              # mid-epoch: the handler checkpoints step 10 and exits 128 + 15
+    ("SIGINT:val:12", 130),                # during the end-of-epoch validation of step 12: checkpoint after it
+    ("SIGKILL:val:12", -signal.SIGKILL),   # during validation, no checkpoint: back to last.ckpt of step 8
+], ids=["sigkill-after-epoch-end", "sigterm-mid-epoch", "sigint-in-validation", "sigkill-in-validation"])
+def test_killed_run_resumes_to_the_uninterrupted_result(reference, tmp_path, fault, exit_code):
+    killed = run_train(tmp_path, [], fault=fault)
+    assert killed.returncode == exit_code, describe(killed)
+    run_dir = run_dir_of(tmp_path)
+    assert not (run_dir / "results.json").exists()
+    if exit_code > 0:
+        ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+        assert ckpt["global_step"] == {"SIGTERM:train:9": 10, "SIGINT:val:12": 12}[fault]
+        assert "wrote" in killed.stderr + killed.stdout
+    resumed = run_train(tmp_path, [])
+    assert resumed.returncode == 0, describe(resumed)
+    assert_same_run(reference, run_dir, mid_epoch=fault in ("SIGTERM:train:9", "SIGKILL:val:12"))
