@@ -24,6 +24,7 @@ def run_train(tmp_path: Path, args: list[str], fault: str | None = None, timeout
               entry: str = "longmixer.train") -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]), "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1",
            "OMP_NUM_THREADS": "1"}
+    tmp_path.mkdir(parents=True, exist_ok=True)
     env.pop("LONGMIXER_FAULT", None)
     if fault:
         env["LONGMIXER_FAULT"] = fault

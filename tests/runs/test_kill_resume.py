@@ -39,9 +39,8 @@ def assert_same_run(reference, run_dir, mid_epoch: bool):
 @pytest.mark.parametrize("fault, exit_code", [
     ("SIGKILL:train:6", -signal.SIGKILL),  # right after the end-of-epoch validation checkpoint of step 6
     ("SIGTERM:train:9", 143),              # mid-epoch: the handler checkpoints step 10 and exits 128 + 15
-    ("SIGINT:val:12", 130),                # during the end-of-epoch validation of step 12: checkpoint after it
-    ("SIGKILL:val:12", -signal.SIGKILL),   # during validation, no checkpoint: back to last.ckpt of step 8
-], ids=["sigkill-after-epoch-end", "sigterm-mid-epoch", "sigint-in-validation", "sigkill-in-validation"])
+    ("SIGINT:val:12", 130),                # during the end-of-epoch validation of step 12: checkpoint at step 13
+], ids=["sigkill-after-epoch-end", "sigterm-mid-epoch", "sigint-in-validation"])
 def test_killed_run_resumes_to_the_uninterrupted_result(reference, tmp_path, fault, exit_code):
     killed = run_train(tmp_path, [], fault=fault)
     assert killed.returncode == exit_code, describe(killed)
@@ -49,8 +48,20 @@ def test_killed_run_resumes_to_the_uninterrupted_result(reference, tmp_path, fau
     assert not (run_dir / "results.json").exists()
     if exit_code > 0:
         ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
-        assert ckpt["global_step"] == {"SIGTERM:train:9": 10, "SIGINT:val:12": 12}[fault]
+        assert ckpt["global_step"] == {"SIGTERM:train:9": 10, "SIGINT:val:12": 13}[fault]
         assert "wrote" in killed.stderr + killed.stdout
     resumed = run_train(tmp_path, [])
     assert resumed.returncode == 0, describe(resumed)
-    assert_same_run(reference, run_dir, mid_epoch=fault in ("SIGTERM:train:9", "SIGKILL:val:12"))
+    assert_same_run(reference, run_dir, mid_epoch=fault != "SIGKILL:train:6")
+
+
+@pytest.mark.timeout(600)
+def test_ddp_run_stopped_by_sigterm_resumes_to_the_uninterrupted_result(tmp_path):
+    ddp = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+    ref = run_train(tmp_path / "reference", ddp)
+    assert ref.returncode == 0, describe(ref)
+    stopped = run_train(tmp_path / "stopped", ddp, fault="SIGTERM:train:2")
+    assert stopped.returncode == 143, describe(stopped)
+    resumed = run_train(tmp_path / "stopped", ddp)
+    assert resumed.returncode == 0, describe(resumed)
+    assert_same_run(run_dir_of(tmp_path / "reference"), run_dir_of(tmp_path / "stopped"), mid_epoch=True)

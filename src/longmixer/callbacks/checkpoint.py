@@ -10,8 +10,9 @@ Every file is written to `<name>.tmp` and renamed over the target, so a run kill
 checkpoint intact.
 
 SIGTERM (what SLURM sends before preemption) and SIGINT (Ctrl+C) do not kill the run mid-step: the handler only
-records the signal; at the end of the current training step (or of the current validation) every rank agrees to
-stop, `last.ckpt` is written and `RunInterrupted` is raised. The entry point turns it into exit code 128 + signal
+records the signal; at the end of the current training step (or of a mid-epoch validation; after an end-of-epoch
+validation, at the end of the next step) every rank agrees to stop, `last.ckpt` is written and `RunInterrupted` is
+raised. The entry point turns it into exit code 128 + signal
 number (143 for SIGTERM, 130 for SIGINT). A second SIGINT stops at once without a checkpoint.
 """
 
@@ -136,7 +137,9 @@ class AtomicModelCheckpoint(ModelCheckpoint):
             log.info("step %d epoch %d | %s | best %s=%s", trainer.global_step, trainer.current_epoch, shown,
                      self.monitor, best)
         signum = self._stop_requested(trainer)
-        if signum is not None:
+        # at an epoch's end the stop waits for the next step: Lightning logs the epoch's aggregated training
+        # metrics after this hook, and a resume would not log them again
+        if signum is not None and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             self._stop(trainer, signum)
 
     def on_train_end(self, trainer, pl_module) -> None:
