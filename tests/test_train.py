@@ -156,9 +156,13 @@ def test_evaluate_rescores_the_best_checkpoint(compose, tmp_path):
     from longmixer.evaluate import evaluate
 
     results = train(compose([*TINY_LISTOPS, *TINY_TRAINER]))
-    metrics = evaluate(compose([*TINY_LISTOPS, *TINY_TRAINER, f"ckpt_path={results['best_ckpt']}"]))
+    run_dir = tmp_path / "run"
+    before = (run_dir / "csv" / "metrics.csv").read_text()
+    metrics = evaluate(compose([f"run_dir={run_dir}"]))
     assert metrics["test/acc"] == pytest.approx(results["metrics"]["test/acc"])
-    assert "val/acc" in metrics and (tmp_path / "run" / "eval_results.json").exists()
+    stem = Path(results["best_ckpt"]).stem
+    assert "val/acc" in metrics and (run_dir / "eval" / stem / "results.json").exists()
+    assert (run_dir / "csv" / "metrics.csv").read_text() == before  # training history untouched
 
 
 def test_throughput_and_params_are_logged(compose, tmp_path):
