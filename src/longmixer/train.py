@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from pathlib import Path
 
 import hydra
@@ -23,7 +22,6 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ProgressBar
 from pytorch_lightning.utilities import rank_zero_only
 
-from longmixer.callbacks.checkpoint import ResumedLoggingStep, RunInterrupted
 from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
 from longmixer.runs.fault_injection import fault_callbacks
 from longmixer.runs.loggers import ResumableCSVLogger
@@ -69,7 +67,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     datamodule = instantiate(cfg.data)
     log.info("instantiating task <%s> with model <%s>", cfg.task._target_, cfg.model._target_)
     task = instantiate(cfg.task)
-    callbacks = [ResumedLoggingStep(), *instantiate_group(cfg.get("callbacks"), "callbacks"), *fault_callbacks()]
+    callbacks = [*instantiate_group(cfg.get("callbacks"), "callbacks"), *fault_callbacks()]
     if not cfg.trainer.get("enable_progress_bar", True):
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = instantiate_group(cfg.get("logger"), "logger")
@@ -131,11 +129,7 @@ def _rewind_loggers(trainer: pl.Trainer, ckpt_path: str) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def _main(cfg: DictConfig) -> float | None:
-    try:
-        results = train(cfg)
-    except RunInterrupted as stop:
-        log.warning("%s", stop)
-        sys.exit(stop.exit_code)
+    results = train(cfg)  # SIGTERM / SIGINT end it with SystemExit(143 / 130) after a checkpoint
     metric = cfg.get("optimized_metric")
     if metric is None:
         return None

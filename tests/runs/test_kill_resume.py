@@ -40,7 +40,8 @@ def assert_same_run(reference, run_dir, mid_epoch: bool):
     ("SIGKILL:train:6", -signal.SIGKILL),  # right after the end-of-epoch validation checkpoint of step 6
     ("SIGTERM:train:9", 143),              # mid-epoch: the handler checkpoints step 10 and exits 128 + 15
     ("SIGINT:val:12", 130),                # during the end-of-epoch validation of step 12: checkpoint at step 13
-], ids=["sigkill-after-epoch-end", "sigterm-mid-epoch", "sigint-in-validation"])
+    ("SIGKILL:val:12", -signal.SIGKILL),   # during validation: back to last.ckpt of step 8
+], ids=["sigkill-after-epoch-end", "sigterm-mid-epoch", "sigint-in-validation", "sigkill-in-validation"])
 def test_killed_run_resumes_to_the_uninterrupted_result(reference, tmp_path, fault, exit_code):
     killed = run_train(tmp_path, [], fault=fault)
     assert killed.returncode == exit_code, describe(killed)

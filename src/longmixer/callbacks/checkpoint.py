@@ -12,8 +12,8 @@ checkpoint intact.
 SIGTERM (what SLURM sends before preemption) and SIGINT (Ctrl+C) do not kill the run mid-step: the handler only
 records the signal; at the end of the current training step (or of a mid-epoch validation; after an end-of-epoch
 validation, at the end of the next step) every rank agrees to stop, `last.ckpt` is written and `RunInterrupted` is
-raised. The entry point turns it into exit code 128 + signal
-number (143 for SIGTERM, 130 for SIGINT). A second SIGINT stops at once without a checkpoint.
+raised: a `SystemExit` with code 128 + signal number (143 for SIGTERM, 130 for SIGINT). A second SIGINT stops at
+once without a checkpoint.
 """
 
 from __future__ import annotations
@@ -31,14 +31,13 @@ log = logging.getLogger("longmixer")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class RunInterrupted(Exception):
-    """The run stopped on SIGTERM or SIGINT after writing `checkpoint`; `exit_code` is 128 + the signal number."""
+class RunInterrupted(SystemExit):
+    """The run stopped on SIGTERM or SIGINT after writing `checkpoint`. A `SystemExit` whose code is 128 + the
+    signal number, so the process ends with the status a scheduler expects (143 for SIGTERM, 130 for SIGINT)."""
 
     def __init__(self, signum: int, step: int, checkpoint: str | None):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        self.exit_code = 128 + signum
-        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; checkpoint {checkpoint}; "
-                         "run the same command again to resume")
+        super().__init__(128 + signum)
 
 
 class AtomicModelCheckpoint(ModelCheckpoint):
@@ -90,8 +89,8 @@ class AtomicModelCheckpoint(ModelCheckpoint):
 
     def _stop(self, trainer, signum: int) -> None:
         self._save_last(trainer)
-        log.warning("received %s: wrote %s at step %d", signal.Signals(signum).name, self.last_model_path,
-                    trainer.global_step)
+        log.warning("received %s: wrote %s at step %d; run the same command again to resume (exit code %d)",
+                    signal.Signals(signum).name, self.last_model_path, trainer.global_step, 128 + signum)
         raise RunInterrupted(signum, trainer.global_step, self.last_model_path)
 
     # --- when to save ------------------------------------------------------------------------------------------
@@ -107,6 +106,11 @@ class AtomicModelCheckpoint(ModelCheckpoint):
         signum = self._stop_requested(trainer)
         due = self.last_every_n_steps and step % self.last_every_n_steps == 0 and self._last_global_step_saved != step
         if signum is None and not due:
+            return
+        loop = trainer.fit_loop.epoch_loop
+        if loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+            # a validation follows this batch: save (or stop) at its end instead. A checkpoint written here would
+            # make a resumed run skip that validation (Lightning fast-forwards it)
             return
         # Lightning logs this step's row only after this hook; a resume from this checkpoint will not log it
         # again, so it is logged (and flushed by the save) now. The loggers' second copy is the same row.

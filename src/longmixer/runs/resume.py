@@ -29,7 +29,7 @@ STORED_CONFIG = "config_resolved.yaml"
 # keys that do not change what a run computes: they may differ between the stored and the new config
 DRIFT_IGNORED = ("resume", "ckpt_path", "train", "test", "tags", "paths.root_dir", "paths.log_dir",
                  "paths.output_dir", "logger", "callbacks.progress", "callbacks.summary", "callbacks.lr_monitor",
-                 "callbacks.throughput", "callbacks.params", "trainer.enable_progress_bar",
+                 "callbacks.throughput", "callbacks.params", "callbacks.resume_step", "trainer.enable_progress_bar",
                  "trainer.enable_model_summary", "trainer.log_every_n_steps", "data.num_workers")
 
 

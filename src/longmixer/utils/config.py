@@ -18,7 +18,7 @@ TOP_LEVEL = {"data", "model", "task", "optim", "trainer", "logger", "callbacks",
              "deterministic", "resume", "ckpt_path", "train", "test", "run_tag", "run_dir", "ops", "optimized_metric", "hydra"}
 OPTIM_KEYS = {"optimizer", "lr", "weight_decay", "betas", "eps", "scheduler", "warmup_steps", "warmup_init_lr",
               "end_lr", "warmup_power"}
-RESUME = ("auto", "never")
+RESUME = ("auto", "never", "force")
 BACKENDS = ("auto", "torch", "triton")
 
 
