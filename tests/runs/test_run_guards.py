@@ -84,3 +84,86 @@ def test_max_steps_before_first_validation_stops_at_start(compose):
 def test_progress_bar_off_with_the_rich_bar_in_callbacks(compose):
     cfg_overrides = [o for o in BASE if o != "~callbacks.progress"]
     assert train(compose(cfg_overrides))["metrics"]["test/acc"] >= 0
+
+
+def test_run_dir_hash_normalizes_values_and_covers_trainer_callbacks_data_dir():
+    from longmixer.utils.resolvers import _run_hash
+
+    exclude = ["seed", "paths.log_dir", "callbacks.progress", "trainer.enable_progress_bar"]
+    assert _run_hash(["optim.lr=2e-3", "trainer.max_steps=10"], exclude) == \
+        _run_hash(["trainer.max_steps=10.0", "optim.lr=0.002"], exclude)
+    assert _run_hash(["optim.lr=2e-3"], exclude) != _run_hash(["optim.lr=3e-3"], exclude)
+    assert _run_hash(["seed=3", "~callbacks.progress", "trainer.enable_progress_bar=false"], exclude) == "default"
+    for changes_results in ("trainer=ddp", "trainer.max_steps=50", "callbacks.checkpoint.monitor=val/loss",
+                            "paths.data_dir=/elsewhere", "data.batch_size=8"):
+        assert _run_hash([changes_results], exclude) != "default", changes_results
+
+
+def test_second_identical_run_fails_fast_naming_the_lock(compose, tmp_path):
+    holder = RunLock(tmp_path / "run").acquire()
+    try:
+        with pytest.raises(RunLockedError, match=r"\.lock is held by pid \d+ on host"):
+            train(compose(BASE))
+    finally:
+        holder.release()
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_last_ckpt_follows_the_cadence_not_the_best_score(compose, tmp_path):
+    # validation every 2 steps, last.ckpt also every 3 steps: last.ckpt is the final step whatever the score
+    train(compose([*BASE, "trainer.max_steps=7", "trainer.val_check_interval=2", "data.num_train=160",
+                   "callbacks.checkpoint.every_n_train_steps=3"]))
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 7
+
+
+def test_non_finite_metric_never_becomes_best(compose, tmp_path):
+    from longmixer.callbacks.checkpoint import AtomicModelCheckpoint
+
+    cb = AtomicModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor="val/acc", mode="max")
+
+    class _Trainer:  # the attributes on_validation_end reads
+        fast_dev_run, sanity_checking, global_step, current_epoch, is_global_zero = False, False, 3, 0, True
+        callback_metrics = {"val/acc": torch.tensor(float("nan"))}
+
+        class state:
+            fn = "fit"
+
+    saved = []
+    cb._save_last = lambda trainer: saved.append("last")
+    cb._stop_requested = lambda trainer: None
+    cb.on_validation_end(_Trainer(), None)
+    assert saved == ["last"] and cb.best_model_path == "" and cb.best_k_models == {}
+
+
+def test_best_path_from_a_checkpoint_outside_the_run_dir_is_refused(tmp_path):
+    from longmixer.runs.checkpoints import trusted_best_path
+
+    (tmp_path / "checkpoints").mkdir()
+    elsewhere = tmp_path / "crafted.ckpt"
+    elsewhere.write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="not a .ckpt file in"):
+        trusted_best_path(str(elsewhere), tmp_path / "checkpoints")
+
+
+def test_evaluate_refuses_a_crafted_checkpoint(compose, tmp_path):
+    from longmixer.evaluate import evaluate
+
+    train(compose(BASE))
+    marker = tmp_path / "pwned"
+    crafted = tmp_path / "run" / "checkpoints" / "crafted.ckpt"
+    torch.save({"state_dict": {}, "payload": _WritesAFile(str(marker))}, crafted)
+    with pytest.raises(CheckpointError, match="crafted.ckpt"):
+        evaluate(compose([f"run_dir={tmp_path / 'run'}", f"ckpt_path={crafted}"]))
+    assert not marker.exists()
+
+
+def test_resume_skips_a_crafted_last_ckpt_without_running_it(compose, tmp_path, caplog):
+    from longmixer.runs.checkpoints import newest_intact
+
+    train(compose(BASE))
+    marker = tmp_path / "pwned"
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    torch.save({"state_dict": {}, "global_step": 99, "payload": _WritesAFile(str(marker))}, last)
+    assert newest_intact(last.parent).name.startswith("best-")
+    assert not marker.exists() and "weights-only allowlist" in caplog.text
