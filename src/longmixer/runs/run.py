@@ -21,8 +21,10 @@ def instantiate_group(group: DictConfig | None, what: str) -> list[Any]:
             continue
         if "_target_" not in node:
             raise ValueError(f"{what}.{name} has no _target_")
-        log.info("instantiating %s.%s <%s>", what, name, node._target_)
+        log.debug("instantiating %s.%s <%s>", what, name, node._target_)
         objects.append(instantiate(node))
+    if objects:
+        log.info("%s: %s", what, ", ".join(name for name, node in (group or {}).items() if node is not None))
     return objects
 
 
@@ -73,20 +75,21 @@ def resolved_config(cfg: DictConfig) -> dict:
 
 
 def config_tree(cfg: DictConfig) -> str:
-    """The composed config as a rich tree (one branch per top-level group), rendered to text for the log."""
+    """The composed config as a rich tree, rendered to text for the log: the top-level scalars in one branch
+    (`run`), then one branch per group (data, model, task, optim, trainer, ...)."""
     import io
 
-    import rich.syntax
     import rich.tree
     from rich.console import Console
 
     tree = rich.tree.Tree("config")
-    for key, node in cfg.items():
-        text = OmegaConf.to_yaml(node, resolve=True) if isinstance(node, DictConfig) else str(node)
-        tree.add(str(key)).add(rich.syntax.Syntax(text.rstrip(), "yaml"))
+    scalars = {k: v for k, v in cfg.items() if not isinstance(v, DictConfig)}
+    branches = [("run", OmegaConf.create(scalars))] + [(k, v) for k, v in cfg.items() if isinstance(v, DictConfig)]
+    for key, node in branches:
+        tree.add(str(key)).add(OmegaConf.to_yaml(node, resolve=True).rstrip())
     out = io.StringIO()
-    Console(file=out, width=120, color_system=None).print(tree)
-    return out.getvalue()
+    Console(file=out, width=120, color_system=None, highlight=False).print(tree)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
 
 
 def first_validation_step(cfg: DictConfig, datamodule, world_size: int) -> int | None:
