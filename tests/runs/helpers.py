@@ -21,15 +21,15 @@ TINY = ["data.num_train=96", "data.num_val=32", "data.num_test=32", "data.max_de
 
 
 def run_train(tmp_path: Path, args: list[str], fault: str | None = None, timeout: float = 300,
-              entry: str = "longmixer.train") -> subprocess.CompletedProcess:
+              entry: str = "longmixer.train", tiny: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]), "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1",
            "OMP_NUM_THREADS": "1"}
     tmp_path.mkdir(parents=True, exist_ok=True)
     env.pop("LONGMIXER_FAULT", None)
     if fault:
         env["LONGMIXER_FAULT"] = fault
-    cmd = [sys.executable, "-m", entry, f"paths.log_dir={tmp_path / 'logs'}", f"paths.data_dir={tmp_path / 'data'}",
-           *TINY, *args]
+    paths = [f"paths.log_dir={tmp_path / 'logs'}", f"paths.data_dir={tmp_path / 'data'}"] if tiny else []
+    cmd = [sys.executable, "-m", entry, *paths, *(TINY if tiny else []), *args]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
                           start_new_session=True)
 

@@ -8,6 +8,7 @@ send itself the signal at a given step. The tiny run has 6 steps per epoch, vali
 
 import json
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(reference, tmp_path, fau
     if exit_code > 0:
         ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
         assert ckpt["global_step"] == {"SIGTERM:train:9": 10, "SIGINT:val:12": 13}[fault]
-        assert "wrote" in killed.stderr + killed.stdout
+        assert "run the same command again to resume" in (run_dir / "train.log").read_text()
     resumed = run_train(tmp_path, [])
     assert resumed.returncode == 0, describe(resumed)
     assert_same_run(reference, run_dir, mid_epoch=fault != "SIGKILL:train:6")
@@ -66,3 +67,14 @@ def test_ddp_run_stopped_by_sigterm_resumes_to_the_uninterrupted_result(tmp_path
     resumed = run_train(tmp_path / "stopped", ddp)
     assert resumed.returncode == 0, describe(resumed)
     assert_same_run(run_dir_of(tmp_path / "reference"), run_dir_of(tmp_path / "stopped"), mid_epoch=True)
+
+
+def test_evaluate_cli_writes_only_under_eval(reference):
+    before = {p: p.read_bytes() for p in reference.rglob("*") if p.is_file() and "eval" not in p.parts}
+    proc = run_train(reference.parent, [f"run_dir={reference}"], entry="longmixer.evaluate", tiny=False)
+    assert proc.returncode == 0, describe(proc)
+    best = json.loads((reference / "results.json").read_text())["best_ckpt"]
+    scored = json.loads((reference / "eval" / Path(best).stem / "results.json").read_text())["metrics"]
+    assert scored["test/acc"] == json.loads((reference / "results.json").read_text())["metrics"]["test/acc"]
+    assert (reference / "eval" / "evaluate.log").exists()
+    assert {p: p.read_bytes() for p in reference.rglob("*") if p.is_file() and "eval" not in p.parts} == before
