@@ -25,10 +25,23 @@ from pytorch_lightning.utilities import rank_zero_only
 from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
 from longmixer.runs.fault_injection import fault_callbacks
 from longmixer.runs.loggers import ResumableCSVLogger
-from longmixer.runs.resume import (STORED_CONFIG, RunLock, check_config_drift, finished_results,
-                                   select_resume_checkpoint)
-from longmixer.runs.run import (check_validation_reachable, config_tree, instantiate_group, majority_rates,
-                                resolved_config, result_table, to_number, write_results)
+from longmixer.runs.resume import (
+    STORED_CONFIG,
+    RunLock,
+    check_config_drift,
+    finished_results,
+    select_resume_checkpoint,
+)
+from longmixer.runs.run import (
+    check_validation_reachable,
+    config_tree,
+    instantiate_group,
+    majority_rates,
+    resolved_config,
+    result_table,
+    to_number,
+    write_results,
+)
 from longmixer.runs.run_info import write_run_info
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers

@@ -30,7 +30,7 @@ def run_train(tmp_path: Path, args: list[str], fault: str | None = None, timeout
         env["LONGMIXER_FAULT"] = fault
     paths = [f"paths.log_dir={tmp_path / 'logs'}", f"paths.data_dir={tmp_path / 'data'}"] if tiny else []
     cmd = [sys.executable, "-m", entry, *paths, *(TINY if tiny else []), *args]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
                           start_new_session=True)
 
 
@@ -55,10 +55,9 @@ EPOCH_AGGREGATES = ("train/acc", "train/loss_epoch")
 def metric_rows(run_dir: Path, skip_values: tuple[str, ...] = ()) -> list[tuple]:
     """metrics.csv as a sorted list of rows, each a tuple of (column, value) pairs without the timing columns;
     columns in `skip_values` keep their place with the value replaced by None."""
-    rows = []
-    for row in csv.DictReader(open(run_dir / "csv" / "metrics.csv")):
-        rows.append(tuple(sorted((k, None if k in skip_values else float(v)) for k, v in row.items()
-                                 if v not in ("", None) and not k.startswith(TIMING))))
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        rows = [tuple(sorted((k, None if k in skip_values else float(v)) for k, v in row.items()
+                             if v not in ("", None) and not k.startswith(TIMING))) for row in csv.DictReader(f)]
     return sorted(rows, key=repr)
 
 

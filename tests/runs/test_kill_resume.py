@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runs.helpers import EPOCH_AGGREGATES, describe, metric_rows, run_dir_of, run_train, weights
+from tests.runs.helpers import (
+    EPOCH_AGGREGATES,
+    describe,
+    metric_rows,
+    run_dir_of,
+    run_train,
+    weights,
+)
 
 
 @pytest.fixture(scope="module")

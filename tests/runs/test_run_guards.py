@@ -124,7 +124,8 @@ def test_non_finite_metric_never_becomes_best(compose, tmp_path):
 
     class _Trainer:  # the attributes on_validation_end reads
         fast_dev_run, sanity_checking, global_step, current_epoch, is_global_zero = False, False, 3, 0, True
-        callback_metrics = {"val/acc": torch.tensor(float("nan"))}
+        def __init__(self):
+            self.callback_metrics = {"val/acc": torch.tensor(float("nan"))}
 
         class state:
             fn = "fit"

@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 
 from pytorch_lightning.callbacks import ModelSummary
-from pytorch_lightning.utilities.model_summary.model_summary import _format_summary_table
+from pytorch_lightning.utilities.model_summary.model_summary import (
+    _format_summary_table,
+)
 
 log = logging.getLogger("longmixer")
 
