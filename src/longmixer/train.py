@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 from pathlib import Path
 
 import hydra
@@ -21,6 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ProgressBar
 from pytorch_lightning.utilities import rank_zero_only
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
 from longmixer.runs.fault_injection import fault_callbacks
@@ -99,7 +101,12 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
         logger.log_hyperparams(resolved_config(cfg))
 
     if cfg.train:
-        trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        try:
+            trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        except SIGTERMException:
+            # SIGTERM before training started (setup, sanity check), where Lightning's own handler is active:
+            # nothing to checkpoint, but the exit status must still say "terminated" for a requeue
+            raise SystemExit(128 + signal.SIGTERM) from None
     checkpointer = trainer.checkpoint_callback
     metrics = dict(getattr(checkpointer, "val_metrics", {}))
     metrics.update({k: to_number(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")})
