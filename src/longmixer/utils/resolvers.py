@@ -9,12 +9,6 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 
-def _hash(text: str) -> str:
-    """A short stable hash of the run's overrides: the same command maps to the same run dir."""
-    text = text or ""
-    return "default" if not text else hashlib.sha1(text.encode()).hexdigest()[:10]
-
-
 def _canonical(value):
     """Overrides compare by meaning: 2e-3, 0.002 and 2.0e-3 are one value; 1000 and 1000.0 too."""
     if isinstance(value, bool) or value is None or isinstance(value, str):
@@ -59,8 +53,7 @@ def _abspath(path: str) -> str:
 
 
 def register_resolvers() -> None:
-    """Register `lm.hash`, `lm.run_hash`, `lm.run_name` and `lm.abspath` (idempotent)."""
-    for name, fn in (("lm.hash", _hash), ("lm.run_hash", _run_hash), ("lm.run_name", _run_name),
-                     ("lm.abspath", _abspath)):
+    """Register `lm.run_hash`, `lm.run_name` and `lm.abspath` (idempotent)."""
+    for name, fn in (("lm.run_hash", _run_hash), ("lm.run_name", _run_name), ("lm.abspath", _abspath)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
