@@ -7,6 +7,7 @@ send itself the signal at a given step. The tiny run has 6 steps per epoch, vali
 """
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -85,3 +86,22 @@ def test_evaluate_cli_writes_only_under_eval(reference):
     assert scored["test/acc"] == json.loads((reference / "results.json").read_text())["metrics"]["test/acc"]
     assert (reference / "eval" / "evaluate.log").exists()
     assert {p: p.read_bytes() for p in reference.rglob("*") if p.is_file() and "eval" not in p.parts} == before
+
+
+def test_same_command_again_is_locked_out_then_reported_finished(reference):
+    from longmixer.runs.resume import RunLock
+
+    tmp = reference.parents[3]  # <tmp>/logs/runs/<run_name>/<hash>_seed0
+    rows = (reference / "csv" / "metrics.csv").read_text()
+    holder = RunLock(reference).acquire()
+    try:
+        locked = run_train(tmp, [])
+    finally:
+        holder.release()
+    assert locked.returncode == 1
+    assert f"{reference / '.lock'} is held by pid {os.getpid()} on host" in locked.stderr, describe(locked)
+    again = run_train(tmp, [])
+    assert again.returncode == 0, describe(again)
+    log = (reference / "train.log").read_text()
+    assert "already finished" in log and "test/acc" in log.split("already finished")[-1]
+    assert (reference / "csv" / "metrics.csv").read_text() == rows

@@ -168,3 +168,14 @@ def test_resume_skips_a_crafted_last_ckpt_without_running_it(compose, tmp_path, 
     torch.save({"state_dict": {}, "global_step": 99, "payload": _WritesAFile(str(marker))}, last)
     assert newest_intact(last.parent).name.startswith("best-")
     assert not marker.exists() and "weights-only allowlist" in caplog.text
+
+
+def test_config_drift_compares_by_meaning():
+    from longmixer.runs.resume import config_drift
+
+    stored = {"optim": {"lr": "2e-3", "betas": [0.9, 0.98]}, "trainer": {"max_steps": 100}, "seed": 0}
+    same = {"optim": {"lr": 0.002, "betas": [0.9, 0.98]}, "trainer": {"max_steps": 100.0}, "seed": 0,
+            "run_dir": "/x", "new_key": None, "logger": {"csv": {}}, "trainer.enable_progress_bar": False}
+    assert config_drift(stored, same) == {}
+    changed = {**same, "optim": {"lr": 0.003, "betas": [0.9, 0.98]}, "trainer": {"max_steps": 200}}
+    assert config_drift(stored, changed) == {"optim.lr": (0.002, 0.003), "trainer.max_steps": (100.0, 200.0)}

@@ -27,7 +27,7 @@ log = logging.getLogger("longmixer")
 RESUME_MODES = ("auto", "never", "force")
 STORED_CONFIG = "config_resolved.yaml"
 # keys that do not change what a run computes: they may differ between the stored and the new config
-DRIFT_IGNORED = ("resume", "ckpt_path", "train", "test", "tags", "paths.root_dir", "paths.log_dir",
+DRIFT_IGNORED = ("resume", "ckpt_path", "run_dir", "train", "test", "tags", "paths.root_dir", "paths.log_dir",
                  "paths.output_dir", "logger", "callbacks.progress", "callbacks.summary", "callbacks.lr_monitor",
                  "callbacks.throughput", "callbacks.params", "callbacks.resume_step", "trainer.enable_progress_bar",
                  "trainer.enable_model_summary", "trainer.log_every_n_steps", "data.num_workers")
@@ -104,8 +104,9 @@ def _ignored(key: str) -> bool:
 def config_drift(stored: dict, current: dict) -> dict[str, tuple]:
     """`{key: (stored, current)}` for every result-changing key whose normalized value differs."""
     old, new = _flatten(stored), _flatten(current)
-    return {k: (old.get(k, "<absent>"), new.get(k, "<absent>")) for k in sorted(set(old) | set(new))
-            if not _ignored(k) and old.get(k, "<absent>") != new.get(k, "<absent>")}
+    # a key present on one side only counts as null there (a key added with a null default changes nothing)
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if not _ignored(k) and old.get(k) != new.get(k)}
 
 
 def check_config_drift(cfg: DictConfig, run_dir: Path) -> dict[str, tuple]:
