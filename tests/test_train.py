@@ -65,7 +65,7 @@ def test_resume_after_kill_matches_uninterrupted(compose, tmp_path, monkeypatch)
         train(cfg)
     except (KeyboardInterrupt, SystemExit):
         pass
-    ckpt = torch.load(crashed_dir / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(crashed_dir / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     # validation (and so the checkpoint) runs after every 4th batch of an epoch of 6: steps 4, 10, 16; the kill
     # comes at step 10 before its validation, so the run resumes mid-epoch from step 4
     assert ckpt["global_step"] == 4
@@ -147,7 +147,7 @@ def test_wandb_offline_run_keeps_its_id_across_resume(compose, tmp_path, monkeyp
         time.sleep(0.5)
     record = log.read_bytes()
     assert b"warmup_init_lr" in record and b"GeneratedListOps" in record  # the full resolved config is the run config
-    train(compose([*overrides, "trainer.max_steps=4"]))  # same run dir: resumes, same W&B id
+    train(compose([*overrides, "trainer.max_steps=4", "resume=force"]))  # same run dir, longer: resumes, same W&B id
     assert (run_dir / "wandb_id.txt").read_text().strip() == run_id
     assert len(list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))) == 2
 
@@ -156,9 +156,13 @@ def test_evaluate_rescores_the_best_checkpoint(compose, tmp_path):
     from longmixer.evaluate import evaluate
 
     results = train(compose([*TINY_LISTOPS, *TINY_TRAINER]))
-    metrics = evaluate(compose([*TINY_LISTOPS, *TINY_TRAINER, f"ckpt_path={results['best_ckpt']}"]))
+    run_dir = tmp_path / "run"
+    before = (run_dir / "csv" / "metrics.csv").read_text()
+    metrics = evaluate(compose([f"run_dir={run_dir}"]))
     assert metrics["test/acc"] == pytest.approx(results["metrics"]["test/acc"])
-    assert "val/acc" in metrics and (tmp_path / "run" / "eval_results.json").exists()
+    stem = Path(results["best_ckpt"]).stem
+    assert "val/acc" in metrics and (run_dir / "eval" / stem / "results.json").exists()
+    assert (run_dir / "csv" / "metrics.csv").read_text() == before  # training history untouched
 
 
 def test_throughput_and_params_are_logged(compose, tmp_path):

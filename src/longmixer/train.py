@@ -2,12 +2,17 @@
 
     python -m longmixer.train experiment=chela/listops trainer=gpu seed=3
     python -m longmixer.train -m experiment=quickstart seed=0,1,2
+
+The same command continues its run (README "Resume"): a lock keeps a second process out of the run dir, a finished
+run is reported instead of trained again, a changed config is refused unless `resume=force`, and SIGTERM / SIGINT
+write a checkpoint and exit with 128 + the signal number (143 / 130).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import signal
 from pathlib import Path
 
 import hydra
@@ -15,12 +20,33 @@ import pytorch_lightning as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.callbacks import ProgressBar
+from pytorch_lightning.utilities import rank_zero_only
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
+from longmixer.runs.fault_injection import fault_callbacks
+from longmixer.runs.loggers import ResumableCSVLogger
+from longmixer.runs.resume import (
+    STORED_CONFIG,
+    RunLock,
+    check_config_drift,
+    finished_results,
+    select_resume_checkpoint,
+)
+from longmixer.runs.run import (
+    check_validation_reachable,
+    config_tree,
+    instantiate_group,
+    majority_rates,
+    resolved_config,
+    result_table,
+    to_number,
+    write_results,
+)
+from longmixer.runs.run_info import write_run_info
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
-from longmixer.utils.run import (instantiate_group, majority_rates, resolved_config, result_table,
-                                 select_resume_checkpoint, to_number, write_results)
-from longmixer.utils.run_info import write_run_info
 
 log = logging.getLogger("longmixer")
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
@@ -29,57 +55,101 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 def train(cfg: DictConfig) -> dict:
     """Fit and test one composed config; returns the results dict written to `<run dir>/results.json`."""
     validate_config(cfg)
-    hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    choices = dict(hydra_cfg.runtime.choices)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    # rank 0 owns the run dir; DDP ranks started by Lightning re-enter here while rank 0 holds the lock
+    lock = RunLock(run_dir).acquire() if rank_zero_only.rank == 0 else None
+    try:
+        return _train(cfg, run_dir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: DictConfig, run_dir: Path) -> dict:
+    choices = dict(HydraConfig.get().runtime.choices)
+    if rank_zero_only.rank == 0:
+        log.info("composed config\n%s", config_tree(cfg))
+    drift = check_config_drift(cfg, run_dir)
+    finished = finished_results(run_dir)
+    if finished is not None and not drift and cfg.ckpt_path is None:
+        log.info("%s already finished (results.json); nothing to train. Pass run_tag=<name> for a new run.%s",
+                 run_dir, result_table(finished))
+        return finished
     ckpt_path = select_resume_checkpoint(cfg, run_dir)
-    pl.seed_everything(cfg.seed, workers=True)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     log.info("instantiating data <%s>", cfg.data._target_)
     datamodule = instantiate(cfg.data)
     log.info("instantiating task <%s> with model <%s>", cfg.task._target_, cfg.model._target_)
     task = instantiate(cfg.task)
-    callbacks = instantiate_group(cfg.get("callbacks"), "callbacks")
+    callbacks = [*instantiate_group(cfg.get("callbacks"), "callbacks"), *fault_callbacks()]
+    if not cfg.trainer.get("enable_progress_bar", True):
+        callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = instantiate_group(cfg.get("logger"), "logger")
     log.info("instantiating trainer <%s>", cfg.trainer._target_)
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    if cfg.train:
+        check_validation_reachable(cfg, datamodule, trainer.world_size)
 
     if trainer.is_global_zero:
         write_run_info(run_dir, Path(CONFIG_DIR).parent)
-        (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if drift or not (run_dir / STORED_CONFIG).exists():
+            (run_dir / STORED_CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if ckpt_path is not None:
+        _rewind_loggers(trainer, ckpt_path)
     for logger in trainer.loggers:
         logger.log_hyperparams(resolved_config(cfg))
 
     if cfg.train:
-        trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
-    metrics = {k: to_number(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        try:
+            trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        except SIGTERMException:
+            # SIGTERM before training started (setup, sanity check), where Lightning's own handler is active:
+            # nothing to checkpoint, but the exit status must still say "terminated" for a requeue
+            raise SystemExit(128 + signal.SIGTERM) from None
+    checkpointer = trainer.checkpoint_callback
+    metrics = dict(getattr(checkpointer, "val_metrics", {}))
+    metrics.update({k: to_number(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")})
 
     best_ckpt = None
     if cfg.test:
         if trainer.fast_dev_run:
             log.info("fast_dev_run writes no checkpoints: testing the current weights (debug only)")
         else:
-            best_ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+            best = checkpointer.best_model_path if checkpointer else ""
+            best_ckpt = trusted_best_path(best, Path(checkpointer.dirpath)) if best else None
             if not best_ckpt:
                 raise RuntimeError("no best checkpoint was written, so the papers' reporting rule (test at the "
                                    "best validation checkpoint) cannot be applied; check callbacks.checkpoint and "
                                    "that validation ran (trainer.limit_val_batches, check_val_every_n_epoch)")
-        for result in trainer.test(task, datamodule=datamodule, ckpt_path=best_ckpt or None, weights_only=False):
+        for result in trainer.test(task, datamodule=datamodule, ckpt_path=best_ckpt, weights_only=True,
+                                   verbose=False):
             metrics.update({k: to_number(v) for k, v in result.items()})
 
     majority = majority_rates(getattr(datamodule, "manifest", None))
     results = write_results(run_dir, cfg, choices, metrics, best_ckpt, majority) if trainer.is_global_zero else {}
     if trainer.is_global_zero:
-        log.info(result_table(results))
+        log.info("results%s", result_table(results))
     for logger in trainer.loggers:
-        if isinstance(logger, pl.loggers.WandbLogger):  # subclasses too (utils/wandb_watch.py)
+        if isinstance(logger, pl.loggers.WandbLogger):  # subclasses too (runs/wandb_watch.py)
             logger.experiment.finish()
     return {"metrics": metrics, **results}
 
 
+def _rewind_loggers(trainer: pl.Trainer, ckpt_path: str) -> None:
+    """Drop the CSV rows a killed run logged after `ckpt_path` was written (their step column, the optimizer step
+    count before the logged batch, is at least the checkpoint's global step); the resumed run logs them again."""
+    step = int(load_checkpoint(ckpt_path)["global_step"])
+    for logger in trainer.loggers:
+        if isinstance(logger, ResumableCSVLogger) and trainer.is_global_zero:
+            dropped = logger.rewind(step)
+            if dropped:
+                log.info("metrics.csv: dropped %d rows logged after the checkpoint (step >= %d)", dropped, step)
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def _main(cfg: DictConfig) -> float | None:
-    results = train(cfg)
+    results = train(cfg)  # SIGTERM / SIGINT end it with SystemExit(143 / 130) after a checkpoint
     metric = cfg.get("optimized_metric")
     if metric is None:
         return None

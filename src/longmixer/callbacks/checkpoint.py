@@ -1,16 +1,169 @@
-"""Checkpointing that never leaves a half-written file: write `<name>.tmp`, then rename over the target."""
+"""Checkpointing a run can be resumed from at any time.
+
+`AtomicModelCheckpoint` keeps two kinds of files in `<run dir>/checkpoints/`:
+- `best-<step>.ckpt`: the best validation checkpoint by the monitored metric (a non-finite value never counts);
+- `last.ckpt`: the newest state, rewritten on a fixed cadence whether or not the metric improved: every
+  `every_n_train_steps` steps, after every validation, at the end of training, and when the run is stopped by
+  SIGTERM or SIGINT.
+
+Every file is written to `<name>.tmp` and renamed over the target, so a run killed while saving keeps its previous
+checkpoint intact.
+
+SIGTERM (what SLURM sends before preemption) and SIGINT (Ctrl+C) do not kill the run mid-step: the handler only
+records the signal; at the end of the current training step (or of a mid-epoch validation; after an end-of-epoch
+validation, at the end of the next step) every rank agrees to stop, `last.ckpt` is written and `RunInterrupted` is
+raised: a `SystemExit` with code 128 + signal number (143 for SIGTERM, 130 for SIGINT). A second SIGINT stops at
+once without a checkpoint.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+import signal
 from weakref import proxy
 
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+
+log = logging.getLogger("longmixer")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class RunInterrupted(SystemExit):
+    """The run stopped on SIGTERM or SIGINT after writing `checkpoint`. A `SystemExit` whose code is 128 + the
+    signal number, so the process ends with the status a scheduler expects (143 for SIGTERM, 130 for SIGINT)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(128 + signum)
 
 
 class AtomicModelCheckpoint(ModelCheckpoint):
-    """`ModelCheckpoint` (best by the monitored metric + `last.ckpt`) with atomic writes, so a run killed while
-    saving still has its previous checkpoint intact for `resume=auto`."""
+    """`ModelCheckpoint` with atomic writes, a fixed `last.ckpt` cadence, non-finite scores kept out of "best",
+    and a checkpoint-then-stop on SIGTERM / SIGINT.
+
+    Args:
+        every_n_train_steps: also rewrite `last.ckpt` every this many optimizer steps (0: only at validations).
+        Other arguments are `ModelCheckpoint`'s; `save_last` is always on.
+    """
+
+    def __init__(self, *args, every_n_train_steps: int = 0, **kwargs):
+        if every_n_train_steps < 0:
+            raise ValueError(f"callbacks.checkpoint.every_n_train_steps={every_n_train_steps} must be >= 0")
+        kwargs["save_last"] = True
+        super().__init__(*args, **kwargs)
+        self.last_every_n_steps = every_n_train_steps
+        self.val_metrics: dict[str, float] = {}  # the last validation's val/* values (checkpointed)
+        self._stop_signal: int | None = None
+
+    # --- signals -----------------------------------------------------------------------------------------------
+    def on_train_start(self, trainer, pl_module) -> None:
+        # installed here, after Lightning registered its own SIGTERM handler (which would stop without saving);
+        # Lightning restores the original handlers at teardown
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._make_handler(trainer))
+
+    def _make_handler(self, trainer):
+        def handler(signum, frame):
+            if signum == signal.SIGINT and self._stop_signal is not None:
+                raise KeyboardInterrupt  # second Ctrl+C: stop now
+            self._stop_signal = signum
+            launcher = trainer.strategy.launcher
+            if trainer.is_global_zero and launcher is not None and hasattr(launcher, "kill"):
+                launcher.kill(signum)  # DDP on one host: rank 0 forwards the signal to the other ranks
+        return handler
+
+    def _stop_requested(self, trainer) -> int | None:
+        """The signal to stop for, agreed by all ranks (any rank that got one stops every rank)."""
+        signum = self._stop_signal or 0
+        if trainer.world_size > 1:
+            import torch
+            import torch.distributed as dist
+
+            value = torch.tensor([signum], device=trainer.strategy.root_device)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+            signum = int(value.item())
+        return signum or None
+
+    def _stop(self, trainer, signum: int) -> None:
+        self._save_last(trainer)
+        log.warning("received %s: wrote %s at step %d; run the same command again to resume (exit code %d)",
+                    signal.Signals(signum).name, self.last_model_path, trainer.global_step, 128 + signum)
+        raise RunInterrupted(signum, trainer.global_step, self.last_model_path)
+
+    # --- when to save ------------------------------------------------------------------------------------------
+    def _fitting(self, trainer) -> bool:
+        from pytorch_lightning.trainer.states import TrainerFn
+
+        return not trainer.fast_dev_run and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self._fitting(trainer):
+            return
+        step = trainer.global_step
+        signum = self._stop_requested(trainer)
+        due = self.last_every_n_steps and step % self.last_every_n_steps == 0 and self._last_global_step_saved != step
+        if signum is None and not due:
+            return
+        loop = trainer.fit_loop.epoch_loop
+        if loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+            # a validation follows this batch: save (or stop) at its end instead. A checkpoint written here would
+            # make a resumed run skip that validation (Lightning fast-forwards it)
+            return
+        # Lightning logs this step's row only after this hook; a resume from this checkpoint will not log it
+        # again, so it is logged (and flushed by the save) now. The loggers' second copy is the same row.
+        trainer._logger_connector.update_train_step_metrics()
+        if signum is not None:
+            self._stop(trainer, signum)
+        self._save_last(trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self._fitting(trainer) and self._should_save_on_train_epoch_end(trainer):
+            self._save_last(trainer)  # a run without validation: the epoch end is its save point
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not self._fitting(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        self.val_metrics = {k: float(v) for k, v in candidates.items() if k.startswith("val/")}
+        current = candidates.get(self.monitor)
+        if current is not None and not math.isfinite(float(current)):
+            log.warning("%s=%s at step %d is not finite: it cannot become the best checkpoint", self.monitor,
+                        float(current), trainer.global_step)
+        elif self.save_top_k != 0:
+            self._save_topk_checkpoint(trainer, candidates)
+        self._save_last(trainer)
+        if trainer.is_global_zero:
+            shown = "  ".join(f"{k}={v:.4f}" for k, v in sorted(self.val_metrics.items()) if "/stats/" not in k)
+            best = "n/a" if self.best_model_score is None else f"{float(self.best_model_score):.4f}"
+            log.info("step %d epoch %d | %s | best %s=%s", trainer.global_step, trainer.current_epoch, shown,
+                     self.monitor, best)
+        signum = self._stop_requested(trainer)
+        # at an epoch's end the stop waits for the next step: Lightning logs the epoch's aggregated training
+        # metrics after this hook, and a resume would not log them again
+        if signum is not None and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._stop(trainer, signum)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._fitting(trainer) and self._last_global_step_saved != trainer.global_step:
+            self._save_last(trainer)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        return  # a crash is not a save point: the previous last.ckpt stays the resume point
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "val_metrics": self.val_metrics}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.val_metrics = dict(state_dict.get("val_metrics", {}))
+
+    # --- writing -----------------------------------------------------------------------------------------------
+    def _save_last(self, trainer) -> None:
+        self.last_model_path = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+        self._save_checkpoint(trainer, self.last_model_path)
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         # ModelCheckpoint._save_checkpoint (Lightning 2.6) with the write redirected to a temporary file
@@ -24,3 +177,25 @@ class AtomicModelCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+
+class ResumedLoggingStep(Callback):
+    """After a resume, sets the logging step to the optimizer step count before the first batch's hooks log.
+
+    Lightning 2.6 restores its logging step (`_batches_that_stepped`) one too far after an end-of-epoch
+    checkpoint, so every metrics.csv row of the resumed run would carry a step one past the uninterrupted run's.
+    With automatic optimization it equals `global_step` at every batch start. Put it first in the callback list,
+    so that callbacks logging in `on_train_batch_start` (the LR monitor) see the corrected step.
+    """
+
+    def __init__(self):
+        self._resumed = False
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._resumed = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._resumed:
+            self._resumed = False
+            if pl_module.automatic_optimization:
+                trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step

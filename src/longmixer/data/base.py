@@ -193,25 +193,31 @@ class EpochSampler(Sampler[int]):
 
 
 class ResumableLoader(DataLoader):
-    """A DataLoader whose position inside an epoch is saved in checkpoints (Lightning's `state_dict` protocol),
-    so a run killed mid-epoch resumes on the next unseen batch."""
+    """A DataLoader whose position (epoch, batches consumed) is saved in checkpoints (Lightning's `state_dict`
+    protocol), so a run killed anywhere resumes on the next unseen batch.
+
+    The loader counts its own epochs: a pass that consumed every batch moves the next pass to the next epoch. It
+    does not follow the epoch Lightning passes to `sampler.set_epoch`, which after a resume from an end-of-epoch
+    checkpoint is one ahead (Lightning 2.6) and would train on the wrong epoch's order."""
 
     def __init__(self, dataset: Dataset, sampler: EpochSampler, **kwargs):
         super().__init__(dataset, sampler=sampler, **kwargs)
-        self._consumed = 0
+        self._epoch, self._consumed = 0, 0
 
     def __iter__(self):
-        self._consumed = self.sampler.skip // self.batch_size
+        if self._consumed >= len(self):  # the previous pass was complete
+            self._epoch, self._consumed = self._epoch + 1, 0
+        self.sampler.set_epoch(self._epoch)
+        self.sampler.skip = self._consumed * self.batch_size
         for batch in super().__iter__():
             self._consumed += 1
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.sampler.epoch, "consumed": self._consumed}
+        return {"epoch": self._epoch, "consumed": self._consumed}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.sampler.set_epoch(int(state["epoch"]))
-        self.sampler.skip = int(state["consumed"]) * self.batch_size
+        self._epoch, self._consumed = int(state["epoch"]), int(state["consumed"])
 
 
 class SequenceDataModule(pl.LightningDataModule):

@@ -59,6 +59,18 @@ class SequenceTask(pl.LightningModule):
         if hasattr(self.model, "set_progress"):
             self.model.set_progress(self.global_step, self.total_steps)
 
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        """The divergence guard: a non-finite loss on any rank stops every rank before the optimizer step, so no
+        checkpoint ever holds the diverged weights."""
+        finite = bool(torch.isfinite(loss.detach()).all())
+        if self.trainer.world_size > 1:
+            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if not finite:
+            raise FloatingPointError(
+                f"training diverged: non-finite loss at step {self.global_step + 1} (optim.lr={self.optim_cfg.get('lr')}"
+                "). Lower optim.lr, raise optim.warmup_steps, set trainer.gradient_clip_val, or train in "
+                "trainer.precision=32-true; the run dir keeps the last finite checkpoint")
+
     # --- inference form -----------------------------------------------------------------------------------------
     def on_test_start(self) -> None:
         """Test the inference form: fuse training-time branches (CHELA's parallel short kernels, structural
@@ -89,6 +101,8 @@ class SequenceTask(pl.LightningModule):
         if current is None or self.trainer.sanity_checking:
             return
         value = float(current)
+        if not np.isfinite(value):
+            return  # a non-finite metric never becomes the best
         better = max if self.mode == "max" else min
         self.best_score = value if self.best_score is None else better(self.best_score, value)
         self.log(f"{self.monitor}_best", self.best_score, prog_bar=True, sync_dist=False)

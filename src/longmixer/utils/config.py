@@ -15,10 +15,10 @@ from longmixer.utils.optim import OPTIMIZERS, SCHEDULERS
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 TOP_LEVEL = {"data", "model", "task", "optim", "trainer", "logger", "callbacks", "paths", "run_name", "tags", "seed",
-             "deterministic", "resume", "ckpt_path", "train", "test", "run_tag", "ops", "optimized_metric", "hydra"}
+             "deterministic", "resume", "ckpt_path", "train", "test", "run_tag", "run_dir", "ops", "optimized_metric", "hydra"}
 OPTIM_KEYS = {"optimizer", "lr", "weight_decay", "betas", "eps", "scheduler", "warmup_steps", "warmup_init_lr",
               "end_lr", "warmup_power"}
-RESUME = ("auto", "never")
+RESUME = ("auto", "never", "force")
 BACKENDS = ("auto", "torch", "triton")
 
 

@@ -3,15 +3,43 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 
-def _hash(text: str) -> str:
-    """A short stable hash of the run's overrides: the same command maps to the same run dir."""
-    text = text or ""
-    return "default" if not text else hashlib.sha1(text.encode()).hexdigest()[:10]
+def _canonical(value):
+    """Overrides compare by meaning: 2e-3, 0.002 and 2.0e-3 are one value; 1000 and 1000.0 too."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return str(value)
+
+
+def _run_hash(overrides, exclude_keys) -> str:
+    """A short stable hash of the command-line overrides that change results: the same command maps to the same
+    run dir. Each override is parsed (Hydra's grammar) and its value normalized before hashing, so `optim.lr=2e-3`
+    and `optim.lr=0.002` share a run dir; keys in `exclude_keys` (and keys under them) are left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    excluded = [str(k) for k in (exclude_keys or [])]
+    parser = OverridesParser.create()
+    items = []
+    for text in overrides or []:
+        override = parser.parse_override(str(text))
+        key = override.key_or_group
+        if any(key == k or key.startswith(k + ".") for k in excluded):
+            continue
+        prefix = "~" if override.is_delete() else "++" if override.is_force_add() else "+" if override.is_add() else ""
+        value = None if override.is_delete() and override.value() is None else _canonical(override.value())
+        items.append(f"{prefix}{key}={json.dumps(value, sort_keys=True)}")
+    return "default" if not items else hashlib.sha1("\n".join(sorted(items)).encode()).hexdigest()[:10]
 
 
 def _run_name(experiment, model, data) -> str:
@@ -31,7 +59,7 @@ def _mul(a: int, b: int) -> int:
 
 
 def register_resolvers() -> None:
-    """Register `lm.hash`, `lm.run_name`, `lm.abspath` and `lm.mul` (idempotent)."""
-    for name, fn in (("lm.hash", _hash), ("lm.run_name", _run_name), ("lm.abspath", _abspath), ("lm.mul", _mul)):
+    """Register `lm.run_hash`, `lm.run_name`, `lm.abspath` and `lm.mul` (idempotent)."""
+    for name, fn in (("lm.run_hash", _run_hash), ("lm.run_name", _run_name), ("lm.abspath", _abspath), ("lm.mul", _mul)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

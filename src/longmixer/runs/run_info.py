@@ -16,7 +16,7 @@ PACKAGES = ("longmixer", "torch", "pytorch-lightning", "hydra-core", "omegaconf"
 
 def _git(*args: str, cwd: Path) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", *args], check=False, cwd=cwd, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None

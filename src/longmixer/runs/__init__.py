@@ -1,0 +1,1 @@
+"""Run directories: resume selection, locks, config-drift checks, run info, loggers, results."""

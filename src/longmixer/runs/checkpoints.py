@@ -1,0 +1,102 @@
+"""Reading checkpoints safely: `torch.load(weights_only=True)` only, intact-file checks, and the choice of the
+checkpoint a run resumes from.
+
+A checkpoint is data, never code: every read goes through the restricted unpickler of `weights_only=True`, which
+refuses any global it was not told about. What our checkpoints hold beyond tensors and builtins (the `longmixer`
+RNG state is tuples of ints and tensors; Lightning's loop and callback states are dicts of numbers and strings) loads
+without an allowlist; `ALLOWED_GLOBALS` lists the few extra types and is registered once with
+`torch.serialization.add_safe_globals`. Paths stored inside a checkpoint (ModelCheckpoint's `best_model_path`) are
+only used after checking they name a file in the run's own checkpoint dir, and that file is again loaded with
+`weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("longmixer")
+
+ALLOWED_GLOBALS: list[Any] = []  # nothing beyond torch's own weights_only set is needed by our checkpoints
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is unreadable or refused by the safe loader; the message names the file."""
+
+
+def register_safe_globals() -> None:
+    if ALLOWED_GLOBALS:
+        torch.serialization.add_safe_globals(ALLOWED_GLOBALS)
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """`torch.load(path, weights_only=True)` on CPU, with errors that name the file.
+
+    Raises:
+        CheckpointError: the file is truncated/corrupt, or holds objects outside the allowlist (a crafted file).
+    """
+    register_safe_globals()
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"refused to load {path}: it holds objects outside the weights-only allowlist (a "
+                              f"checkpoint is data, never code). Loader said: {str(err).splitlines()[0]}") from err
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read checkpoint {path} ({type(err).__name__}: {err}); it is truncated or "
+                              "corrupt") from err
+
+
+def is_intact(path: Path) -> bool:
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as err:
+        log.warning("%s", err)
+        return False
+    return "state_dict" in ckpt and "global_step" in ckpt
+
+
+def newest_intact(ckpt_dir: Path) -> Path | None:
+    """`last.ckpt` if it loads; else the intact `*.ckpt` with the highest global step (a warning names what was
+    skipped); None if the dir holds no checkpoint."""
+    last = ckpt_dir / "last.ckpt"
+    if last.exists() and is_intact(last):
+        return last
+    others = []
+    for path in ckpt_dir.glob("*.ckpt"):
+        if path == last:
+            continue
+        try:
+            others.append((load_checkpoint(path)["global_step"], path))
+        except (CheckpointError, KeyError) as err:
+            log.warning("skipping checkpoint %s: %s", path, err)
+    if not others:
+        if last.exists():
+            raise CheckpointError(f"{last} is corrupt and {ckpt_dir} holds no other intact checkpoint; delete the "
+                                  "run dir (or pass run_tag=<name>) to start over")
+        return None
+    step, newest = max(others)
+    if last.exists():
+        log.warning("%s is corrupt: resuming from the newest intact checkpoint %s (step %d)", last, newest, step)
+    return newest
+
+
+def trusted_best_path(path: str | None, ckpt_dir: Path) -> str | None:
+    """`path` (a best-checkpoint path read from a checkpoint or callback) if it is a file inside `ckpt_dir`.
+
+    Raises:
+        CheckpointError: the path points outside the run's checkpoint dir.
+    """
+    if not path:
+        return None
+    resolved = Path(path).resolve()
+    if resolved.parent != ckpt_dir.resolve() or resolved.suffix != ".ckpt":
+        raise CheckpointError(f"best checkpoint path {path} is not a .ckpt file in {ckpt_dir}: refusing to load a "
+                              "path taken from a checkpoint")
+    if not resolved.is_file():
+        raise CheckpointError(f"best checkpoint {path} does not exist")
+    return str(resolved)

@@ -1,0 +1,106 @@
+"""Logger factories: a CSV logger that keeps its history across resumes, and W&B (offline by default) resumable
+under the same run id."""
+
+from __future__ import annotations
+
+import csv
+import os
+import uuid
+from pathlib import Path
+
+from lightning_fabric.loggers.csv_logs import _ExperimentWriter
+from lightning_fabric.loggers.logger import rank_zero_experiment
+from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+
+
+class _AppendingWriter(ExperimentWriter):
+    """Lightning's CSV writer deletes an existing metrics.csv when it starts; this one keeps it and appends (the
+    header grows when new columns appear)."""
+
+    def _check_log_dir_exists(self) -> None:
+        self._written: set[tuple] = set()
+        if os.path.isfile(self.metrics_file_path):
+            with open(self.metrics_file_path, newline="") as f:
+                reader = csv.DictReader(f)
+                self.metrics_keys = sorted(reader.fieldnames or [])
+                self._written = {_row_key(row) for row in reader}
+
+    def save(self) -> None:
+        # a row identical to one already written (a once-per-fit value such as the parameter count, logged
+        # again by the resumed run) is not repeated
+        fresh = []
+        for row in self.metrics:
+            key = _row_key(row)
+            if key not in self._written:
+                self._written.add(key)
+                fresh.append(row)
+        self.metrics = fresh
+        super().save()
+
+
+def _row_key(row: dict) -> tuple:
+    return tuple(sorted((k, float(v)) for k, v in row.items() if v not in ("", None)))
+
+
+class ResumableCSVLogger(CSVLogger):
+    """`CSVLogger` for a run dir that may be resumed: the history is kept, rows are flushed whenever a checkpoint
+    is written (so a killed run loses no row its checkpoint covers), and `rewind(step)` drops the rows a killed
+    run logged after its checkpoint (the resumed run logs them again)."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> _ExperimentWriter:
+        if self._experiment is None:
+            os.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+    def rewind(self, step: int) -> int:
+        """Keep only the rows with `step` below `step`; returns how many rows were dropped."""
+        path = Path(self.log_dir) / _ExperimentWriter.NAME_METRICS_FILE
+        if not path.is_file():
+            return 0
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            fields, rows = reader.fieldnames or [], list(reader)
+        kept = [r for r in rows if r.get("step") in (None, "") or int(float(r["step"])) < step]
+        if len(kept) != len(rows):
+            tmp = path.with_suffix(".csv.tmp")
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=fields)
+                writer.writeheader()
+                writer.writerows(kept)
+            tmp.replace(path)
+        return len(rows) - len(kept)
+
+    def after_save_checkpoint(self, checkpoint_callback) -> None:
+        self.save()
+
+
+def wandb_run_id(save_dir: str | Path) -> str:
+    """The run dir's W&B id: read from `<save_dir>/wandb_id.txt`, or made and stored there, so a resumed run
+    (same run dir) continues the same W&B run."""
+    path = Path(save_dir) / "wandb_id.txt"
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run_id = uuid.uuid4().hex[:12]
+    path.write_text(run_id)
+    return run_id
+
+
+def wandb_logger(project: str, save_dir: str, run_name: str, seed: int, tags=(), group: str | None = None,
+                 entity: str | None = None, model_name: str | None = None, data_name: str | None = None,
+                 log_model: bool | str = False, watch: str | None = None, watch_log_freq: int = 100):
+    """A `WandbLogger` named `<run_name>-seed<seed>`, grouped by run name, tagged; offline unless the user set
+    `WANDB_MODE` or an API key (`WANDB_API_KEY`). The full resolved config is sent by the entry point.
+    `log_model` (checkpoints as artifacts) and `watch` (gradient / parameter histograms): configs/logger/wandb.yaml."""
+    from longmixer.runs.wandb_watch import WatchingWandbLogger
+
+    online = "WANDB_MODE" in os.environ or "WANDB_API_KEY" in os.environ
+    mode = os.environ.get("WANDB_MODE", "online") if online else "offline"
+    return WatchingWandbLogger(project=project, entity=entity, save_dir=save_dir, name=f"{run_name}-seed{seed}",
+                               group=group, tags=[*tags, *(t for t in (model_name, data_name) if t), f"seed{seed}"],
+                               id=wandb_run_id(save_dir), resume="allow", mode=mode, log_model=log_model,
+                               watch=watch, watch_log_freq=watch_log_freq)

@@ -1,0 +1,169 @@
+"""Starting a run in its directory: the lock, the config-drift check, the finished check and the checkpoint to
+resume from.
+
+The same command maps to the same run dir (`configs/hydra/default.yaml`), so re-running it continues the run:
+- a second process on the same dir fails fast (`RunLockedError` names the lock file and the holder's PID/host);
+- a run whose `results.json` says finished is not trained again;
+- a changed config is refused (`ConfigDriftError` lists the keys) unless `resume=force`;
+- the run resumes from `checkpoints/last.ckpt`, or from the newest intact checkpoint if that file is corrupt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+import yaml
+from filelock import FileLock, Timeout
+from omegaconf import DictConfig, OmegaConf
+
+from longmixer.runs.checkpoints import load_checkpoint, newest_intact
+
+log = logging.getLogger("longmixer")
+
+RESUME_MODES = ("auto", "never", "force")
+STORED_CONFIG = "config_resolved.yaml"
+# keys that do not change what a run computes: they may differ between the stored and the new config
+DRIFT_IGNORED = ("resume", "ckpt_path", "run_dir", "train", "test", "tags", "paths.root_dir", "paths.log_dir",
+                 "paths.output_dir", "logger", "callbacks.progress", "callbacks.summary", "callbacks.lr_monitor",
+                 "callbacks.throughput", "callbacks.params", "callbacks.resume_step", "trainer.enable_progress_bar",
+                 "trainer.enable_model_summary", "trainer.log_every_n_steps", "data.num_workers")
+
+
+class RunLockedError(RuntimeError):
+    """Another process holds the run dir's lock."""
+
+
+class ConfigDriftError(ValueError):
+    """The resolved config differs from the one the run dir was started with."""
+
+
+class RunLock:
+    """An exclusive lock on `<run_dir>/.lock` (released by the OS when the process dies, even on SIGKILL), with
+    `<run_dir>/.lock.owner` naming the holder."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / ".lock"
+        self.owner = run_dir / ".lock.owner"
+        self._lock = FileLock(str(self.path), timeout=0)
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._lock.acquire()
+        except Timeout:
+            holder = self.owner.read_text().strip() if self.owner.exists() else "unknown"
+            raise RunLockedError(f"run dir {self.path.parent} is in use: {self.path} is held by {holder}. Wait "
+                                 "for that run, stop it, or pass run_tag=<name> to start a separate run") from None
+        self.owner.write_text(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        return self
+
+    def release(self) -> None:
+        if self._lock.is_locked:
+            self.owner.unlink(missing_ok=True)
+            self._lock.release()
+
+
+def _normalize(value):
+    """YAML-typed values compare by meaning: "2e-3" == 0.002 == 2.0e-3, 1 == 1.0."""
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value) if value.strip() else value
+        except yaml.YAMLError:
+            return value
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                return value
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    return value
+
+
+def _flatten(node, prefix: str = "") -> dict[str, object]:
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    if isinstance(node, list):
+        return {prefix[:-1]: [_normalize(v) for v in node]}
+    return {prefix[:-1]: _normalize(node)}
+
+
+def _ignored(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in DRIFT_IGNORED)
+
+
+def config_drift(stored: dict, current: dict) -> dict[str, tuple]:
+    """`{key: (stored, current)}` for every result-changing key whose normalized value differs."""
+    old, new = _flatten(stored), _flatten(current)
+    # a key present on one side only counts as null there (a key added with a null default changes nothing)
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if not _ignored(k) and old.get(k) != new.get(k)}
+
+
+def check_config_drift(cfg: DictConfig, run_dir: Path) -> dict[str, tuple]:
+    """Compare `cfg` with `<run_dir>/config_resolved.yaml`.
+
+    Raises:
+        ConfigDriftError: keys differ and resume is not `force` (the message lists them and the ways out).
+    """
+    path = run_dir / STORED_CONFIG
+    if not path.exists():
+        return {}
+    stored = yaml.safe_load(path.read_text()) or {}
+    drift = config_drift(stored, OmegaConf.to_container(cfg, resolve=True))
+    if not drift:
+        return {}
+    listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in drift.items())
+    if cfg.resume == "force":
+        log.warning("resume=force: continuing %s with a changed config (%s)", run_dir, listing)
+        return drift
+    raise ConfigDriftError(f"the config differs from the one {run_dir} was started with ({path}): {listing}. Undo "
+                           "the change, pass run_tag=<name> to start a separate run, or resume=force to continue "
+                           "this run with the new values")
+
+
+def finished_results(run_dir: Path) -> dict | None:
+    """The run's results.json if it records a finished run."""
+    path = run_dir / "results.json"
+    if not path.exists():
+        return None
+    results = json.loads(path.read_text())
+    return results if results.get("status") == "finished" else None
+
+
+def select_resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
+    """`ckpt_path` if given; else the run dir's newest intact checkpoint (normally `last.ckpt`) under
+    resume=auto|force.
+
+    Raises:
+        FileNotFoundError: `ckpt_path` does not exist.
+        ValueError: unknown `resume`, or resume=never but the run dir already holds a checkpoint.
+        CheckpointError: the checkpoint cannot be read safely.
+    """
+    if cfg.resume not in RESUME_MODES:
+        raise ValueError(f"resume={cfg.resume!r} is not one of {RESUME_MODES}")
+    if cfg.ckpt_path is not None:
+        path = Path(cfg.ckpt_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path} does not exist")
+        load_checkpoint(path)  # refuse an unsafe or corrupt file before anything starts
+        return str(path)
+    ckpt_dir = run_dir / "checkpoints"
+    if not ckpt_dir.is_dir() or not any(ckpt_dir.glob("*.ckpt")):
+        return None
+    if cfg.resume == "never":
+        raise ValueError(f"run dir {run_dir} already holds checkpoints in {ckpt_dir}; pass resume=auto to continue "
+                         "that run, or run_tag=<name> to start a separate run")
+    path = newest_intact(ckpt_dir)
+    if path is not None:
+        log.info("resuming from %s", path)
+    return None if path is None else str(path)

@@ -1,0 +1,142 @@
+"""Support for the entry points: instantiation of callbacks and loggers, results.json and the result table."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("longmixer")
+
+
+def instantiate_group(group: DictConfig | None, what: str) -> list[Any]:
+    """Instantiate every entry of the `callbacks` or `logger` group (a dict of `_target_` nodes)."""
+    objects = []
+    for name, node in (group or {}).items():
+        if node is None:
+            continue
+        if "_target_" not in node:
+            raise ValueError(f"{what}.{name} has no _target_")
+        log.debug("instantiating %s.%s <%s>", what, name, node._target_)
+        objects.append(instantiate(node))
+    if objects:
+        log.info("%s: %s", what, ", ".join(name for name, node in (group or {}).items() if node is not None))
+    return objects
+
+
+def to_number(value) -> float:
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+def majority_rates(manifest: dict | None) -> dict[str, float]:
+    """The majority-class rate of each split whose manifest records label counts (the accuracy to beat)."""
+    rates = {}
+    for split, info in ((manifest or {}).get("splits") or {}).items():
+        counts = list((info.get("labels") or {}).values()) if isinstance(info, dict) else []
+        if counts and sum(counts) > 0:
+            rates[split] = max(counts) / sum(counts)
+    return rates
+
+
+def write_results(run_dir: Path, cfg: DictConfig, choices: dict, metrics: dict[str, float], best_ckpt: str | None,
+                  majority_rate: dict[str, float] | None = None, status: str = "finished") -> dict:
+    """`<run_dir>/results.json`: what report.py collects (experiment, model, data, seed, metrics). Metrics of an
+    earlier results.json that this call does not recompute are kept, so no metric is lost across resumes."""
+    path = run_dir / "results.json"
+    previous = json.loads(path.read_text()).get("metrics", {}) if path.exists() else {}
+    results = {"run_name": cfg.run_name, "experiment": choices.get("experiment"), "model": choices.get("model"),
+               "data": choices.get("data"), "seed": cfg.seed, "tags": list(cfg.tags),
+               "metrics": {**previous, **metrics}, "best_ckpt": best_ckpt, "run_dir": str(run_dir),
+               "majority_rate": majority_rate, "status": status}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=2))
+    tmp.replace(path)
+    return results
+
+
+def result_table(results: dict) -> str:
+    """The final metrics as an aligned text table."""
+    rows = [("run", results["run_name"]), ("seed", str(results["seed"]))]
+    rows += [(k, f"{v:.4f}") for k, v in sorted(results["metrics"].items())]
+    for split in ("val", "test"):
+        if split in (results.get("majority_rate") or {}):
+            rows.append((f"majority-class rate ({split})", f"{results['majority_rate'][split]:.4f}"))
+    width = max(len(k) for k, _ in rows)
+    lines = ["", "=" * (width + 20), *(f"{k:<{width}}  {v}" for k, v in rows), "=" * (width + 20)]
+    return "\n".join(lines)
+
+
+def resolved_config(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+
+
+def config_tree(cfg: DictConfig) -> str:
+    """The composed config as a rich tree, rendered to text for the log: the top-level scalars in one branch
+    (`run`), then one branch per group (data, model, task, optim, trainer, ...)."""
+    import io
+
+    import rich.tree
+    from rich.console import Console
+
+    tree = rich.tree.Tree("config")
+    scalars = {k: v for k, v in cfg.items() if not isinstance(v, DictConfig)}
+    branches = [("run", OmegaConf.create(scalars))] + [(k, v) for k, v in cfg.items() if isinstance(v, DictConfig)]
+    for key, node in branches:
+        tree.add(str(key)).add(OmegaConf.to_yaml(node, resolve=True).rstrip())
+    out = io.StringIO()
+    Console(file=out, width=120, color_system=None, highlight=False).print(tree)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
+
+
+def first_validation_step(cfg: DictConfig, datamodule, world_size: int) -> int | None:
+    """The optimizer step of the first validation, or None where it cannot be known before training (an
+    iterable train set)."""
+    trainer = cfg.trainer
+    accumulate = max(1, int(trainer.get("accumulate_grad_batches") or 1))
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, int) and not isinstance(interval, bool):
+        return interval // accumulate
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    try:
+        batches = len(datamodule.train_dataloader())
+    except TypeError:
+        return None
+    batches = -(-batches // world_size)
+    limit = trainer.get("limit_train_batches")
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        batches = min(batches, limit)
+    elif isinstance(limit, float):
+        batches = int(batches * limit)
+    fraction = interval if isinstance(interval, float) else 1.0
+    epochs = int(trainer.get("check_val_every_n_epoch") or 1)
+    return max(1, int(batches * fraction)) * epochs // accumulate
+
+
+def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> None:
+    """Stop before training when no validation (and so no best checkpoint) would happen before `max_steps`.
+
+    Raises:
+        ValueError: naming the keys, when the run also tests (the papers' rule needs a best checkpoint).
+    """
+    max_steps = cfg.trainer.get("max_steps")
+    if cfg.trainer.get("fast_dev_run") or max_steps is None or max_steps < 0:
+        return
+    if cfg.trainer.get("limit_val_batches") == 0:
+        problem = "trainer.limit_val_batches=0 disables validation"
+    else:
+        first = first_validation_step(cfg, datamodule, world_size)
+        if first is None or first <= max_steps:
+            return
+        problem = (f"the first validation comes at step {first} (trainer.val_check_interval, "
+                   f"trainer.check_val_every_n_epoch, trainer.limit_train_batches, the epoch length) but "
+                   f"trainer.max_steps={max_steps}")
+    message = (f"{problem}: no validation, so no best checkpoint, before training stops. Raise trainer.max_steps "
+               "or validate earlier (trainer.val_check_interval=<steps>)")
+    if cfg.test:
+        raise ValueError(message + "; or pass test=false")
+    log.warning(message)

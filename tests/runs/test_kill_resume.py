@@ -1,0 +1,107 @@
+"""Kill a real `python -m longmixer.train` subprocess, run the same command again, and compare with an
+uninterrupted run: the final weights, results.json and every metrics.csv row (timing columns aside) must be equal.
+
+The kill point is deterministic: the LONGMIXER_FAULT test hook (longmixer.runs.fault_injection) makes the run
+send itself the signal at a given step. The tiny run has 6 steps per epoch, validates at every epoch end (steps
+6 and 12) and rewrites last.ckpt every 4 steps and after each validation.
+"""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.runs.helpers import (
+    EPOCH_AGGREGATES,
+    describe,
+    metric_rows,
+    run_dir_of,
+    run_train,
+    weights,
+)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = run_train(tmp, [])
+    assert proc.returncode == 0, describe(proc)
+    return run_dir_of(tmp)
+
+
+def assert_same_run(reference, run_dir, mid_epoch: bool):
+    ref_w, got_w = weights(reference / "checkpoints" / "last.ckpt"), weights(run_dir / "checkpoints" / "last.ckpt")
+    assert ref_w.keys() == got_w.keys()
+    for name in ref_w:
+        assert torch.equal(ref_w[name], got_w[name]), name
+    ref_results = json.loads((reference / "results.json").read_text())
+    got_results = json.loads((run_dir / "results.json").read_text())
+    assert got_results["metrics"] == ref_results["metrics"]
+    assert {"val/acc", "val/loss", "test/acc"} <= set(got_results["metrics"])
+    skip = EPOCH_AGGREGATES if mid_epoch else ()
+    assert metric_rows(run_dir, skip) == metric_rows(reference, skip)  # complete: no row lost, none duplicated
+
+
+@pytest.mark.parametrize("fault, exit_code", [
+    ("SIGKILL:train:6", -signal.SIGKILL),  # right after the end-of-epoch validation checkpoint of step 6
+    ("SIGTERM:train:9", 143),              # mid-epoch: the handler checkpoints step 10 and exits 128 + 15
+    ("SIGINT:val:12", 130),                # during the end-of-epoch validation of step 12: checkpoint at step 13
+    ("SIGKILL:val:12", -signal.SIGKILL),   # during validation: back to last.ckpt of step 8
+], ids=["sigkill-after-epoch-end", "sigterm-mid-epoch", "sigint-in-validation", "sigkill-in-validation"])
+def test_killed_run_resumes_to_the_uninterrupted_result(reference, tmp_path, fault, exit_code):
+    killed = run_train(tmp_path, [], fault=fault)
+    assert killed.returncode == exit_code, describe(killed)
+    run_dir = run_dir_of(tmp_path)
+    assert not (run_dir / "results.json").exists()
+    if exit_code > 0:
+        ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+        assert ckpt["global_step"] == {"SIGTERM:train:9": 10, "SIGINT:val:12": 13}[fault]
+        assert "run the same command again to resume" in (run_dir / "train.log").read_text()
+    resumed = run_train(tmp_path, [])
+    assert resumed.returncode == 0, describe(resumed)
+    assert_same_run(reference, run_dir, mid_epoch=fault != "SIGKILL:train:6")
+
+
+@pytest.mark.timeout(600)
+def test_ddp_run_stopped_by_sigterm_resumes_to_the_uninterrupted_result(tmp_path):
+    ddp = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+    ref = run_train(tmp_path / "reference", ddp)
+    assert ref.returncode == 0, describe(ref)
+    stopped = run_train(tmp_path / "stopped", ddp, fault="SIGTERM:train:2")
+    assert stopped.returncode == 143, describe(stopped)
+    resumed = run_train(tmp_path / "stopped", ddp)
+    assert resumed.returncode == 0, describe(resumed)
+    assert_same_run(run_dir_of(tmp_path / "reference"), run_dir_of(tmp_path / "stopped"), mid_epoch=True)
+
+
+def test_evaluate_cli_writes_only_under_eval(reference):
+    before = {p: p.read_bytes() for p in reference.rglob("*") if p.is_file() and "eval" not in p.parts}
+    proc = run_train(reference.parent, [f"run_dir={reference}"], entry="longmixer.evaluate", tiny=False)
+    assert proc.returncode == 0, describe(proc)
+    best = json.loads((reference / "results.json").read_text())["best_ckpt"]
+    scored = json.loads((reference / "eval" / Path(best).stem / "results.json").read_text())["metrics"]
+    assert scored["test/acc"] == json.loads((reference / "results.json").read_text())["metrics"]["test/acc"]
+    assert (reference / "eval" / "evaluate.log").exists()
+    assert {p: p.read_bytes() for p in reference.rglob("*") if p.is_file() and "eval" not in p.parts} == before
+
+
+def test_same_command_again_is_locked_out_then_reported_finished(reference):
+    from longmixer.runs.resume import RunLock
+
+    tmp = reference.parents[3]  # <tmp>/logs/runs/<run_name>/<hash>_seed0
+    rows = (reference / "csv" / "metrics.csv").read_text()
+    holder = RunLock(reference).acquire()
+    try:
+        locked = run_train(tmp, [])
+    finally:
+        holder.release()
+    assert locked.returncode == 1
+    assert f"{reference / '.lock'} is held by pid {os.getpid()} on host" in locked.stderr, describe(locked)
+    again = run_train(tmp, [])
+    assert again.returncode == 0, describe(again)
+    log = (reference / "train.log").read_text()
+    assert "already finished" in log and "test/acc" in log.split("already finished")[-1]
+    assert (reference / "csv" / "metrics.csv").read_text() == rows

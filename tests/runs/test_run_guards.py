@@ -1,0 +1,181 @@
+"""The run dir's guards, in-process: safe loading, corrupt last.ckpt, drift, finished rerun, lock, divergence,
+unreachable validation, progress bar off."""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from longmixer.runs.checkpoints import CheckpointError, load_checkpoint
+from longmixer.runs.resume import ConfigDriftError, RunLock, RunLockedError
+from longmixer.train import train
+from tests.conftest import TINY_LISTOPS, TINY_TRAINER
+
+BASE = [*TINY_LISTOPS, *TINY_TRAINER]
+
+
+class _WritesAFile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_crafted_checkpoint_is_refused_without_running_its_payload(tmp_path):
+    marker = tmp_path / "pwned"
+    crafted = tmp_path / "crafted.ckpt"
+    torch.save({"state_dict": {}, "payload": _WritesAFile(str(marker))}, crafted, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    with pytest.raises(CheckpointError, match="crafted.ckpt"):
+        load_checkpoint(crafted)
+    assert not marker.exists()
+
+
+def test_corrupt_last_falls_back_to_newest_intact(compose, tmp_path, caplog):
+    train(compose(BASE))
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:100])
+    from longmixer.runs.checkpoints import newest_intact
+
+    chosen = newest_intact(last.parent)
+    assert chosen is not None and chosen.name.startswith("best-")
+    assert "corrupt" in caplog.text
+
+
+def test_finished_rerun_reports_instead_of_training(compose, tmp_path):
+    first = train(compose(BASE))
+    rows = (tmp_path / "run" / "csv" / "metrics.csv").read_text()
+    again = train(compose(BASE))
+    assert again["metrics"] == first["metrics"] and again["status"] == "finished"
+    assert (tmp_path / "run" / "csv" / "metrics.csv").read_text() == rows
+    assert "val/acc" in json.loads((tmp_path / "run" / "results.json").read_text())["metrics"]
+
+
+def test_config_drift_is_refused_and_force_continues(compose, tmp_path):
+    train(compose(BASE))
+    with pytest.raises(ConfigDriftError, match="optim.lr"):
+        train(compose([*BASE, "optim.lr=0.5"]))
+    train(compose([*BASE, "optim.lr=2e-3"]))  # 2e-3 == the stored 0.002: no drift (finished run reported)
+    train(compose([*BASE, "optim.lr=0.5", "resume=force", "trainer.max_steps=4", "trainer.val_check_interval=2"]))
+
+
+def test_second_process_on_a_run_dir_fails_fast(tmp_path):
+    lock = RunLock(tmp_path).acquire()
+    try:
+        with pytest.raises(RunLockedError, match=f"pid {os.getpid()}"):
+            RunLock(tmp_path).acquire()
+    finally:
+        lock.release()
+
+
+def test_non_finite_loss_stops_the_run(compose):
+    with pytest.raises(FloatingPointError, match="non-finite loss at step"):
+        train(compose([*BASE, "optim.lr=1e30", "trainer.max_steps=6", "trainer.val_check_interval=6",
+                       "data.num_train=96"]))
+
+
+def test_max_steps_before_first_validation_stops_at_start(compose):
+    with pytest.raises(ValueError, match="trainer.max_steps"):
+        train(compose([*BASE, "trainer.val_check_interval=4"]))
+
+
+def test_progress_bar_off_with_the_rich_bar_in_callbacks(compose):
+    cfg_overrides = [o for o in BASE if o != "~callbacks.progress"]
+    assert train(compose(cfg_overrides))["metrics"]["test/acc"] >= 0
+
+
+def test_run_dir_hash_normalizes_values_and_covers_trainer_callbacks_data_dir():
+    from longmixer.utils.resolvers import _run_hash
+
+    exclude = ["seed", "paths.log_dir", "callbacks.progress", "trainer.enable_progress_bar"]
+    assert _run_hash(["optim.lr=2e-3", "trainer.max_steps=10"], exclude) == \
+        _run_hash(["trainer.max_steps=10.0", "optim.lr=0.002"], exclude)
+    assert _run_hash(["optim.lr=2e-3"], exclude) != _run_hash(["optim.lr=3e-3"], exclude)
+    assert _run_hash(["seed=3", "~callbacks.progress", "trainer.enable_progress_bar=false"], exclude) == "default"
+    for changes_results in ("trainer=ddp", "trainer.max_steps=50", "callbacks.checkpoint.monitor=val/loss",
+                            "paths.data_dir=/elsewhere", "data.batch_size=8"):
+        assert _run_hash([changes_results], exclude) != "default", changes_results
+
+
+def test_second_identical_run_fails_fast_naming_the_lock(compose, tmp_path):
+    holder = RunLock(tmp_path / "run").acquire()
+    try:
+        with pytest.raises(RunLockedError, match=r"\.lock is held by pid \d+ on host"):
+            train(compose(BASE))
+    finally:
+        holder.release()
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_last_ckpt_follows_the_cadence_not_the_best_score(compose, tmp_path):
+    # validation every 2 steps, last.ckpt also every 3 steps: last.ckpt is the final step whatever the score
+    train(compose([*BASE, "trainer.max_steps=7", "trainer.val_check_interval=2", "data.num_train=160",
+                   "callbacks.checkpoint.every_n_train_steps=3"]))
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 7
+
+
+def test_non_finite_metric_never_becomes_best(compose, tmp_path):
+    from longmixer.callbacks.checkpoint import AtomicModelCheckpoint
+
+    cb = AtomicModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor="val/acc", mode="max")
+
+    class _Trainer:  # the attributes on_validation_end reads
+        fast_dev_run, sanity_checking, global_step, current_epoch, is_global_zero = False, False, 3, 0, True
+        def __init__(self):
+            self.callback_metrics = {"val/acc": torch.tensor(float("nan"))}
+
+        class state:
+            fn = "fit"
+
+    saved = []
+    cb._save_last = lambda trainer: saved.append("last")
+    cb._stop_requested = lambda trainer: None
+    cb.on_validation_end(_Trainer(), None)
+    assert saved == ["last"] and cb.best_model_path == "" and cb.best_k_models == {}
+
+
+def test_best_path_from_a_checkpoint_outside_the_run_dir_is_refused(tmp_path):
+    from longmixer.runs.checkpoints import trusted_best_path
+
+    (tmp_path / "checkpoints").mkdir()
+    elsewhere = tmp_path / "crafted.ckpt"
+    elsewhere.write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="not a .ckpt file in"):
+        trusted_best_path(str(elsewhere), tmp_path / "checkpoints")
+
+
+def test_evaluate_refuses_a_crafted_checkpoint(compose, tmp_path):
+    from longmixer.evaluate import evaluate
+
+    train(compose(BASE))
+    marker = tmp_path / "pwned"
+    crafted = tmp_path / "run" / "checkpoints" / "crafted.ckpt"
+    torch.save({"state_dict": {}, "payload": _WritesAFile(str(marker))}, crafted)
+    with pytest.raises(CheckpointError, match="crafted.ckpt"):
+        evaluate(compose([f"run_dir={tmp_path / 'run'}", f"ckpt_path={crafted}"]))
+    assert not marker.exists()
+
+
+def test_resume_skips_a_crafted_last_ckpt_without_running_it(compose, tmp_path, caplog):
+    from longmixer.runs.checkpoints import newest_intact
+
+    train(compose(BASE))
+    marker = tmp_path / "pwned"
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    torch.save({"state_dict": {}, "global_step": 99, "payload": _WritesAFile(str(marker))}, last)
+    assert newest_intact(last.parent).name.startswith("best-")
+    assert not marker.exists() and "weights-only allowlist" in caplog.text
+
+
+def test_config_drift_compares_by_meaning():
+    from longmixer.runs.resume import config_drift
+
+    stored = {"optim": {"lr": "2e-3", "betas": [0.9, 0.98]}, "trainer": {"max_steps": 100}, "seed": 0}
+    same = {"optim": {"lr": 0.002, "betas": [0.9, 0.98]}, "trainer": {"max_steps": 100.0}, "seed": 0,
+            "run_dir": "/x", "new_key": None, "logger": {"csv": {}}, "trainer.enable_progress_bar": False}
+    assert config_drift(stored, same) == {}
+    changed = {**same, "optim": {"lr": 0.003, "betas": [0.9, 0.98]}, "trainer": {"max_steps": 200}}
+    assert config_drift(stored, changed) == {"optim.lr": (0.002, 0.003), "trainer.max_steps": (100.0, 200.0)}
