@@ -48,9 +48,12 @@ def test_ema_callback_evaluates_and_tests_the_averaged_weights(compose, tmp_path
         ema = {k: DECAY * ema[k] + (1 - DECAY) * step[k] for k in ema}
     changed = [k for k in ema if not torch.allclose(ema[k], raw[-1][k])]
     assert changed, "the average equals the last raw weights: the test cannot tell them apart"
-    for seen in (validated, tested):
-        for key in ema:
-            torch.testing.assert_close(seen[key], ema[key], msg=key)
+    for key in ema:
+        torch.testing.assert_close(validated[key], ema[key], msg=key)
+        # the test runs the inference form: CHELA's short convolution branches are fused into the long kernel
+        # (SequenceTask.on_test_start), so those tensors are the fused EMA weights, checked by the mixer's tests
+        if ".conv." not in key:
+            torch.testing.assert_close(tested[key], ema[key], msg=key)
     best = next((tmp_path / "run" / "checkpoints").glob("best-*.ckpt"))
     state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
     torch.testing.assert_close(state[changed[0]], ema[changed[0]])

@@ -9,7 +9,7 @@ After every job the records become `<sweep dir>/summary.csv` and `summary.md` (l
 |-----|-----------|--------------|----------|--------------------------------------------|
 | 0   | COMPLETED | 0.3125 *     | 0.002    | logs/runs/quickstart/1b2c3d4e_seed0        |
 
-`*` marks the best job by the task's mode; the markdown shows only the overrides that differ between jobs, the CSV
+`*` marks the best jobs by the task's mode (every job that ties for best); the markdown shows only the overrides that differ between jobs, the CSV
 has every override of every job.
 """
 
@@ -83,15 +83,15 @@ def summary_rows(records: list[dict]) -> tuple[list[dict], list[str]]:
     varying = [k for k, v in values.items() if len(v) > 1 or any(k not in dict(map(_split, r["overrides"]))
                                                                    for r in records)]
     scored = [r for r in records if r["value"] is not None]
-    best = None
+    best = None  # the best value: every job that reaches it is marked (ties are common on small validation sets)
     if scored:
         pick = min if records[0]["mode"] == "min" else max
-        best = pick(scored, key=lambda r: r["value"])["job"]
+        best = pick(r["value"] for r in scored)
     rows = []
     for record in records:
         overrides = dict(map(_split, record["overrides"]))
         rows.append({"job": record["job"], "status": record["status"], "metric": record["metric"],
-                     "value": record["value"], "best": record["job"] == best,
+                     "value": record["value"], "best": best is not None and record["value"] == best,
                      **{k: overrides.get(k, "") for k in varying},
                      "overrides": " ".join(record["overrides"]), "error": record["error"],
                      "run_dir": record["run_dir"]})
