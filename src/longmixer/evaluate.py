@@ -15,16 +15,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from longmixer.utils.compose import CONFIG_DIR, apply_mixer_blocks
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
 from longmixer.utils.run import instantiate_group, to_number
 
 log = logging.getLogger("longmixer")
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Validate and test `cfg.ckpt_path`; writes `<run dir>/eval_results.json`."""
+    hydra_cfg = HydraConfig.get()
+    apply_mixer_blocks(cfg, dict(hydra_cfg.runtime.choices), hydra_cfg.overrides.task)
     validate_config(cfg)
     if cfg.ckpt_path is None or not Path(cfg.ckpt_path).is_file():
         raise FileNotFoundError(f"evaluate needs an existing ckpt_path=<file.ckpt>; got {cfg.ckpt_path!r}")
@@ -38,7 +40,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         metrics.update({k: to_number(v) for k, v in result.items()})
     for result in trainer.test(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=False):
         metrics.update({k: to_number(v) for k, v in result.items()})
-    out = Path(HydraConfig.get().runtime.output_dir) / "eval_results.json"
+    out = Path(hydra_cfg.runtime.output_dir) / "eval_results.json"
     out.write_text(json.dumps({"ckpt_path": cfg.ckpt_path, "metrics": metrics}, indent=2))
     log.info("evaluation of %s: %s", cfg.ckpt_path, metrics)
     return metrics

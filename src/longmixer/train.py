@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from longmixer.utils.compose import CONFIG_DIR, apply_mixer_blocks
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
 from longmixer.utils.run import (instantiate_group, majority_rates, resolved_config, result_table,
@@ -23,15 +24,15 @@ from longmixer.utils.run import (instantiate_group, majority_rates, resolved_con
 from longmixer.utils.run_info import write_run_info
 
 log = logging.getLogger("longmixer")
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
 
 def train(cfg: DictConfig) -> dict:
     """Fit and test one composed config; returns the results dict written to `<run dir>/results.json`."""
-    validate_config(cfg)
     hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
     choices = dict(hydra_cfg.runtime.choices)
+    apply_mixer_blocks(cfg, choices, hydra_cfg.overrides.task)
+    validate_config(cfg)
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     ckpt_path = select_resume_checkpoint(cfg, run_dir)
     pl.seed_everything(cfg.seed, workers=True)
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from longmixer.mixers.mega import MEGA
+from longmixer.utils.compose import CONFIG_DIR, compose
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(CONFIG_DIR)
 
 
 def _mixer(**kw):
@@ -113,19 +114,15 @@ def _official_encoder_params(D, layers, S, norm, prenorm, M, seq, vocab):
 
 
 def _build(family, task):
+    """The recipe `experiment=mega/<task>` with `model=<family>`, composed as training composes it (on the meta
+    device: the parameter count needs shapes only)."""
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
     seq, vocab, classes = TASK_SHAPES[task]
-    base = OmegaConf.load(CONFIGS / "model" / "mega.yaml")
-    if family == "mega_chunk":
-        chunk = OmegaConf.load(CONFIGS / "model" / "mega_chunk.yaml")
-        base = OmegaConf.merge(base, {k: v for k, v in chunk.items() if k != "defaults"})
-    recipe = OmegaConf.load(CONFIGS / "experiment" / family / f"{task}.yaml")
-    data = {"seq_len": seq, "num_classes": classes, **({"vocab_size": vocab} if vocab else {"d_input": 1})}
-    cfg = OmegaConf.merge({"data": data, "ops": {"backend": "torch"}}, {"model": base},
-                          {k: v for k, v in recipe.items() if k != "defaults"})
-    return instantiate(cfg.model), cfg
+    data = [f"data.seq_len={seq}", f"data.num_classes={classes}"] + ([f"data.vocab_size={vocab}"] if vocab else [])
+    cfg = compose([f"experiment=mega/{task}", f"model={family}", "ops.backend=torch", *data])
+    with torch.device("meta"):
+        return instantiate(cfg.model), cfg
 
 
 @pytest.mark.parametrize("family", ["mega", "mega_chunk"])
