@@ -67,25 +67,25 @@ class SimpleRelativePositionalBias(nn.Module):
     """A learned scalar per offset: bias[i, j] = w[(M-1) + j - i] (MEGA's `SimpleRelativePositionalBias`).
 
     Args:
-        max_positions: M, the longest sequence (or chunk) it serves; w has 2M-1 entries, init N(0, 0.02).
+        max_len: M, the longest sequence (or chunk) it serves; w has 2M-1 entries, init N(0, 0.02).
     """
 
-    def __init__(self, max_positions: int):
+    def __init__(self, max_len: int):
         super().__init__()
-        self.max_positions = max_positions
-        self.weight = nn.Parameter(torch.empty(2 * max_positions - 1))
+        self.max_len = max_len
+        self.weight = nn.Parameter(torch.empty(2 * max_len - 1))
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
 
     def forward(self, length: int) -> torch.Tensor:
         """The bias vector for sequences of `length` C: [2C-1], entry (C-1) + j - i.
 
         Raises:
-            ValueError: length > max_positions (the official code raises too).
+            ValueError: length > max_len (the official code raises too).
         """
-        M = self.max_positions
+        M = self.max_len
         if length > M:
             raise ValueError(f"sequence (or chunk) length {length} exceeds the relative-position bias size "
-                             f"max_positions={M}; raise max_positions (it is the mixer's max_positions)")
+                             f"max_len={M}; raise max_len (it is the mixer's max_len)")
         return self.weight[M - length:M + length - 1]
 
 
@@ -93,7 +93,7 @@ class RotaryRelativePositionalBias(nn.Module):
     """MEGA's rotary bias: bias[i, j] = rot_i(a) . rot_j(b) with learned a, b [S] (RoPE rotation, base 10000,
     half-split). Rotations compose, so it equals a . rot_{j-i}(b), a function of j - i only: we return it as the
     same [2C-1] vector as the simple bias, which lets the chunked kernel take either. The sinusoids are computed
-    per call, so unlike the official table (sized by max_positions) any length works.
+    per call, so unlike the official table (sized by max_len) any length works.
 
     Args:
         dim: S (even).

@@ -116,13 +116,13 @@ class LatentConfigurator(nn.Module):
         return active, conf * active
 
 
-def attention_span(idx: Tensor, count: Tensor, window: int | None, chunk: int | None, causal: bool) -> Tensor:
+def attention_span(idx: Tensor, count: Tensor, window: int | None, chunk_size: int | None, causal: bool) -> Tensor:
     """Mean distance, in original positions, from each activated query to the keys it can attend to, averaged
     over queries (SeqBoat section 5, Fig. 6), in O(L) with prefix sums; 0 when nothing is activated.
 
     Args:
         idx: [B, L] original position of each packed slot (first count[b] valid); count: [B].
-        window, chunk, causal: the attention pattern over the packed sequence (see `sparse_local_attention`).
+        window, chunk_size, causal: the attention pattern over the packed sequence (see `sparse_local_attention`).
     """
     bsz, length = idx.shape
     slot = torch.arange(length, device=idx.device).expand(bsz, -1)
@@ -133,9 +133,9 @@ def attention_span(idx: Tensor, count: Tensor, window: int | None, chunk: int | 
     if window is not None:
         left, right = (window, 0) if causal else (window // 2, window // 2)
         lo, hi = (slot - left).clamp(min=0), torch.minimum(slot + right, last)
-    elif chunk is not None:
-        lo = slot // chunk * chunk
-        hi = torch.minimum(lo + chunk - 1, last) if not causal else slot
+    elif chunk_size is not None:
+        lo = slot // chunk_size * chunk_size
+        hi = torch.minimum(lo + chunk_size - 1, last) if not causal else slot
     else:
         lo, hi = torch.zeros_like(slot), slot if causal else last.expand(-1, length)
     hi = torch.maximum(hi, slot)

@@ -21,7 +21,7 @@ from longmixer.layers.sma import LatentConfigurator, attention_span, compress, e
 from longmixer.ops.sparse_local_attention import packed_index, sparse_local_attention
 
 ROUTERS = ("softmax", "gumbel", "sigmoid", "moe", "always")
-REL_POS = ("original", "compressed", "rope", "none")
+REL_POS = ("original", "compressed", "rotary", "none")
 
 
 def _trunc_normal_(w: Tensor, std: float = 0.02) -> Tensor:
@@ -56,12 +56,12 @@ class SeqBoat(nn.Module):
         truncation: EMA kernel length cap (None: full length).
         window: working memory w (A.5: 256, Path-X 512, LM 1024); None attends over the whole packed sequence
             (SeqBoat-full).
-        chunk: the -chunk ablation: attention inside packed chunks of this size (use with router="always",
+        chunk_size: the -chunk ablation: attention inside packed chunks of this size (use with router="always",
             window=None).
         attention: "softmax" (text tasks, LM) or "relu2" (image, speech), SeqBoat A.2.
         rel_pos: "original" (simple relative bias on original distances, the default), "compressed" (on packed
-            distances: Text, SC), "rope" (RoPE at original positions: LM), or "none".
-        max_positions: M of the bias table [2M-1] (distances beyond M-1 use the edge value); needed for
+            distances: Text, SC), "rotary" (RoPE at original positions: LM), or "none".
+        max_len: M of the bias table [2M-1] (distances beyond M-1 use the edge value); needed for
             "original" and "compressed".
         router: "softmax" (Tempered Softmax) | "gumbel" | "sigmoid" | "moe" | "always" (no SMA: every real token
             activated, confidence 1: the always-activated / -local / -chunk ablations).
@@ -75,8 +75,8 @@ class SeqBoat(nn.Module):
     gated_residual = True
 
     def __init__(self, d_model: int, *, causal: bool = False, d_qk: int = 64, d_v: int | None = None, ndim: int = 16,
-                 ssm: str = "ema", truncation: int | None = None, window: int | None = 256, chunk: int | None = None,
-                 attention: str = "softmax", rel_pos: str = "original", max_positions: int | None = None,
+                 ssm: str = "ema", truncation: int | None = None, window: int | None = 256, chunk_size: int | None = None,
+                 attention: str = "softmax", rel_pos: str = "original", max_len: int | None = None,
                  router: str = "softmax", init_temp_scale: float = 1.0, modules: str = "gau", dropout: float = 0.0,
                  hidden_dropout: float = 0.0, backend: str = "auto"):
         super().__init__()
@@ -90,15 +90,15 @@ class SeqBoat(nn.Module):
             raise ValueError(f"modules={modules!r} is not one of ('gau', 'gau_ffn')")
         if attention not in ("softmax", "relu2"):
             raise ValueError(f"attention={attention!r} is not one of ('softmax', 'relu2')")
-        if window is not None and chunk is not None:
-            raise ValueError(f"window={window} and chunk={chunk} exclude each other; set window=null for -chunk")
-        if rel_pos in ("original", "compressed") and not max_positions:
-            raise ValueError(f"rel_pos={rel_pos!r} needs max_positions (the bias table size, e.g. ${{data.seq_len}}); "
-                             f"got {max_positions}")
+        if window is not None and chunk_size is not None:
+            raise ValueError(f"window={window} and chunk_size={chunk_size} exclude each other; set window=null for -chunk")
+        if rel_pos in ("original", "compressed") and not max_len:
+            raise ValueError(f"rel_pos={rel_pos!r} needs max_len (the bias table size, e.g. ${{data.seq_len}}); "
+                             f"got {max_len}")
         if modules == "gau_ffn" and router == "always":
             raise ValueError("modules='gau_ffn' needs a router that decides per module; router='always' has none")
         self.d_model, self.d_qk, self.d_v = d_model, d_qk, d_v or 2 * d_model
-        self.causal, self.window, self.chunk, self.attention = causal, window, chunk, attention
+        self.causal, self.window, self.chunk_size, self.attention = causal, window, chunk_size, attention
         self.rel_pos, self.router_kind, self.modules, self.backend = rel_pos, router, modules, backend
         if ssm == "ema":
             self.ssm = MultiHeadEMA(d_model, ndim, bidirectional=not causal, truncation=truncation, silu=False,
@@ -110,7 +110,7 @@ class SeqBoat(nn.Module):
         self.h_proj = nn.Linear(self.d_v, d_model)  # W_h, b_h of eq. 8
         self.gamma = nn.Parameter(torch.empty(2, d_qk))  # w_q, w_k of eqs. 3-4
         self.beta = nn.Parameter(torch.empty(2, d_qk))  # b_q, b_k
-        self.rel_bias = nn.Parameter(torch.empty(2 * max_positions - 1)) \
+        self.rel_bias = nn.Parameter(torch.empty(2 * max_len - 1)) \
             if rel_pos in ("original", "compressed") else None
         num_modules = 2 if modules == "gau_ffn" else 1
         self.configurator = None if router == "always" else LatentConfigurator(
@@ -145,11 +145,11 @@ class SeqBoat(nn.Module):
         z, r, v = F.silu(self.mx_proj(h)).split([self.d_qk, self.d_v, self.d_v], dim=-1)
         q = z * self.gamma[0] + self.beta[0]  # eq. 3
         k = z * self.gamma[1] + self.beta[1]  # eq. 4
-        if self.rel_pos == "rope":
+        if self.rel_pos == "rotary":
             q, k = rotary(q), rotary(k)
         rel_pos = "compressed" if self.rel_pos == "compressed" else "original"
         o = sparse_local_attention(q, k, self.hidden_dropout(v), active, self.rel_bias, window=self.window,
-                                   chunk=self.chunk, causal=self.causal, attention=self.attention, rel_pos=rel_pos,
+                                   chunk=self.chunk_size, causal=self.causal, attention=self.attention, rel_pos=rel_pos,
                                    backend=self.backend)  # eq. 6
         return self.h_proj(r * o)  # eq. 8
 
@@ -172,12 +172,12 @@ class SeqBoat(nn.Module):
         real = active.new_ones(active.shape[:2]) if mask is None else mask
         stats = {"stats/act_rate": active[..., 0].sum() / real.sum().clamp(min=1)}
         idx, count = packed_index(active[..., 0])
-        stats["stats/attn_span"] = attention_span(idx, count, self.window, self.chunk, self.causal)
+        stats["stats/attn_span"] = attention_span(idx, count, self.window, self.chunk_size, self.causal)
         if self.modules == "gau_ffn":
             stats["stats/act_rate_ffn"] = active[..., 1].sum() / real.sum().clamp(min=1)
         return {key: value.float() for key, value in stats.items()}
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_qk={self.d_qk}, d_v={self.d_v}, window={self.window}, "
-                f"chunk={self.chunk}, attention={self.attention}, rel_pos={self.rel_pos}, router={self.router_kind}, "
+                f"chunk_size={self.chunk_size}, attention={self.attention}, rel_pos={self.rel_pos}, router={self.router_kind}, "
                 f"modules={self.modules}, causal={self.causal}")
