@@ -11,7 +11,7 @@ ranks), so windowed evaluation reports the papers' per-token numbers: `<stage>/p
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 from torch import nn
