@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+from einops import rearrange
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -89,13 +90,12 @@ class LatentConfigurator(nn.Module):
 
     def probabilities(self, h: Tensor) -> Tensor:
         """p(on) and p(off) per module: [B, L, M, 2] float32 (index 1 = activate)."""
-        bsz, length, _ = h.shape
         if self.router == "moe":
             z = F.normalize(self.proj(h).float(), dim=-1)  # [B, L, E]
             e = F.normalize(self.experts.float(), dim=-1)  # [M, 2, E]
             logits = torch.einsum("ble,mke->blmk", z, e) / self.log_temp.exp()[:, None]
             return torch.softmax(logits, -1)
-        logits = self.proj(h).float().view(bsz, length, self.num_modules, -1)
+        logits = rearrange(self.proj(h).float(), "b l (m k) -> b l m k", m=self.num_modules)  # M modules, on/off
         if self.router == "sigmoid":
             p_on = torch.sigmoid(logits)
             return torch.cat([1.0 - p_on, p_on], -1)
