@@ -40,6 +40,20 @@ def compose_config(overrides: list[str], tmp_path: Path, data_dir: Path | None =
     return cfg
 
 
+OPS_DIR = Path(__file__).resolve().parent / "ops"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tiers: every op test is an interpreter parity sweep on a CPU (marked `slow`, out of `make test-fast`);
+    `gpu` tests skip where no CUDA device is present, so `make test` runs everything else everywhere."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if OPS_DIR in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+
+
 @pytest.fixture
 def compose(tmp_path):
     return lambda overrides, **kw: compose_config(overrides, tmp_path, **kw)

@@ -118,6 +118,7 @@ def test_wandb_summary_and_overrides_fill_a_run(tiny_runs, tmp_path):
 
 
 @pytest.mark.xdist_group("report")
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_notebook_runs_top_to_bottom_on_the_tiny_runs(tiny_runs, tmp_path):
     nbformat = pytest.importorskip("nbformat")
