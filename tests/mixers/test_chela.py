@@ -24,6 +24,7 @@ def make(conv="short_long", attention="norm", causal=False, backend="torch", d=1
     return m.double() if backend == "torch" else m
 
 
+@pytest.mark.slow  # the Triton interpreter
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 def test_torch_backend_equals_triton_backend(causal):
     m = make("short_long", "laplace", causal=causal, backend="triton", d=24, max_len=40, n_heads=2)

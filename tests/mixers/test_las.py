@@ -101,6 +101,7 @@ def test_alibi_is_eq1():
     torch.testing.assert_close(m(x)[0], m.out((a @ v).transpose(1, 2).reshape(1, 9, D)))
 
 
+@pytest.mark.slow  # the Triton interpreter
 @pytest.mark.parametrize("variant", ["las", "las-chunk"])
 def test_triton_backend_equals_torch(variant):
     x = _x(B=1, L=24).float()

@@ -28,6 +28,7 @@ MODES = [pytest.param(c, a, id=f"{'causal' if c else 'bidir'}-{a}") for c in (Fa
          for a in ("softmax", "laplace")]
 
 
+@pytest.mark.slow  # the Triton interpreter
 @pytest.mark.parametrize("causal,attention", MODES)
 def test_torch_equals_triton(causal, attention):
     x = torch.randn(2, 40, D)

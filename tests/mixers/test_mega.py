@@ -27,6 +27,7 @@ def test_chunk_equal_to_length_is_full_attention(attention):
     torch.testing.assert_close(chunked(x)[0], full(x)[0])
 
 
+@pytest.mark.slow  # the Triton interpreter
 @pytest.mark.parametrize("attention,causal", [("softmax", False), ("laplace", True), ("relu2", False)])
 def test_torch_and_triton_backends_agree(attention, causal):
     mixer = _mixer(attention=attention, causal=causal, chunk_size=16).float()
@@ -40,6 +41,7 @@ def test_torch_and_triton_backends_agree(attention, causal):
     torch.testing.assert_close(mixer(x, mask)[0], y_ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # the Triton interpreter
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_attention_dropout_only_in_training(backend):
     mixer = _mixer(chunk_size=8, attention_dropout=0.5, backend=backend).float()

@@ -88,6 +88,7 @@ def test_router_gradient_only_through_confidence(monkeypatch):
 
 @pytest.mark.parametrize("kw", [dict(), dict(attention="relu2", rel_pos="compressed", window=None),
                                 dict(causal=True, rel_pos="rotary")], ids=["softmax-w8", "relu2-full", "causal-rotary"])
+@pytest.mark.slow  # the Triton interpreter
 def test_backend_torch_equals_triton(kw):
     x = torch.randn(2, 33, 24)
     mask = torch.ones(2, 33, dtype=torch.bool)
