@@ -187,3 +187,9 @@ def test_slurm_launcher_config_composes(tmp_path):
     cfg = compose(["hydra/launcher=slurm", "hydra.launcher.partition=gpu"], hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
     assert cfg.hydra.launcher.partition == "gpu" and cfg.hydra.launcher.gpus_per_node == 1
+
+
+def test_run_name_tells_a_variant_from_its_family(compose):
+    assert compose(["experiment=mega/listops"]).run_name == "mega/listops"
+    assert compose(["experiment=mega/listops", "model=mega_chunk"]).run_name == "mega/listops-mega_chunk"
+    assert compose(["~experiment", "model=mega", "data=listops_gen"]).run_name == "mega-listops_gen"

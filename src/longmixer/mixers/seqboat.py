@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from longmixer.layers.ema import MultiHeadEMA
+from longmixer.layers.gau import rope
 from longmixer.layers.s4d import S4DConv
 from longmixer.layers.sma import LatentConfigurator, attention_span, compress, extract
 from longmixer.ops.sparse_local_attention import packed_index, sparse_local_attention
@@ -34,13 +35,7 @@ def rotary(x: Tensor, base: float = 10000.0) -> Tensor:
 
     Applied before compression, so packed tokens keep the phases of their original positions (SeqBoat A.2).
     """
-    half = x.shape[-1] // 2
-    freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)  # [K/2]
-    angle = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)[:, None] * freq  # [L, K/2]
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:2 * half]
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-    return torch.cat([rotated, x[..., 2 * half:]], -1)
+    return rope(x, torch.arange(x.shape[1], device=x.device), base)
 
 
 class SeqBoat(nn.Module):
