@@ -15,6 +15,7 @@ ALLOWED = {
     "tasks": {"tasks", "utils"},
     "data": {"data", "utils"},
     "callbacks": {"callbacks", "utils"},
+    "configs": set(),  # yaml only: the package exists so Hydra can find pkg://longmixer.configs
 }
 ENTRY_POINTS = {"train", "evaluate", "bench", "report", "__init__"}
 HEAVY = {"hydra", "omegaconf", "wandb", "datasets"}  # absent on the GPU machine; ops/layers/mixers must not need them

@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from longmixer.utils.compose import CONFIG_DIR, apply_mixer_blocks
+from longmixer.utils.compose import CONFIG_SEARCH_PATH, apply_mixer_blocks
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
 from longmixer.utils.run import instantiate_group, to_number
@@ -46,7 +46,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+@hydra.main(version_base="1.3", config_path=CONFIG_SEARCH_PATH, config_name="train")
 def _main(cfg: DictConfig) -> None:
     evaluate(cfg)
 

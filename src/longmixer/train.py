@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from longmixer.utils.compose import CONFIG_DIR, apply_mixer_blocks
+from longmixer.utils.compose import CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer_blocks
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
 from longmixer.utils.run import (instantiate_group, majority_rates, resolved_config, result_table,
@@ -78,7 +78,7 @@ def train(cfg: DictConfig) -> dict:
     return {"metrics": metrics, **results}
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+@hydra.main(version_base="1.3", config_path=CONFIG_SEARCH_PATH, config_name="train")
 def _main(cfg: DictConfig) -> float | None:
     results = train(cfg)
     metric = cfg.get("optimized_metric")

@@ -20,7 +20,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[3] / "configs")
+# The config tree ships inside the package: a path for Hydra's compose API and globbing, a search path for
+# `hydra.main` that works from an editable checkout and a regular install alike.
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+CONFIG_SEARCH_PATH = "pkg://longmixer.configs"
 MIXER_BLOCKS = "mixers"
 
 
