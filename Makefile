@@ -6,11 +6,12 @@ STAMP := $(VENV)/.installed
 TASK ?= listops_gen
 ARGS ?=
 
-.PHONY: help venv train test test-all data sweep bench lint clean-venv
+.PHONY: help venv train test test-fast data sweep bench lint clean-venv
 
 help:
 	@echo "make train            train the embedded default (experiment=quickstart); ARGS='key=value ...' to override"
-	@echo "make test             run the test suite (CPU; Triton kernels under the interpreter)"
+	@echo "make test             run the whole test suite (CI; CPU, Triton kernels under the interpreter)"
+	@echo "make test-fast        the quick tier: everything not marked slow (about 2 minutes on 2 cores)"
 	@echo "make data TASK=name   download / generate / verify one task's data (listops, text, pathfinder_gen, ...)"
 	@echo "make sweep            an example multi-run: quickstart over three seeds"
 	@echo "make bench            model-level and kernel benchmarks (needs a CUDA GPU for the kernel numbers)"
@@ -29,10 +30,10 @@ train: $(STAMP)
 	$(PY) -m longmixer.train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow and not gpu" --durations=15 $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 $(ARGS)
 
-test-all: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup $(ARGS)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow" --durations=15 $(ARGS)
 
 data: $(STAMP)
 	$(PY) scripts/prepare_data.py $(TASK) $(ARGS)

@@ -17,7 +17,9 @@ import logging
 import sys
 from pathlib import Path
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+from longmixer.utils.compose import CONFIG_DIR
+
+CONFIG_DIR = Path(CONFIG_DIR)
 
 
 def compose_data(task: str, overrides: list[str]):

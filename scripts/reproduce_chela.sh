@@ -46,7 +46,7 @@ fi
 if [[ $TABLE == all || $TABLE == ablation ]]; then
   # Table 6 (structured mixer ablation on Text, Image, Path-X): 1 GPU; ~1 h / ~4 h / ~25 h per seed and mixer.
   for task in text image pathx; do
-    $PY -m longmixer.train -m experiment=chela/$task model=chela_ema,chela_s4d,chela_longconv seed=$SEEDS "$@"
+    $PY -m longmixer.train -m experiment=chela/$task ablation=chela/ema,chela/s4d,chela/longconv seed=$SEEDS "$@"
   done
   # the Short-Long Convs row is the Table 1 run of `experiment=chela/<task>` (model=chela)
 fi

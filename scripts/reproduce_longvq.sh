@@ -44,6 +44,6 @@ if [[ $TABLE == all || $TABLE == ablation ]]; then
   # ~15 h / ~2.5 h / ~7 h per seed and variant.
   for task in image text listops; do
     $PY -m longmixer.train -m experiment=longvq/$task \
-      model=longvq_codebook256,longvq_codebook512,longvq_codebook1024,longvq_laplace seed=$SEEDS "$@"
+      ablation=longvq/codebook256,null,longvq/codebook1024,longvq/laplace seed=$SEEDS "$@"
   done
 fi

@@ -18,30 +18,30 @@ if [[ $TABLE == all || $TABLE == lra ]]; then
   # LRA, MEGA (full attention) and MEGA-chunk. 1 GPU each; per seed, MEGA:
   # ListOps ~2.2 h, Text ~1.1 h, Retrieval ~14 h, Image ~4.2 h, Pathfinder ~6.7 h, Path-X ~110 h;
   # MEGA-chunk: ~1 h, ~0.4 h, ~5 h, ~3 h, ~5 h, ~37 h.
-  for family in mega mega_chunk; do
+  for model in mega mega_chunk; do
     for task in listops text retrieval image pathfinder pathx; do
-      $PY -m longmixer.train -m experiment=$family/$task seed=$SEEDS "$@"
+      $PY -m longmixer.train -m experiment=mega/$task model=$model seed=$SEEDS "$@"
     done
   done
 fi
 if [[ $TABLE == all || $TABLE == scifar ]]; then
   # sCIFAR (the LRA Image recipe on colour pixels). 1 GPU, ~4 h (MEGA) / ~3 h (MEGA-chunk) per seed.
   $PY -m longmixer.train -m experiment=mega/scifar seed=$SEEDS "$@"
-  $PY -m longmixer.train -m experiment=mega_chunk/scifar seed=$SEEDS "$@"
+  $PY -m longmixer.train -m experiment=mega/scifar model=mega_chunk seed=$SEEDS "$@"
 fi
 if [[ $TABLE == all || $TABLE == sc10 ]]; then
   # Speech Commands SC10 raw (16000 samples): MEGA-chunk (chunk 1000) is the row the papers quote. 1 GPU, ~12 h.
   # This is the official base model (343,134 parameters); the 476K that CHELA and LongVQ list is the official big
-  # model, experiment=mega_chunk/sc10_big (475,890).
-  $PY -m longmixer.train -m experiment=mega_chunk/sc10 seed=$SEEDS "$@"
+  # model, experiment=mega/sc10_big model=mega_chunk (475,890).
+  $PY -m longmixer.train -m experiment=mega/sc10 model=mega_chunk seed=$SEEDS "$@"
   # full-attention MEGA at 16K: the papers mark it as not run (memory); 1 GPU, 80 GB, ~35 h.
   $PY -m longmixer.train -m experiment=mega/sc10 seed=$SEEDS "$@"
 fi
 if [[ $TABLE == all || $TABLE == lm ]]; then
   # WikiText-103 (the official run: 24 GPUs x 6144 tokens); with 8 GPUs ~7 days. One seed.
-  $PY -m longmixer.train -m experiment=mega_chunk/wikitext103 seed=0 trainer=ddp trainer.devices=8 "$@"
+  $PY -m longmixer.train -m experiment=mega/wikitext103 model=mega_chunk seed=0 trainer=ddp trainer.devices=8 "$@"
   # enwik8 (8 GPUs x 8192 tokens, as the official run): ~3 days per model. One seed.
   $PY -m longmixer.train -m experiment=mega/enwik8 seed=0 trainer=ddp trainer.devices=8 "$@"
-  $PY -m longmixer.train -m experiment=mega_chunk/enwik8 seed=0 trainer=ddp trainer.devices=8 "$@"
+  $PY -m longmixer.train -m experiment=mega/enwik8 model=mega_chunk seed=0 trainer=ddp trainer.devices=8 "$@"
   # MEGA with full attention on WikiText-103 is not in any paper's tables: experiment=mega/wikitext103 exists.
 fi

@@ -37,13 +37,13 @@ if [[ $TABLE == all || $TABLE == ablation ]]; then
   # Table 7 (SeqBoat-full ablations on Image and ListOps; validation accuracy). 1 GPU; ~6-10 h / ~2-3 h per run.
   for task in image listops; do
     for ablation in always_activated gumbel s4d; do
-      $PY -m longmixer.train -m experiment=seqboat/$task model=seqboat_full +ablation=seqboat/$ablation seed=$SEEDS "$@"
+      $PY -m longmixer.train -m experiment=seqboat/$task model=seqboat_full ablation=seqboat/$ablation seed=$SEEDS "$@"
     done
   done
   # Table 8 (SeqBoat ablations on Image, ListOps, Pathfinder; validation accuracy). 1 GPU; ~6 h / ~2 h / ~6 h per run.
   for task in image listops pathfinder; do
     for ablation in ffn gau_ffn sigmoid moe local chunk mem32 local32; do
-      $PY -m longmixer.train -m experiment=seqboat/$task +ablation=seqboat/$ablation seed=$SEEDS "$@"
+      $PY -m longmixer.train -m experiment=seqboat/$task ablation=seqboat/$ablation seed=$SEEDS "$@"
     done
   done
   # the SeqBoat / SeqBoat-full rows of Tables 7-8 are the Table 1 runs.

@@ -17,7 +17,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = str(ROOT / "configs")
 sys.path.insert(0, str(ROOT))  # `import tests.data.fixtures` works from any cwd
 torch.set_num_threads(1)
 
@@ -25,19 +24,13 @@ torch.set_num_threads(1)
 def compose_config(overrides: list[str], tmp_path: Path, data_dir: Path | None = None):
     """Compose `configs/train.yaml` like `python -m longmixer.train` would, with logs and data under tmp_path,
     and register the HydraConfig so `train()` can run in-process."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from longmixer.utils.resolvers import register_resolvers
+    from longmixer.utils.compose import compose
 
-    register_resolvers()
-    GlobalHydra.instance().clear()
     data_dir = data_dir or tmp_path / "data"
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[f"paths.log_dir={tmp_path / 'logs'}", f"paths.data_dir={data_dir}",
-                                          *overrides], return_hydra_config=True)
+    cfg = compose([f"paths.log_dir={tmp_path / 'logs'}", f"paths.data_dir={data_dir}", *overrides], hydra_config=True)
     with open_dict(cfg):
         cfg.hydra.runtime.output_dir = str(tmp_path / "run")
         cfg.hydra.job.override_dirname = ""
@@ -45,6 +38,20 @@ def compose_config(overrides: list[str], tmp_path: Path, data_dir: Path | None =
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
+
+
+OPS_DIR = Path(__file__).resolve().parent / "ops"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tiers: every op test is an interpreter parity sweep on a CPU (marked `slow`, out of `make test-fast`);
+    `gpu` tests skip where no CUDA device is present, so `make test` runs everything else everywhere."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if OPS_DIR in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
 
 
 @pytest.fixture

@@ -55,7 +55,8 @@ TASKS = {
 }
 
 
-@pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.parametrize("task", [pytest.param(t, marks=pytest.mark.slow) if t in ("pathx", "sc10") else t
+                                  for t in sorted(TASKS)])  # pathx / sc10: 16K-long fixtures
 def test_transformer_fits_two_steps_on_every_task_fixture(compose, tmp_path, task):
     writer, extra = TASKS[task]
     data_values = writer(tmp_path / "raw")

@@ -40,6 +40,7 @@ def _crash_callback(step):
     return _Crash()
 
 
+@pytest.mark.slow
 def test_resume_after_kill_matches_uninterrupted(compose, tmp_path, monkeypatch):
     """Regression guard: a run killed mid-epoch and resumed must see the same batches and RNG stream."""
     common = [*TINY_LISTOPS, "data.num_train=96", "trainer.max_steps=14", "trainer.val_check_interval=4",
@@ -86,6 +87,7 @@ def _run_cli(args, tmp_path, timeout=600):
     return proc
 
 
+@pytest.mark.slow
 def test_multirun_two_jobs(tmp_path):
     _run_cli(["-m", "seed=0,1"], tmp_path)
     results = sorted((tmp_path / "logs" / "runs" / "quickstart").glob("*/results.json"))
@@ -111,6 +113,7 @@ hydra:
 """
 
 
+@pytest.mark.slow
 def test_optuna_two_trials_survives_a_failed_trial(tmp_path):
     """One trial gets an invalid lr and fails at compose-time validation; the study must still finish."""
     search_dir = tmp_path / "search" / "hparams_search"
@@ -123,6 +126,7 @@ def test_optuna_two_trials_survives_a_failed_trial(tmp_path):
     assert len(list((tmp_path / "logs" / "runs").rglob("results.json"))) == 1  # the lr=-1 trial failed
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ddp_two_cpu_processes_share_one_run_dir(tmp_path):
     _run_cli(["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"], tmp_path)

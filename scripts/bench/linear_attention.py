@@ -8,7 +8,7 @@
 4. markdown tables at the end.
 
 GPU:  PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/linear_attention.py
-      --tables b --skip-parity: the issue's B8 grid alone; --only "T4096 H16" keeps the matching shapes;
+      --tables b --skip-parity: the B8 grid alone; --only "T4096 H16" keeps the matching shapes;
       --sweep: our tile / segment configurations per shape (kernel.py's `tune`); --profile: per-kernel device
       times of one fwd+bwd; --old FILE: also time a saved copy of an earlier kernel.py (the before column).
 CPU:  TRITON_INTERPRET=1 PYTHONPATH=src python scripts/bench/linear_attention.py --quick  (tiny sizes, no timings
@@ -317,7 +317,7 @@ def main():
     def keep(shape):
         return not args.only or any(o in shape for o in args.only)
 
-    # (B) the B8 grid: H {8, 16} x D {64, 128} x T {1K, 4K, 16K, 64K} (SDPA and the reference up to 4K)
+    # (B) the B8 grid: H {8, 16} x D {64, 128} x T {1K, 4K, 16K, 64K} (SDPA and the reference up to 4K)
     grid = [(2, 32, 2, 32)] if args.quick else [
         (8, T, H, D) for (H, D) in ((8, 64), (16, 64), (8, 128), (16, 128)) for T in (1024, 4096, 16384, 65536)]
     grid = [s for s in grid if keep(f"B{s[0]} T{s[1]} H{s[2]} D{s[3]}")]
@@ -335,7 +335,7 @@ def main():
             res = time_shape(B, T, H, D, device, dtype, fla, args.quick, with_ref=T <= 4096 and not args.no_ref,
                              with_sdpa=T <= 4096 and not args.no_ref, fused=False, old=old)
             rows_b.append((shape, B * T, res))
-    # (A) after the grid: 64K tokens per call, H16 D64, the reference points; time per token vs T (Fig. 4)
+    # (A) after the grid: 64K tokens per call, H16 D64, the reference points; time per token vs T (Fig. 4)
     fixed = [(4, 16, 2, 32)] if args.quick else [(64, 1024), (16, 4096), (4, 16384), (1, 65536)]
     fixed = fixed if "a" in args.tables else []
     rows_a = []

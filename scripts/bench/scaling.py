@@ -50,8 +50,8 @@ class Recipe:
 # 4 chunks (k_min = k_max, so every step has the same 8 x 8192 tokens).
 RECIPES = {
     "chela_listops": Recipe("chela/listops", "listops_gen", 64, ("model.norm=syncbatchnorm",)),
-    "mega_chunk_listops": Recipe("mega_chunk/listops", "listops_gen", 64),
-    "mega_chunk_bytes": Recipe("mega_chunk/enwik8", "synthetic_bytes", 8, ("data.k_min=4", "data.k_max=4")),
+    "mega_chunk_listops": Recipe("mega/listops", "listops_gen", 64, ("model=mega_chunk",)),
+    "mega_chunk_bytes": Recipe("mega/enwik8", "synthetic_bytes", 8, ("model=mega_chunk", "data.k_min=4", "data.k_max=4")),
     # the embedded default (2-layer CHELA, 11-99 token ListOps): the CPU test's recipe
     "quickstart": Recipe("quickstart", "listops_quick", 64),
 }

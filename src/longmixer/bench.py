@@ -31,43 +31,34 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from longmixer.utils.compose import CONFIG_DIR, compose, family_of
+
 log = logging.getLogger(__name__)
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(CONFIG_DIR)
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 TOKENS_PER_STEP = 32768
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 TABLE6_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 TABLE6_MODELS = ("mega", "mega_chunk", "seqboat_full", "seqboat")
-# The Transformer of the LRA Text task (Tay et al. 2020, the baseline every paper's Table 1 quotes): 4 layers,
-# width 256, 4 heads, MLP 1024. No Transformer recipe exists in configs/experiment, so its dims are set here.
-# `~experiment` drops the default experiment (quickstart), whose model overrides belong to another family.
-TRANSFORMER_TEXT = ["~experiment", "model=transformer", "model.d_model=256", "model.n_layers=4", "model.mixer.n_heads=4",
-                    "model.d_ffn=1024", "model.dropout=0.0"]
+# The Transformer of the LRA Text task (Tay et al. 2020, the baseline every paper's Table 1 quotes), from its recipe.
+TRANSFORMER_TEXT = ["experiment=transformer/text"]
 
 
 def compose_model_config(overrides: list[str]):
     """The composed run config for `overrides` (experiment / model / data choices), as `python -m longmixer.train`."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from longmixer.utils.resolvers import register_resolvers
-
-    register_resolvers()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose("train", overrides=["ops.backend=auto", *overrides])
+    return compose(["ops.backend=auto", *overrides])
 
 
 def families() -> list[str]:
-    """Every family with a Text recipe (configs/experiment/<family>/text.yaml): new families appear by themselves."""
-    return sorted(p.parent.name for p in CONFIG_DIR.glob("experiment/*/text.yaml"))
+    """Every family with a Text recipe (configs/experiment/<family>/text.yaml): new families appear by themselves.
+    The Transformer is measured separately, with both attention implementations."""
+    return sorted(p.parent.name for p in CONFIGS.glob("experiment/*/text.yaml") if p.parent.name != "transformer")
 
 
 def model_specs(setting: str, quick: bool) -> list[tuple[str, list[str]]]:
     """(name, overrides) of each model of a setting; the Transformer baselines first."""
-    specs = [("transformer_materialized", ["data=text", *TRANSFORMER_TEXT,
-                                           "+model.mixer.implementation=materialized"]),
-             ("transformer_sdpa", ["data=text", *TRANSFORMER_TEXT])]
+    specs = [("transformer_materialized", [*TRANSFORMER_TEXT, "+model.mixer.implementation=materialized"]),
+             ("transformer_sdpa", TRANSFORMER_TEXT)]
     for family in families():
         specs.append((family, [f"experiment={family}/text"]))
         if family == "seqboat":
@@ -238,13 +229,13 @@ def plan(quick: bool) -> list[dict]:
     others = [n for n in lengths if n != text_len]
     jobs += sweep([min(others), max(others)])
     for task in TABLE6_TASKS:
-        if not (CONFIG_DIR / "experiment" / "mega" / f"{task}.yaml").exists():
+        if not (CONFIGS / "experiment" / "mega" / f"{task}.yaml").exists():
             continue
         for name in TABLE6_MODELS:
-            family = "seqboat" if name == "seqboat_full" else name
-            if not (CONFIG_DIR / "experiment" / family / f"{task}.yaml").exists():
+            family = family_of(name)
+            if not (CONFIGS / "experiment" / family / f"{task}.yaml").exists():
                 continue
-            overrides = [f"experiment={family}/{task}"] + (["model=seqboat_full"] if name == "seqboat_full" else [])
+            overrides = [f"experiment={family}/{task}", f"model={name}"]
             if quick:
                 overrides += ["model.d_model=32", "model.n_layers=1", "data.seq_len=64"]
             jobs.append({"setting": "table6", "task": task, "model": name, "overrides": overrides})

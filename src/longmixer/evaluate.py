@@ -24,11 +24,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
 from longmixer.runs.run import to_number
+from longmixer.utils.compose import CONFIG_SEARCH_PATH
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
 
 log = logging.getLogger("longmixer")
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
 
 def _run_config(run_dir: Path, cfg: DictConfig) -> DictConfig:
@@ -85,7 +85,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+@hydra.main(version_base="1.3", config_path=CONFIG_SEARCH_PATH, config_name="train")
 def _main(cfg: DictConfig) -> None:
     evaluate(cfg)
 

@@ -45,15 +45,17 @@ from longmixer.runs.run import (
     write_results,
 )
 from longmixer.runs.run_info import write_run_info
+from longmixer.utils.compose import CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer_blocks
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
 
 log = logging.getLogger("longmixer")
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
 
 def train(cfg: DictConfig) -> dict:
     """Fit and test one composed config; returns the results dict written to `<run dir>/results.json`."""
+    hydra_cfg = HydraConfig.get()
+    apply_mixer_blocks(cfg, dict(hydra_cfg.runtime.choices), hydra_cfg.overrides.task)
     validate_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     # rank 0 owns the run dir; DDP ranks started by Lightning re-enter here while rank 0 holds the lock
@@ -147,7 +149,7 @@ def _rewind_loggers(trainer: pl.Trainer, ckpt_path: str) -> None:
                 log.info("metrics.csv: dropped %d rows logged after the checkpoint (step >= %d)", dropped, step)
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+@hydra.main(version_base="1.3", config_path=CONFIG_SEARCH_PATH, config_name="train")
 def _main(cfg: DictConfig) -> float | None:
     results = train(cfg)  # SIGTERM / SIGINT end it with SystemExit(143 / 130) after a checkpoint
     metric = cfg.get("optimized_metric")

@@ -26,7 +26,7 @@ def test_simple_bias_matches_official_tiling(n):
 
 
 def test_simple_bias_rejects_long_sequences():
-    with pytest.raises(ValueError, match="max_positions=4"):
+    with pytest.raises(ValueError, match="max_len=4"):
         SimpleRelativePositionalBias(4)(5)
 
 

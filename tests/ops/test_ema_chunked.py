@@ -9,6 +9,7 @@ import torch
 
 from longmixer.layers.ema import MultiHeadEMA
 from longmixer.ops.ema import ema, ema_ref, ema_scan_ref
+from tests.ops._helpers import rel_error
 
 
 def _inputs(B, L, D, N, dtype=torch.float64, seed=0, bidirectional=False):
@@ -20,9 +21,6 @@ def _inputs(B, L, D, N, dtype=torch.float64, seed=0, bidirectional=False):
     coef_out = torch.randn(Dk, N, generator=g, dtype=dtype)
     return [t.requires_grad_() for t in (x, coef_in, decay, coef_out)]
 
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _run(fn, tensors, seed=1):
@@ -38,7 +36,7 @@ def test_loop_reference_equals_official_fft_reference():
     tensors = _inputs(2, 23, 3, 4)
     loop, fft = _run(lambda: ema_scan_ref(*tensors), tensors), _run(lambda: ema_ref(*tensors), tensors)
     for name, a, b in zip(NAMES, loop, fft):
-        assert _rel(a, b) < 1e-12, name
+        assert rel_error(a, b) < 1e-12, name
 
 
 # ragged L around the 64-step chunk and the 1024-step block (the carried state), D not a power of two,
@@ -53,7 +51,7 @@ def test_causal_parity_against_the_recurrence(B, L, D, N):
     tri = _run(lambda: ema(*tensors, backend="triton"), tensors)
     assert all(t.dtype == torch.float64 for t in tri)
     for name, a, b in zip(NAMES, tri, ref):
-        assert _rel(a, b) < 1e-5, name
+        assert rel_error(a, b) < 1e-5, name
 
 
 @pytest.mark.parametrize("B,L,D,N", [pytest.param(2, 45, 3, 16, id="B2-L45-D3-N16"),
@@ -63,7 +61,7 @@ def test_bidirectional_parity_against_the_official_fft(B, L, D, N):
     ref = _run(lambda: ema_ref(*tensors, bidirectional=True), tensors)
     tri = _run(lambda: ema(*tensors, bidirectional=True, backend="triton"), tensors)
     for name, a, b in zip(NAMES, tri, ref):
-        assert _rel(a, b) < 1e-5, name
+        assert rel_error(a, b) < 1e-5, name
 
 
 def test_float32_inputs_and_torch_backend():
@@ -74,8 +72,8 @@ def test_float32_inputs_and_torch_backend():
     tor = _run(lambda: ema(*tensors32, backend="torch"), tensors32)
     for name, a, b, c in zip(NAMES, tri, tor, ref):
         assert a.dtype == torch.float32, name
-        assert _rel(a, c) < 1e-5, f"triton {name}"
-        assert _rel(b, c) < 1e-5, f"torch {name}"
+        assert rel_error(a, c) < 1e-5, f"triton {name}"
+        assert rel_error(b, c) < 1e-5, f"torch {name}"
 
 
 @pytest.mark.parametrize("chunk,block_j", [(64, 16), (16, 32)], ids=["C64-J16", "C16-J32"])
@@ -94,7 +92,7 @@ def test_tile_shapes_agree(chunk, block_j):
         y = chunked.ema_chunk_fwd(xt, k, c, q, True, out_dtype=torch.float32, block_j=J)
         outs.append((y,) + chunked.ema_chunk_bwd(xt, dyt, k, c, q, True, block_j=J))
     for name, a, b in zip(("y", "dx", "dc", "dq"), *outs):
-        assert _rel(a, b) < 1e-5, name
+        assert rel_error(a, b) < 1e-5, name
 
 
 def test_transpose_casts_and_handles_ragged_tiles():
@@ -122,6 +120,6 @@ def test_layer_on_triton_equals_torch_backend(bidirectional):
     y_ref, y_tri = layer(x, mask), twin(x, mask)
     g_ref = torch.autograd.grad(y_ref, [x, *layer.parameters()], dy)
     g_tri = torch.autograd.grad(y_tri, [x, *twin.parameters()], dy)
-    assert _rel(y_tri, y_ref) < 1e-5
+    assert rel_error(y_tri, y_ref) < 1e-5
     for (name, _), a, b in zip([("x", None), *layer.named_parameters()], g_tri, g_ref):
-        assert _rel(a, b) < 1e-5, name
+        assert rel_error(a, b) < 1e-5, name

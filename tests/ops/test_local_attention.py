@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from longmixer.ops.local_attention import kernel, local_attention, local_attention_ref
+from tests.ops._helpers import rel_error
 
-
-def _rel(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _case(B, H, L, K, V, C, seed=0, bias_heads=0, masked=True):
@@ -48,9 +46,9 @@ def test_parity_fwd_bwd(attention, causal, B, H, L, K, V, C, bias_heads, masked)
     do = torch.randn_like(ref)
     g_ref = torch.autograd.grad(ref, [q, k, v, bias], do)
     g_tri = torch.autograd.grad(tri, [q, k, v, bias], do)
-    assert _rel(tri, ref) < 1e-5, "o"
+    assert rel_error(tri, ref) < 1e-5, "o"
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), g_tri, g_ref):
-        assert _rel(a, b) < 1e-5, name
+        assert rel_error(a, b) < 1e-5, name
 
 
 @pytest.mark.parametrize("span,block_m,scratch", [(16, 16, False), (64, 16, True), (64, 16, False), (16, 16, True)],
@@ -69,10 +67,10 @@ def test_backward_tilings(monkeypatch, span, block_m, scratch, attention, causal
     ref = local_attention_ref(q, k, v, **kw)
     tri = local_attention(q, k, v, backend="triton", **kw)
     do = torch.randn_like(ref)
-    assert _rel(tri, ref) < 1e-5, "o"
+    assert rel_error(tri, ref) < 1e-5, "o"
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), torch.autograd.grad(tri, [q, k, v, bias], do),
                           torch.autograd.grad(ref, [q, k, v, bias], do)):
-        assert _rel(a, b) < 1e-5, name
+        assert rel_error(a, b) < 1e-5, name
 
 
 def test_bias_without_grad():
@@ -85,7 +83,7 @@ def test_bias_without_grad():
     do = torch.randn_like(ref)
     for name, a, b in zip(("dq", "dk", "dv"), torch.autograd.grad(tri, [q, k, v], do),
                           torch.autograd.grad(ref, [q, k, v], do)):
-        assert _rel(a, b) < 1e-5, name
+        assert rel_error(a, b) < 1e-5, name
 
 
 def test_rows_without_keys_output_zero():
@@ -113,10 +111,10 @@ def test_dropout_mask_is_shared_by_forward_and_backward(attention):
     tri = local_attention(q, k, v, dropout=p, backend="triton", **kw)
     ref = torch.matmul(local_attention_ref(q, k, eye, **kw) * keep / (1 - p), v)
     do = torch.randn_like(ref)
-    assert _rel(tri, ref) < 1e-5, "o"
+    assert rel_error(tri, ref) < 1e-5, "o"
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), torch.autograd.grad(tri, [q, k, v, bias], do),
                           torch.autograd.grad(ref, [q, k, v, bias], do)):
-        assert _rel(a, b) < 1e-5, name
+        assert rel_error(a, b) < 1e-5, name
 
 
 def test_rejects_bad_inputs():

@@ -11,12 +11,7 @@ from torch.nn import functional as F
 
 from longmixer.ops.vq_attention import (vq_attention, vq_attention_quadratic_ref, vq_search, vq_search_ref,
                                         window_bias)
-
-
-def assert_close(name, ref, got, atol, rtol=0.0):
-    err = (ref.double() - got.double()).abs().max().item()
-    scale = ref.double().abs().max().item()
-    assert err <= atol + rtol * scale, f"{name}: max abs error {err:.3e} (ref scale {scale:.3e})"
+from tests.ops._helpers import assert_close
 
 
 def make_inputs(B, L, E, H, S, C, dtype=torch.float64, seed=0, pad=7, bias=True):

@@ -19,10 +19,11 @@ from longmixer.mixers.transformer import Transformer
 from longmixer.models import SequenceModel
 from longmixer.models.adaptive import AdaptiveInput, AdaptiveSoftmax
 from longmixer.tasks.language_model import LanguageModel
+from longmixer.utils.optim import LinearDecay
 from tests.data.fixtures_extra import write_enwik8_fixture, write_wikitext_fixture
 
-OPTIM = dict(optimizer="adamw", lr=1e-3, weight_decay=0.01, betas=[0.9, 0.98], eps=1e-8, scheduler="linear_decay",
-             warmup_steps=0, warmup_init_lr=1e-7, end_lr=0.0)
+OPTIM = (partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01, betas=(0.9, 0.98), eps=1e-8),
+         partial(LinearDecay, warmup_steps=0, warmup_init_lr=1e-7, end_lr=0.0))
 V = 40
 
 
@@ -69,7 +70,7 @@ def test_windows_with_enough_context_equal_full_context_scoring():
     """2 layers of width-3 causal convolutions see 5 tokens; windows with >= 4 tokens of context must give exactly the
     full-context loss, and windows with too little context must not."""
     model = tiny_model(partial(CausalConv, width=3))
-    task = LanguageModel(model, OPTIM, metric="bpc")
+    task = LanguageModel(model, *OPTIM, metric="bpc")
     tokens = torch.randint(1, V, (101,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = direct_loss(model, tokens)
@@ -80,7 +81,7 @@ def test_windows_with_enough_context_equal_full_context_scoring():
 
 def test_transformer_window_covering_the_stream_equals_full_context():
     model = tiny_model(partial(Transformer, n_heads=2))
-    task = LanguageModel(model, OPTIM)
+    task = LanguageModel(model, *OPTIM)
     tokens = torch.randint(1, V, (41,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = direct_loss(model, tokens)
@@ -93,7 +94,7 @@ def test_adaptive_head_uses_its_loss():
     model = tiny_model(partial(Transformer, n_heads=2), n_layers=1,
                        embedding=partial(AdaptiveInput, vocab_size=V, cutoffs=cut, factor=2.0),
                        head=partial(AdaptiveSoftmax, vocab_size=V, cutoffs=cut, factor=2.0, tie_weights=True))
-    task = LanguageModel(model, OPTIM)
+    task = LanguageModel(model, *OPTIM)
     tokens = torch.randint(1, V, (2, 9))
     targets = torch.cat([tokens[:, 1:], torch.full((2, 1), -100)], dim=1)
     nll, _ = task.token_nll({"inputs": tokens, "targets": targets})
@@ -106,11 +107,11 @@ def test_adaptive_head_uses_its_loss():
 
 def test_requires_a_causal_per_token_model():
     with pytest.raises(ValueError, match="model.causal=true"):
-        LanguageModel(tiny_model(partial(Transformer, n_heads=2), causal=False), OPTIM)
+        LanguageModel(tiny_model(partial(Transformer, n_heads=2), causal=False), *OPTIM)
     with pytest.raises(ValueError, match="model.pool=none"):
-        LanguageModel(tiny_model(partial(Transformer, n_heads=2), pool="mean"), OPTIM)
+        LanguageModel(tiny_model(partial(Transformer, n_heads=2), pool="mean"), *OPTIM)
     with pytest.raises(ValueError, match="task.metric='acc'"):
-        LanguageModel(tiny_model(partial(Transformer, n_heads=2)), OPTIM, metric="acc")
+        LanguageModel(tiny_model(partial(Transformer, n_heads=2)), *OPTIM, metric="acc")
 
 
 @pytest.mark.parametrize("fixture,datamodule,metric", [
@@ -122,7 +123,7 @@ def test_two_step_fit_and_test(tmp_path, fixture, datamodule, metric):
     dm = datamodule(data_dir=tmp_path / "data", batch_size=2, k_min=1, k_max=2, eval_context=8, **overrides)
     model = SequenceModel(mixer=partial(Transformer, n_heads=2), d_model=16, n_layers=1, vocab_size=dm.vocab_size,
                           causal=True, pool="none", head="lm_tied", pos_encoding="sinusoidal").float()
-    task = LanguageModel(model, OPTIM, metric=dm.metric)
+    task = LanguageModel(model, *OPTIM, metric=dm.metric)
     trainer = pl.Trainer(accelerator="cpu", max_steps=2, val_check_interval=2, limit_val_batches=2,
                          num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)

@@ -1,10 +1,12 @@
+import functools
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from longmixer.utils.optim import build_optimizer, build_param_groups, lr_factor, set_optim_hparams
+from longmixer.utils.optim import (Constant, CosineDecay, InverseSqrtDecay, LinearDecay, build_optimizer,
+                                   build_param_groups, set_optim_hparams)
 
 
 class Tiny(nn.Module):
@@ -13,6 +15,11 @@ class Tiny(nn.Module):
         self.lin = nn.Linear(4, 4)
         self.norm = nn.LayerNorm(4)
         self.kernel = set_optim_hparams(nn.Parameter(torch.zeros(2, 8)), lr_scale=0.1, weight_decay=0.0)
+
+
+def _factor(schedule_cls, lr=1.0, **kw):
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+    return schedule_cls(opt, **kw).factor
 
 
 def test_no_decay_on_norms_biases_and_1d():
@@ -24,31 +31,52 @@ def test_no_decay_on_norms_biases_and_1d():
 
 
 def test_linear_decay_matches_fairseq_shape():
-    kw = dict(scheduler="linear_decay", total_steps=100, warmup_steps=10, lr=1e-3, warmup_init_lr=1e-7, end_lr=0.0)
-    assert lr_factor(0, **kw) == pytest.approx(1e-4)
-    assert lr_factor(10, **kw) == pytest.approx(1.0)
-    assert lr_factor(55, **kw) == pytest.approx(0.5)
-    assert lr_factor(100, **kw) == pytest.approx(0.0)
+    factor = _factor(LinearDecay, lr=1e-3, total_steps=100, warmup_steps=10, warmup_init_lr=1e-7)
+    assert factor(0) == pytest.approx(1e-4)
+    assert factor(10) == pytest.approx(1.0)
+    assert factor(55) == pytest.approx(0.5)
+    assert factor(100) == pytest.approx(0.0)
 
 
 def test_cosine_midpoint():
-    kw = dict(scheduler="cosine", total_steps=110, warmup_steps=10, lr=1.0, warmup_init_lr=0.0, end_lr=0.0)
-    assert lr_factor(60, **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    factor = _factor(CosineDecay, total_steps=110, warmup_steps=10, warmup_init_lr=0.0)
+    assert factor(60) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
 
 
-@pytest.mark.parametrize("name", ["adamw", "adam", "radam"])
-def test_optimizers_build(name):
-    opt = build_optimizer(Tiny(), {"optimizer": name, "lr": 1e-3, "weight_decay": 0.01})
-    assert opt.param_groups
+def test_constant_after_warmup():
+    factor = _factor(Constant, total_steps=100, warmup_steps=10, warmup_init_lr=0.0)
+    assert factor(5) == pytest.approx(0.5) and factor(50) == 1.0
 
 
-def test_unknown_optimizer_names_the_key():
-    with pytest.raises(ValueError, match="optim.optimizer='sgdd'"):
-        build_optimizer(Tiny(), {"optimizer": "sgdd", "lr": 1e-3})
+def test_inverse_sqrt_is_the_lra_rsqrt_decay():
+    """LRA's `linear_warmup * rsqrt_decay`: peak at the end of warmup, then lr * sqrt(warmup / step)."""
+    factor = _factor(InverseSqrtDecay, total_steps=10_000, warmup_steps=1000, warmup_init_lr=0.0)
+    assert factor(500) == pytest.approx(0.5)
+    assert factor(1000) == pytest.approx(1.0)
+    assert factor(4000) == pytest.approx(0.5)
 
 
 def test_polynomial_warmup_power():
     """MEGA's Path-X recipe warms up with power 2."""
-    kw = dict(scheduler="linear_decay", total_steps=100, warmup_steps=10, lr=1.0, warmup_init_lr=0.0, end_lr=0.0)
-    assert lr_factor(5, **kw, warmup_power=2.0) == pytest.approx(0.25)
-    assert lr_factor(5, **kw) == pytest.approx(0.5)
+    square = _factor(LinearDecay, total_steps=100, warmup_steps=10, warmup_init_lr=0.0, warmup_power=2.0)
+    linear = _factor(LinearDecay, total_steps=100, warmup_steps=10, warmup_init_lr=0.0)
+    assert square(5) == pytest.approx(0.25)
+    assert linear(5) == pytest.approx(0.5)
+
+
+def test_negative_warmup_names_the_key():
+    with pytest.raises(ValueError, match="scheduler.warmup_steps=-1"):
+        _factor(LinearDecay, total_steps=10, warmup_steps=-1)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam, torch.optim.RAdam])
+def test_optimizer_partial_gets_the_groups(cls):
+    opt = build_optimizer(Tiny(), functools.partial(cls, lr=1e-3, weight_decay=0.01, betas=(0.9, 0.98)))
+    assert isinstance(opt, cls)
+    assert {g["weight_decay"] for g in opt.param_groups} == {0.01, 0.0}
+    assert opt.defaults["betas"] == (0.9, 0.98)
+
+
+def test_optimizer_without_positive_lr_names_the_key():
+    with pytest.raises(ValueError, match="optim.lr=0"):
+        build_optimizer(Tiny(), functools.partial(torch.optim.AdamW, lr=0))

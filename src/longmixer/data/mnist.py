@@ -4,7 +4,7 @@ Protocol (s4 `dataset=mnist`, which LaS's pipeline follows): the 28 x 28 image i
 pixels / 255 in [0, 1] with no further normalization; 10% of the official 60,000 training images are held out for
 validation by a seeded permutation (`split_seed`, 42 as s4); the official 10,000 test images are the test set.
 pMNIST applies one fixed pixel permutation to every image: `permutation=random` draws it from
-`numpy.random.RandomState(permutation_seed)` (the issue's "fixed permutation by seed"); `permutation=bitreversal`
+`numpy.random.RandomState(permutation_seed)`; `permutation=bitreversal`
 is the bit-reversal order that s4's code uses for its `permute: true` option.
 
 Source: the MNIST idx files (`{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]`; big-endian header: magic 2051

@@ -8,7 +8,7 @@ v0.02; only clips of exactly 16,000 samples are kept (34,975 clips); samples are
 
 Splits: `split=stratified` (default) is a per-class 70/15/15 split drawn with `numpy.random.default_rng(split_seed)`.
 s4 uses sklearn's `train_test_split` (random_state 0, then 1); sklearn is not a dependency here, so the partition
-has the same proportions and stratification but not the same members - a choice, recorded in docs/notes/lm_data.md.
+has the same proportions and stratification but not the same members - a choice, recorded in docs/data.md.
 `split=official` uses the dataset's `validation_list.txt` / `testing_list.txt` (train = every other kept clip).
 
 `eval_resolution=2` evaluates (val and test) at half resolution, 8 kHz, by keeping every second sample (s4's

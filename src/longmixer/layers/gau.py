@@ -6,7 +6,6 @@ official code (facebookresearch/mega, `fairseq/modules/moving_average_gated_atte
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
@@ -67,33 +66,46 @@ class SimpleRelativePositionalBias(nn.Module):
     """A learned scalar per offset: bias[i, j] = w[(M-1) + j - i] (MEGA's `SimpleRelativePositionalBias`).
 
     Args:
-        max_positions: M, the longest sequence (or chunk) it serves; w has 2M-1 entries, init N(0, 0.02).
+        max_len: M, the longest sequence (or chunk) it serves; w has 2M-1 entries, init N(0, 0.02).
     """
 
-    def __init__(self, max_positions: int):
+    def __init__(self, max_len: int):
         super().__init__()
-        self.max_positions = max_positions
-        self.weight = nn.Parameter(torch.empty(2 * max_positions - 1))
+        self.max_len = max_len
+        self.weight = nn.Parameter(torch.empty(2 * max_len - 1))
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
 
     def forward(self, length: int) -> torch.Tensor:
         """The bias vector for sequences of `length` C: [2C-1], entry (C-1) + j - i.
 
         Raises:
-            ValueError: length > max_positions (the official code raises too).
+            ValueError: length > max_len (the official code raises too).
         """
-        M = self.max_positions
+        M = self.max_len
         if length > M:
             raise ValueError(f"sequence (or chunk) length {length} exceeds the relative-position bias size "
-                             f"max_positions={M}; raise max_positions (it is the mixer's max_positions)")
+                             f"max_len={M}; raise max_len (it is the mixer's max_len)")
         return self.weight[M - length:M + length - 1]
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """RoPE (Su et al. 2021), half-split: rotate x [..., P, S] by the angles positions [P] x base^(-2i/S).
+
+    The one rotation MEGA's rotary bias and SeqBoat's rotary q / k share; an odd last channel is left as it is.
+    """
+    half = x.shape[-1] // 2
+    freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)  # [S/2]
+    angle = positions.to(torch.float32)[:, None] * freq  # [P, S/2]
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], -1)
 
 
 class RotaryRelativePositionalBias(nn.Module):
     """MEGA's rotary bias: bias[i, j] = rot_i(a) . rot_j(b) with learned a, b [S] (RoPE rotation, base 10000,
     half-split). Rotations compose, so it equals a . rot_{j-i}(b), a function of j - i only: we return it as the
     same [2C-1] vector as the simple bias, which lets the chunked kernel take either. The sinusoids are computed
-    per call, so unlike the official table (sized by max_positions) any length works.
+    per call, so unlike the official table (sized by max_len) any length works.
 
     Args:
         dim: S (even).
@@ -111,14 +123,8 @@ class RotaryRelativePositionalBias(nn.Module):
 
     def forward(self, length: int) -> torch.Tensor:
         """[2C-1] vector, entry (C-1) + r = a . rot_r(b) for r = j - i in [-(C-1), C-1]."""
-        half = self.dim // 2
-        freq = torch.exp(torch.arange(half, device=self.alpha.device, dtype=torch.float32)
-                         * (-math.log(10000.0) / half))
-        r = torch.arange(-(length - 1), length, device=self.alpha.device, dtype=torch.float32)
-        angle = r[:, None] * freq  # [2C-1, S/2]
-        sin, cos = torch.sin(angle).to(self.alpha.dtype), torch.cos(angle).to(self.alpha.dtype)
-        b1, b2 = self.beta[:half], self.beta[half:]
-        rot_b = torch.cat([b1 * cos - b2 * sin, b2 * cos + b1 * sin], dim=-1)  # [2C-1, S]
+        r = torch.arange(-(length - 1), length, device=self.alpha.device)
+        rot_b = rope(self.beta.expand(len(r), self.dim), r)  # [2C-1, S]
         return rot_b @ self.alpha
 
 

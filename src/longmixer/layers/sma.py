@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+from einops import rearrange
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -89,13 +90,12 @@ class LatentConfigurator(nn.Module):
 
     def probabilities(self, h: Tensor) -> Tensor:
         """p(on) and p(off) per module: [B, L, M, 2] float32 (index 1 = activate)."""
-        bsz, length, _ = h.shape
         if self.router == "moe":
             z = F.normalize(self.proj(h).float(), dim=-1)  # [B, L, E]
             e = F.normalize(self.experts.float(), dim=-1)  # [M, 2, E]
             logits = torch.einsum("ble,mke->blmk", z, e) / self.log_temp.exp()[:, None]
             return torch.softmax(logits, -1)
-        logits = self.proj(h).float().view(bsz, length, self.num_modules, -1)
+        logits = rearrange(self.proj(h).float(), "b l (m k) -> b l m k", m=self.num_modules)  # M modules, on/off
         if self.router == "sigmoid":
             p_on = torch.sigmoid(logits)
             return torch.cat([1.0 - p_on, p_on], -1)
@@ -116,13 +116,13 @@ class LatentConfigurator(nn.Module):
         return active, conf * active
 
 
-def attention_span(idx: Tensor, count: Tensor, window: int | None, chunk: int | None, causal: bool) -> Tensor:
+def attention_span(idx: Tensor, count: Tensor, window: int | None, chunk_size: int | None, causal: bool) -> Tensor:
     """Mean distance, in original positions, from each activated query to the keys it can attend to, averaged
     over queries (SeqBoat section 5, Fig. 6), in O(L) with prefix sums; 0 when nothing is activated.
 
     Args:
         idx: [B, L] original position of each packed slot (first count[b] valid); count: [B].
-        window, chunk, causal: the attention pattern over the packed sequence (see `sparse_local_attention`).
+        window, chunk_size, causal: the attention pattern over the packed sequence (see `sparse_local_attention`).
     """
     bsz, length = idx.shape
     slot = torch.arange(length, device=idx.device).expand(bsz, -1)
@@ -133,9 +133,9 @@ def attention_span(idx: Tensor, count: Tensor, window: int | None, chunk: int | 
     if window is not None:
         left, right = (window, 0) if causal else (window // 2, window // 2)
         lo, hi = (slot - left).clamp(min=0), torch.minimum(slot + right, last)
-    elif chunk is not None:
-        lo = slot // chunk * chunk
-        hi = torch.minimum(lo + chunk - 1, last) if not causal else slot
+    elif chunk_size is not None:
+        lo = slot // chunk_size * chunk_size
+        hi = torch.minimum(lo + chunk_size - 1, last) if not causal else slot
     else:
         lo, hi = torch.zeros_like(slot), slot if causal else last.expand(-1, length)
     hi = torch.maximum(hi, slot)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from einops import rearrange
 import torch.distributed as dist
 from torch import nn
 
@@ -79,10 +80,11 @@ class VectorQuantizer(nn.Module):
         B, L, E = k.shape
         flat_mask = None if mask is None else mask.reshape(-1)
         if self.training and not bool(self.initialized):
-            self._init_from_keys(k.detach().reshape(-1, E), flat_mask)
+            self._init_from_keys(rearrange(k.detach(), "b l e -> (b l) e"), flat_mask)
         codebook = self.codebook
-        codes, counts, sums = vq_search(k.detach().reshape(-1, E), codebook, flat_mask, backend=self.backend)
-        codes = codes.view(B, L)
+        codes, counts, sums = vq_search(rearrange(k.detach(), "b l e -> (b l) e"), codebook, flat_mask,
+                                        backend=self.backend)
+        codes = rearrange(codes, "(b l) -> b l", b=B)  # [B, L]
         c_z = codebook[codes].to(k.dtype)  # [B, L, E]
         k_hat = k + (c_z - k).detach()  # LongVQ eq. 8: straight-through
         weight = torch.ones(B, L, device=k.device) if mask is None else mask.float()

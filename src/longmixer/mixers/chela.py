@@ -3,7 +3,6 @@ arXiv:2406.08128, section 4, eqs. 8-15)."""
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import Tensor, nn
@@ -13,24 +12,21 @@ from longmixer.layers.ema import MultiHeadEMA
 from longmixer.layers.longconv import LongConv, ShortLongConv
 from longmixer.layers.s4d import S4DConv
 from longmixer.ops.linear_attention import linear_attention
+from longmixer.ops.local_attention import laplace
 
 ATTENTIONS = ("norm", "laplace")
 CONVS = ("short_long", "long", "ema", "s4d")
 
-# MEGA's laplace attention function (Ma et al. 2022, section 3.3): the Gaussian CDF with these mu and sigma
-# matches relu^2 near 0 and saturates at 1.
-_LAPLACE_MU, _LAPLACE_STD = math.sqrt(0.5), math.sqrt(0.25 / math.pi)
-
-
 def laplace_feature(x: Tensor) -> Tensor:
-    """MEGA's laplace function 0.5 (1 + erf((x - mu) / (sigma sqrt 2))), applied to q and k separately.
+    """MEGA's laplace function 0.5 (1 + erf((x - mu) / (sigma sqrt 2))) (MEGA eq. 17), applied to q and k separately.
 
     CHELA Table 7 lists `laplace` as an attention function without saying how it stays linear. Applied to the
     score q.k (as MEGA does) it does not factor, so we apply it elementwise to Q and K as the feature map
     phi of kernelized linear attention, phi(q) (phi(K)^T V): positive features (like elu + 1 in Katharopoulos et
-    al. 2020), linear in L, followed by the same output Norm as `norm`.
+    al. 2020), linear in L, followed by the same output Norm as `norm`. The function and its constants live once,
+    in `longmixer.ops.local_attention.laplace`.
     """
-    return 0.5 * (1.0 + torch.erf((x - _LAPLACE_MU) / (_LAPLACE_STD * math.sqrt(2.0))))
+    return laplace(x)
 
 
 class _DampedEMA(nn.Module):
@@ -71,7 +67,6 @@ class CHELA(nn.Module):
         conv: the structured mixer of Table 6: "short_long" (CHELA) | "long" (Fu et al. 2023) | "ema" (MEGA's damped
             EMA) | "s4d".
         ema_ndim: EMA dimension N when conv=ema; s4d_state: state size when conv=s4d.
-        chunk_size: tile length of the linear attention kernel.
         dropout: dropout on M before the gated residual (MEGA's output dropout).
         hidden_dropout: dropout on V (MEGA's hidden dropout).
         backend: auto | torch | triton for the linear attention op.
@@ -81,7 +76,7 @@ class CHELA(nn.Module):
 
     def __init__(self, d_model: int, *, causal: bool = False, max_len: int, n_heads: int = 1,
                  attention: str = "norm", conv: str = "short_long", ema_ndim: int = 16, s4d_state: int = 64,
-                 chunk_size: int = 64, dropout: float = 0.0, hidden_dropout: float = 0.0, backend: str = "auto",
+                 dropout: float = 0.0, hidden_dropout: float = 0.0, backend: str = "auto",
                  kernel_len: int | None = None):
         super().__init__()
         if attention not in ATTENTIONS:
@@ -91,7 +86,7 @@ class CHELA(nn.Module):
         if n_heads < 1 or d_model % n_heads:
             raise ValueError(f"model.mixer.n_heads={n_heads} must divide model.d_model={d_model}")
         self.d_model, self.n_heads, self.causal = d_model, n_heads, causal
-        self.attention, self.chunk_size, self.backend = attention, chunk_size, backend
+        self.attention, self.backend = attention, backend
         if kernel_len is not None and kernel_len < 1:
             raise ValueError(f"model.mixer.kernel_len={kernel_len} must be >= 1, or null for the sequence length")
         self.conv = self._build_conv(conv, d_model, max_len, causal, ema_ndim, s4d_state, backend, kernel_len)
@@ -141,7 +136,6 @@ class CHELA(nn.Module):
         g_o = torch.sigmoid(g_o)  # CHELA eq. 14
         heads = (B, L, self.n_heads, D // self.n_heads)
         m = linear_attention(q.reshape(heads), k.reshape(heads), v.reshape(heads), g_a.reshape(heads),
-                             causal=self.causal, normalize=True, chunk_size=self.chunk_size,
-                             backend=self.backend).reshape(B, L, D)  # CHELA eq. 9
+                             causal=self.causal, normalize=True, backend=self.backend).reshape(B, L, D)  # CHELA eq. 9
         u = self.dropout(m) * g_o + residual * (1.0 - g_o)  # CHELA eq. 15
         return u, {}

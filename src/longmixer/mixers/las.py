@@ -25,7 +25,7 @@ def las_alphas(n_heads: int, alpha_max: float) -> list[float]:
     The paper (section 4.1, "Initialization of alpha_c") asks for alpha_0 = 0 and for exp(-alpha_c) "uniformly
     distributed" with B in (0, 1); read literally ("in [0, B]") no alpha_0 = 0 fits. We read the B as the width of
     the interval below 1: it keeps alpha_0 = 0, spaces the values evenly in exponential space, gives max alpha =
-    -log(1 - B) ~ B, and explains why B must be below 1. Our choice; see docs/notes/las.md.
+    -log(1 - B) ~ B, and explains why B must be below 1. Our choice; see docs/architecture.md (LaS).
     """
     if not 0.0 <= alpha_max < 1.0:
         raise ValueError(f"model.mixer.alpha_max={alpha_max} must lie in [0, 1) (the paper's B; Table 4 uses 1e-3 "

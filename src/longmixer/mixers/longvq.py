@@ -35,7 +35,7 @@ class LongVQ(nn.Module):
         hdim: H, the value width; None: 2D (MEGA).
         ndim: N, the MD-EMA dimension.
         n_codes: S, the codebook size (LongVQ section 5: 512; Table 6: 256 / 1024).
-        block_size: C, the local window block, a power of two >= 16.
+        chunk_size: C, the local window block, a power of two >= 16.
         attention: "softmax" (default) | "laplace" (Table 6).
         truncation: MD-EMA kernel length cap (MEGA recipes), or None.
         commit_coef: gamma of eq. 23 (1e-4).
@@ -50,16 +50,16 @@ class LongVQ(nn.Module):
     gated_residual = True
 
     def __init__(self, d_model: int, *, causal: bool = False, zdim: int = 64, hdim: int | None = None,
-                 ndim: int = 16, n_codes: int = 512, block_size: int = 128, attention: str = "softmax",
+                 ndim: int = 16, n_codes: int = 512, chunk_size: int = 128, attention: str = "softmax",
                  truncation: int | None = None, commit_coef: float = 1e-4, codebook_decay: float = 0.99,
                  dropout: float = 0.0, hidden_dropout: float = 0.0, backend: str = "auto", tied_qk: bool = False):
         super().__init__()
         if attention not in ATTENTIONS:
             raise ValueError(f"model.mixer.attention={attention!r} is not one of {ATTENTIONS}")
-        if block_size < 16 or block_size & (block_size - 1):
-            raise ValueError(f"model.mixer.block_size={block_size} must be a power of two >= 16 (e.g. 128)")
+        if chunk_size < 16 or chunk_size & (chunk_size - 1):
+            raise ValueError(f"model.mixer.chunk_size={chunk_size} must be a power of two >= 16 (e.g. 128)")
         hdim = 2 * d_model if hdim is None else hdim
-        self.causal, self.zdim, self.hdim, self.block_size = causal, zdim, hdim, block_size
+        self.causal, self.zdim, self.hdim, self.chunk_size = causal, zdim, hdim, chunk_size
         self.attention, self.backend, self.tied_qk = attention, backend, tied_qk
         self.ema = MultiHeadEMA(d_model, ndim, bidirectional=not causal, truncation=truncation, silu=True,
                                 backend=backend)
@@ -73,7 +73,7 @@ class LongVQ(nn.Module):
         else:
             self.q_proj = nn.Linear(d_model, zdim)  # eq. 11
             self.k_proj = nn.Linear(d_model, zdim)  # eq. 12
-        self.rel_bias = nn.Parameter(torch.empty(4 * block_size - 1))  # key - query offsets -(2C-1)..(2C-1)
+        self.rel_bias = nn.Parameter(torch.empty(4 * chunk_size - 1))  # key - query offsets -(2C-1)..(2C-1)
         self.vq = VectorQuantizer(zdim, n_codes, decay=codebook_decay, commit_coef=commit_coef, backend=backend)
         self.dropout, self.hidden_dropout = nn.Dropout(dropout), nn.Dropout(hidden_dropout)
         self.reset_parameters()
@@ -114,8 +114,8 @@ class LongVQ(nn.Module):
         v = self.hidden_dropout(F.silu(self.v_proj(x)))  # eq. 13  [B, L, H]
         k_hat, codes, codebook, aux = self.vq(k, mask)  # eq. 15, straight-through
         q = q * self._query_scale(mask, B, L, x.device)
-        bias = window_bias(self.rel_bias, self.block_size)  # eq. 18 local bias  [C, 3C]
-        attn = vq_attention(q, k_hat, v, codebook, codes, mask, bias, block_size=self.block_size,
+        bias = window_bias(self.rel_bias, self.chunk_size)  # eq. 18 local bias  [C, 3C]
+        attn = vq_attention(q, k_hat, v, codebook, codes, mask, bias, block_size=self.chunk_size,
                             causal=self.causal, attention=self.attention, backend=self.backend)  # eqs. 16-18
         o_a = F.silu(hx + self.h_proj(g_a * attn))  # eq. 14 with MEGA's H -> D projection  [B, L, D]
         g_o = torch.sigmoid(self.gate_proj(x))  # eq. 19

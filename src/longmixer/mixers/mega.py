@@ -35,7 +35,7 @@ class MEGA(nn.Module):
             a shorter last chunk, which equals the official padding to a multiple of C with masked pad keys.
         truncation: EMA kernel length cap (None: the sequence length).
         rel_pos: simple | rotary relative-position bias.
-        max_positions: the longest sequence the simple relative bias serves (full attention); with chunking it
+        max_len: the longest sequence the simple relative bias serves (full attention); with chunking it
             is sized to chunk_size, as in the official code. The rotary bias works at any length.
         dropout: on the EMA output and on h (the official `dropout`).
         hidden_dropout: on v (the official `hidden_dropout`).
@@ -47,14 +47,14 @@ class MEGA(nn.Module):
 
     def __init__(self, d_model: int, *, causal: bool = False, zdim: int = 64, hdim: int | None = None,
                  ndim: int = 16, attention: str = "softmax", chunk_size: int | None = None,
-                 truncation: int | None = None, rel_pos: str = "simple", max_positions: int = 1024,
+                 truncation: int | None = None, rel_pos: str = "simple", max_len: int = 1024,
                  dropout: float = 0.0, hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
                  backend: str = "auto"):
         super().__init__()
         if rel_pos not in REL_POS:
             raise ValueError(f"model.mixer.rel_pos={rel_pos!r} is not one of {REL_POS}")
-        if chunk_size is None and max_positions < 1:
-            raise ValueError(f"model.mixer.max_positions={max_positions} must be >= 1 (e.g. ${{data.seq_len}})")
+        if chunk_size is None and max_len < 1:
+            raise ValueError(f"model.mixer.max_len={max_len} must be >= 1 (e.g. ${{data.seq_len}})")
         hdim = 2 * d_model if hdim is None else hdim
         self.d_model, self.zdim, self.hdim = d_model, zdim, hdim
         self.ema = MultiHeadEMA(d_model, ndim, bidirectional=not causal, truncation=truncation, backend=backend)
@@ -62,7 +62,7 @@ class MEGA(nn.Module):
         self.mx_proj = GateProjection(d_model, [d_model, zdim + hdim, d_model], ["sigmoid", "silu", "none"])
         self.h_proj = nn.Linear(hdim, d_model)
         self.qk = ScaleOffset(zdim, heads=2)
-        bias_len = max_positions if chunk_size is None else chunk_size
+        bias_len = max_len if chunk_size is None else chunk_size
         self.rel_pos = (SimpleRelativePositionalBias(bias_len) if rel_pos == "simple"
                         else RotaryRelativePositionalBias(zdim))
         self.attn = ChunkedAttention(attention, chunk_size, causal=causal, dropout=attention_dropout, backend=backend)

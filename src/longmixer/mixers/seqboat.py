@@ -16,13 +16,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from longmixer.layers.ema import MultiHeadEMA
+from longmixer.layers.gau import rope
 from longmixer.layers.s4d import S4DConv
 from longmixer.layers.sma import LatentConfigurator, attention_span, compress, extract
 from longmixer.ops.sparse_local_attention import packed_index, sparse_local_attention
 from longmixer.ops.sparse_local_attention.reference import attention_reach
 
 ROUTERS = ("softmax", "gumbel", "sigmoid", "moe", "always")
-REL_POS = ("original", "compressed", "rope", "none")
+REL_POS = ("original", "compressed", "rotary", "none")
 
 
 def _trunc_normal_(w: Tensor, std: float = 0.02) -> Tensor:
@@ -35,13 +36,7 @@ def rotary(x: Tensor, base: float = 10000.0) -> Tensor:
 
     Applied before compression, so packed tokens keep the phases of their original positions (SeqBoat A.2).
     """
-    half = x.shape[-1] // 2
-    freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)  # [K/2]
-    angle = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)[:, None] * freq  # [L, K/2]
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:2 * half]
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-    return torch.cat([rotated, x[..., 2 * half:]], -1)
+    return rope(x, torch.arange(x.shape[1], device=x.device), base)
 
 
 class SeqBoat(nn.Module):
@@ -57,15 +52,15 @@ class SeqBoat(nn.Module):
         truncation: EMA kernel length cap (None: full length).
         window: working memory w (A.5: 256, Path-X 512, LM 1024); None attends over the whole packed sequence
             (SeqBoat-full).
-        chunk: the -chunk ablation: attention inside packed chunks of this size (use with router="always",
+        chunk_size: the -chunk ablation: attention inside packed chunks of this size (use with router="always",
             window=None).
         attention: "softmax" (text tasks, LM) or "relu2" (image, speech), SeqBoat A.2.
         rel_pos: "original" (simple relative bias on original distances, the default), "compressed" (on packed
-            distances: Text, SC), "rope" (RoPE at original positions: LM), or "none".
-        max_positions: the longest sequence (${data.seq_len}); bounds the bias table [2M-1] (distances beyond M-1
-            use the edge value). With "compressed" and a window (or chunk) the table is sized from the offsets the
-            window can reach instead (M = reach + 1, or the chunk), so no entry is unreachable; "original" and
-            SeqBoat-full need the sequence length, since packed neighbours can be far apart originally.
+            distances: Text, SC), "rotary" (RoPE at original positions: LM), or "none".
+        max_len: the longest sequence (${data.seq_len}); bounds the bias table [2M-1] (distances beyond M-1 use the
+            edge value). With "compressed" and a window (or chunk) the table is sized from the offsets the window
+            can reach instead (M = reach + 1, or the chunk), so no entry is unreachable; "original" and SeqBoat-full
+            need the sequence length, since packed neighbours can be far apart originally.
         router: "softmax" (Tempered Softmax) | "gumbel" | "sigmoid" | "moe" | "always" (no SMA: every real token
             activated, confidence 1: the always-activated / -local / -chunk ablations).
         init_temp_scale: alpha of Table 4.
@@ -78,8 +73,8 @@ class SeqBoat(nn.Module):
     gated_residual = True
 
     def __init__(self, d_model: int, *, causal: bool = False, d_qk: int = 64, d_v: int | None = None, ndim: int = 16,
-                 ssm: str = "ema", truncation: int | None = None, window: int | None = 256, chunk: int | None = None,
-                 attention: str = "softmax", rel_pos: str = "original", max_positions: int | None = None,
+                 ssm: str = "ema", truncation: int | None = None, window: int | None = 256, chunk_size: int | None = None,
+                 attention: str = "softmax", rel_pos: str = "original", max_len: int | None = None,
                  router: str = "softmax", init_temp_scale: float = 1.0, modules: str = "gau", dropout: float = 0.0,
                  hidden_dropout: float = 0.0, backend: str = "auto"):
         super().__init__()
@@ -93,16 +88,17 @@ class SeqBoat(nn.Module):
             raise ValueError(f"modules={modules!r} is not one of ('gau', 'gau_ffn')")
         if attention not in ("softmax", "relu2"):
             raise ValueError(f"attention={attention!r} is not one of ('softmax', 'relu2')")
-        if window is not None and chunk is not None:
-            raise ValueError(f"window={window} and chunk={chunk} exclude each other; set window=null for -chunk")
-        bias_positions = self._bias_positions(rel_pos, window, chunk, causal, max_positions)
+        if window is not None and chunk_size is not None:
+            raise ValueError(f"window={window} and chunk_size={chunk_size} exclude each other; set window=null for "
+                             "-chunk")
+        bias_positions = self._bias_positions(rel_pos, window, chunk_size, causal, max_len)
         if rel_pos in ("original", "compressed") and not bias_positions:
-            raise ValueError(f"rel_pos={rel_pos!r} needs max_positions (the bias table size, e.g. ${{data.seq_len}}); "
-                             f"got {max_positions}")
+            raise ValueError(f"rel_pos={rel_pos!r} needs max_len (the bias table size, e.g. ${{data.seq_len}}); "
+                             f"got {max_len}")
         if modules == "gau_ffn" and router == "always":
             raise ValueError("modules='gau_ffn' needs a router that decides per module; router='always' has none")
         self.d_model, self.d_qk, self.d_v = d_model, d_qk, d_v or 2 * d_model
-        self.causal, self.window, self.chunk, self.attention = causal, window, chunk, attention
+        self.causal, self.window, self.chunk_size, self.attention = causal, window, chunk_size, attention
         self.rel_pos, self.router_kind, self.modules, self.backend = rel_pos, router, modules, backend
         if ssm == "ema":
             self.ssm = MultiHeadEMA(d_model, ndim, bidirectional=not causal, truncation=truncation, silu=False,
@@ -126,13 +122,13 @@ class SeqBoat(nn.Module):
 
     @staticmethod
     def _bias_positions(rel_pos: str, window: int | None, chunk: int | None, causal: bool,
-                        max_positions: int | None) -> int | None:
+                        max_len: int | None) -> int | None:
         """M of the relative bias table: one entry per offset that can occur. Compressed offsets are bounded by
         the window reach (|j - i| <= w/2 two-sided, w causal) or the chunk; original ones only by the sequence."""
         if rel_pos != "compressed" or (window is None and chunk is None):
-            return max_positions
+            return max_len
         reach = max(attention_reach(window, causal)) + 1 if window is not None else chunk
-        return reach if not max_positions else min(reach, max_positions)
+        return reach if not max_len else min(reach, max_len)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -159,11 +155,11 @@ class SeqBoat(nn.Module):
         z, r, v = F.silu(self.mx_proj(h)).split([self.d_qk, self.d_v, self.d_v], dim=-1)
         q = z * self.gamma[0] + self.beta[0]  # eq. 3
         k = z * self.gamma[1] + self.beta[1]  # eq. 4
-        if self.rel_pos == "rope":
+        if self.rel_pos == "rotary":
             q, k = rotary(q), rotary(k)
         rel_pos = "compressed" if self.rel_pos == "compressed" else "original"
         o = sparse_local_attention(q, k, self.hidden_dropout(v), active, self.rel_bias, window=self.window,
-                                   chunk=self.chunk, causal=self.causal, attention=self.attention, rel_pos=rel_pos,
+                                   chunk=self.chunk_size, causal=self.causal, attention=self.attention, rel_pos=rel_pos,
                                    backend=self.backend)  # eq. 6
         return self.h_proj(r * o)  # eq. 8
 
@@ -186,12 +182,12 @@ class SeqBoat(nn.Module):
         real = active.new_ones(active.shape[:2]) if mask is None else mask
         stats = {"stats/act_rate": active[..., 0].sum() / real.sum().clamp(min=1)}
         idx, count = packed_index(active[..., 0])
-        stats["stats/attn_span"] = attention_span(idx, count, self.window, self.chunk, self.causal)
+        stats["stats/attn_span"] = attention_span(idx, count, self.window, self.chunk_size, self.causal)
         if self.modules == "gau_ffn":
             stats["stats/act_rate_ffn"] = active[..., 1].sum() / real.sum().clamp(min=1)
         return {key: value.float() for key, value in stats.items()}
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_qk={self.d_qk}, d_v={self.d_v}, window={self.window}, "
-                f"chunk={self.chunk}, attention={self.attention}, rel_pos={self.rel_pos}, router={self.router_kind}, "
+                f"chunk_size={self.chunk_size}, attention={self.attention}, rel_pos={self.rel_pos}, router={self.router_kind}, "
                 f"modules={self.modules}, causal={self.causal}")

@@ -19,7 +19,7 @@ class Transformer(nn.Module):
         d_model: width D (given by the backbone).
         n_heads: heads H; D must be divisible by H.
         causal: mask future keys (language modeling).
-        attn_dropout: dropout on the attention weights (training only).
+        attention_dropout: dropout on the attention weights (training only).
         implementation: "sdpa" (PyTorch's fused attention) or "materialized" (the L x L matrix written out as two
             matmuls and a softmax: the Transformer the papers' speed and memory tables compare against).
         backend: unused by SDPA itself; kept so every mixer yaml can carry `backend: ${ops.backend}`.
@@ -27,7 +27,7 @@ class Transformer(nn.Module):
 
     gated_residual = False
 
-    def __init__(self, d_model: int, n_heads: int = 8, *, causal: bool = False, attn_dropout: float = 0.0,
+    def __init__(self, d_model: int, n_heads: int = 8, *, causal: bool = False, attention_dropout: float = 0.0,
                  bias: bool = True, implementation: str = "sdpa", backend: str = "auto"):
         super().__init__()
         if implementation not in IMPLEMENTATIONS:
@@ -35,7 +35,7 @@ class Transformer(nn.Module):
         self.implementation = implementation
         if d_model % n_heads:
             raise ValueError(f"model.d_model={d_model} must be divisible by model.mixer.n_heads={n_heads}")
-        self.n_heads, self.causal, self.attn_dropout = n_heads, causal, attn_dropout
+        self.n_heads, self.causal, self.attention_dropout = n_heads, causal, attention_dropout
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.out = nn.Linear(d_model, d_model, bias=bias)
 
@@ -47,7 +47,7 @@ class Transformer(nn.Module):
             attn_mask = mask[:, None, None, :]  # [B, 1, 1, L] keys
             if self.causal:
                 attn_mask = attn_mask & torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-        dropout = self.attn_dropout if self.training else 0.0
+        dropout = self.attention_dropout if self.training else 0.0
         if self.implementation == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout,
                                                is_causal=self.causal and attn_mask is None)

@@ -257,7 +257,7 @@ def table_markdown(table: dict, filled) -> str:
              "", "| Model | " + " | ".join(COLUMN_TITLES.get(c, c) for c in columns) + " |",
              "|---|" + "---|" * len(columns)]
     for row, cells in filled:
-        label = row["label"] + (f" (`{row['model']}`" + (f", `+ablation={row['ablation']}`" if row.get("ablation")
+        label = row["label"] + (f" (`{row['model']}`" + (f", `ablation={row['ablation']}`" if row.get("ablation")
                                                           else "") + ")" if row.get("model") else "")
         lines.append(f"| {label} | " + " | ".join(cell_text(cells[c], _digits(table)) for c in columns) + " |")
     return "\n".join(lines) + "\n"

@@ -4,15 +4,14 @@ scheduled layers, and RNG state in checkpoints (so a resumed run continues exact
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from longmixer.utils.optim import build_optimizer, build_scheduler
+from longmixer.utils.optim import build_optimizer
 
 MODES = ("max", "min")
 
@@ -27,21 +26,24 @@ class SequenceTask(pl.LightningModule):
 
     Args:
         model: the `SequenceModel` (instantiated from `model:`).
-        optim: the `optim` config group (optimizer, lr, weight_decay, betas, eps, scheduler, warmup_steps,
-            warmup_init_lr, end_lr).
+        optim: the `optim` group: a torch optimizer partial (`torch.optim.AdamW` with lr, weight_decay, betas, eps),
+            called on the model's parameter groups.
+        scheduler: the `scheduler` group: a `WarmupSchedule` partial, called as `scheduler(optimizer, total_steps)`.
         monitor: the metric that selects the best checkpoint, e.g. `val/acc` (declared once, interpolated by the
             checkpoint callback, early stopping and hparams_search).
         mode: "max" or "min" for `monitor`.
     """
 
-    def __init__(self, model: nn.Module, optim: Mapping[str, Any], monitor: str = "val/acc", mode: str = "max"):
+    def __init__(self, model: nn.Module, optim: Callable[..., torch.optim.Optimizer],
+                 scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler], monitor: str = "val/acc",
+                 mode: str = "max"):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"task.mode={mode!r} is not one of {MODES}")
         if not monitor.startswith("val/"):
             raise ValueError(f"task.monitor={monitor!r} must be a validation metric (val/...)")
         self.model = model
-        self.optim_cfg = dict(optim)
+        self.optimizer_factory, self.scheduler_factory = optim, scheduler
         self.monitor, self.mode = monitor, mode
         # a float, not torchmetrics' MaxMetric: it must travel in checkpoints (MaxMetric state is not persistent)
         self.best_score: float | None = None
@@ -49,10 +51,10 @@ class SequenceTask(pl.LightningModule):
 
     # --- optimization ------------------------------------------------------------------------------------------
     def configure_optimizers(self):
-        optimizer = build_optimizer(self.model, self.optim_cfg)
+        optimizer = build_optimizer(self.model, self.optimizer_factory)
         # computed once here (it can walk the dataloaders), then reused by every training step
         self.total_steps = int(self.trainer.estimated_stepping_batches) if self.trainer is not None else 1
-        scheduler = build_scheduler(optimizer, self.optim_cfg, self.total_steps)
+        scheduler = self.scheduler_factory(optimizer, total_steps=self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_train_batch_start(self, batch, batch_idx):

@@ -11,8 +11,7 @@ ranks), so windowed evaluation reports the papers' per-token numbers: `<stage>/p
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -34,13 +33,14 @@ class LanguageModel(SequenceTask):
     """Causal LM over a `SequenceModel` built with `causal=True` and a per-token head.
 
     Args:
-        model, optim, monitor, mode: see `SequenceTask` (monitor `val/loss`, mode `min`).
+        model, optim, scheduler, monitor, mode: see `SequenceTask` (monitor `val/loss`, mode `min`).
         metric: "ppl" (WikiText-103) | "bpc" (enwik8); the recipe takes it from `${data.metric}`.
     """
 
-    def __init__(self, model: nn.Module, optim: Mapping[str, Any], monitor: str = "val/loss", mode: str = "min",
-                 metric: str = "ppl"):
-        super().__init__(model, optim, monitor=monitor, mode=mode)
+    def __init__(self, model: nn.Module, optim: Callable[..., torch.optim.Optimizer],
+                 scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler], monitor: str = "val/loss",
+                 mode: str = "min", metric: str = "ppl"):
+        super().__init__(model, optim, scheduler, monitor=monitor, mode=mode)
         if getattr(model, "causal", None) is not True:
             raise ValueError("task=language_model needs a causal model: set model.causal=true (a bidirectional mixer "
                              "would see the tokens it predicts)")

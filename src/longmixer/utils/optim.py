@@ -1,4 +1,7 @@
-"""Optimizers, parameter groups and learning-rate schedules shared by every task.
+"""Parameter groups, the optimizer call and the learning-rate schedules shared by every task.
+
+The `optim` config group is a torch optimizer (`_target_: torch.optim.AdamW`, `_partial_: true`, its keys the
+constructor's arguments) and the `scheduler` group one of the `WarmupSchedule` classes below; the task calls both.
 
 Parameter groups: norms, biases and 1-D parameters get no weight decay; a layer can tag a parameter with its own
 learning-rate scale or weight decay through `set_optim_hparams` (EMA coefficients, long-convolution kernels). Buffers
@@ -8,15 +11,13 @@ learning-rate scale or weight decay through `set_optim_hparams` (EMA coefficient
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 OPTIM_ATTR = "_longmixer_optim"
-OPTIMIZERS = ("adamw", "adam", "radam")
-SCHEDULERS = ("linear_decay", "cosine", "constant")
 
 
 def set_optim_hparams(param: nn.Parameter, *, lr_scale: float | None = None,
@@ -66,62 +67,97 @@ def build_param_groups(model: nn.Module, lr: float, weight_decay: float) -> list
     return [{"params": ps, "lr": k[0], "initial_lr": k[0], "weight_decay": k[1]} for k, ps in groups.items()]
 
 
-def build_optimizer(model: nn.Module, cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
-    """AdamW / Adam / RAdam over `build_param_groups(model)`, from the `optim` config group."""
-    name = cfg.get("optimizer", "adamw")
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optim.optimizer={name!r} is not one of {OPTIMIZERS}")
-    lr, wd = float(cfg["lr"]), float(cfg.get("weight_decay", 0.0))
-    if lr <= 0:
-        raise ValueError(f"optim.lr={lr} must be > 0")
-    groups = build_param_groups(model, lr, wd)
-    kwargs = dict(lr=lr, betas=tuple(cfg.get("betas", (0.9, 0.999))), eps=float(cfg.get("eps", 1e-8)))
-    if name == "adamw":
-        return torch.optim.AdamW(groups, **kwargs)
-    if name == "adam":
-        # Adam's coupled L2 matches fairseq's `--optimizer adam --weight-decay` (MEGA / SeqBoat recipes).
-        return torch.optim.Adam(groups, **kwargs)
-    return torch.optim.RAdam(groups, **kwargs)
+def build_optimizer(model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """Call the `optim` group's partial (`torch.optim.AdamW`, `Adam`, `RAdam`, ...) on `build_param_groups(model)`.
 
+    Args:
+        model: the module whose trainable parameters are optimized.
+        optimizer: a `functools.partial` of a torch optimizer with its `lr` and `weight_decay` bound (the `optim`
+            config group with `_partial_: true`); the groups take both from it.
 
-def lr_factor(step: int, *, scheduler: str, total_steps: int, warmup_steps: int, lr: float,
-              warmup_init_lr: float, end_lr: float, warmup_power: float = 1.0) -> float:
-    """The multiplier of the base lr at optimizer step `step` (0-based).
-
-    `linear_decay` follows fairseq's polynomial_decay with power 1 as the MEGA / SeqBoat recipes use it: linear
-    warmup from `warmup_init_lr` to `lr` over `warmup_steps` (polynomial with `warmup_power`; MEGA's Path-X recipe
-    uses 2), then linear decay to `end_lr` at `total_steps`.
-    `cosine`: the same warmup, then half a cosine down to `end_lr`.
+    Raises:
+        ValueError: `lr` missing or not > 0.
     """
-    if scheduler not in SCHEDULERS:
-        raise ValueError(f"optim.scheduler={scheduler!r} is not one of {SCHEDULERS}")
-    if scheduler == "constant" and warmup_steps == 0:
-        return 1.0
-    if step < warmup_steps:
-        start = warmup_init_lr / lr
-        return start + (1.0 - start) * (step / warmup_steps) ** warmup_power
-    if scheduler == "constant":
-        return 1.0
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    end = end_lr / lr
-    if scheduler == "linear_decay":
-        return end + (1.0 - end) * (1.0 - progress)
-    return end + (1.0 - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    kwargs = getattr(optimizer, "keywords", {})
+    lr, wd = kwargs.get("lr"), float(kwargs.get("weight_decay", 0.0))
+    if lr is None or not float(lr) > 0:
+        raise ValueError(f"optim.lr={lr!r} must be > 0 (set it in configs/optim/<name>.yaml or the recipe)")
+    return optimizer(build_param_groups(model, float(lr), wd))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Mapping[str, Any],
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """A per-step LambdaLR implementing `lr_factor`; every param group keeps its own base lr."""
-    warmup = int(cfg.get("warmup_steps", 0))
-    if warmup < 0:
-        raise ValueError(f"optim.warmup_steps={warmup} must be >= 0")
-    lr = float(cfg["lr"])
-    kwargs = dict(scheduler=cfg.get("scheduler", "linear_decay"), total_steps=max(total_steps, 1),
-                  warmup_steps=warmup, lr=lr, warmup_init_lr=float(cfg.get("warmup_init_lr", 0.0)),
-                  end_lr=float(cfg.get("end_lr", 0.0)), warmup_power=float(cfg.get("warmup_power", 1.0)))
-    lr_factor(0, **kwargs)  # validates the scheduler name now, not at the first step
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, **kwargs))
+class WarmupSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """Per-step warmup then decay; every parameter group keeps its own base lr (the factor multiplies each).
+
+    Warmup goes from `warmup_init_lr` to the optimizer's lr over `warmup_steps`, polynomially with `warmup_power`
+    (1: linear, fairseq's `polynomial_decay`; MEGA's Path-X recipe uses 2). Subclasses define the decay.
+
+    Args:
+        optimizer: the optimizer (its `defaults["lr"]` is the peak lr).
+        total_steps: optimizer steps of the whole run (the task passes the trainer's estimate).
+        warmup_steps: steps of warmup (0: none).
+        warmup_init_lr: lr at step 0 (fairseq's `--warmup-init-lr`, 1e-7 in the MEGA / SeqBoat recipes).
+        warmup_power: exponent of the warmup polynomial.
+        end_lr: lr at `total_steps`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
+                 warmup_init_lr: float = 1e-7, warmup_power: float = 1.0, end_lr: float = 0.0):
+        if warmup_steps < 0:
+            raise ValueError(f"scheduler.warmup_steps={warmup_steps} must be >= 0")
+        self.lr = float(optimizer.defaults["lr"])
+        self.total_steps, self.warmup_steps = max(int(total_steps), 1), int(warmup_steps)
+        self.warmup_init_lr, self.warmup_power, self.end_lr = warmup_init_lr, warmup_power, end_lr
+        super().__init__(optimizer, self.factor)
+
+    def factor(self, step: int) -> float:
+        """The multiplier of the base lr at optimizer step `step` (0-based)."""
+        if step < self.warmup_steps:
+            start = self.warmup_init_lr / self.lr
+            return start + (1.0 - start) * (step / self.warmup_steps) ** self.warmup_power
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        end = self.end_lr / self.lr
+        return end + (1.0 - end) * self.decay(progress, step)
+
+    def decay(self, progress: float, step: int) -> float:
+        raise NotImplementedError
+
+
+class LinearDecay(WarmupSchedule):
+    """fairseq's `polynomial_decay` with power 1 (the MEGA / SeqBoat recipes): linear from lr to `end_lr`."""
+
+    def decay(self, progress: float, step: int) -> float:
+        return 1.0 - progress
+
+
+class CosineDecay(WarmupSchedule):
+    """Half a cosine from lr to `end_lr` (the S4 pipeline of LaS; the LRA image and Pathfinder configs)."""
+
+    def decay(self, progress: float, step: int) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Constant(WarmupSchedule):
+    """The lr after warmup stays constant."""
+
+    def decay(self, progress: float, step: int) -> float:
+        return 1.0
+
+
+class InverseSqrtDecay(WarmupSchedule):
+    """lr * sqrt(warmup_steps / step) after warmup: the LRA codebase's `linear_warmup * rsqrt_decay`, whose
+    peak is its `learning_rate / sqrt(warmup)`. `end_lr` is ignored: the decay has no end."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
+                 warmup_init_lr: float = 1e-7, warmup_power: float = 1.0, end_lr: float = 0.0):
+        if warmup_steps < 1:
+            raise ValueError(f"scheduler.warmup_steps={warmup_steps} must be >= 1 for the inverse-sqrt decay")
+        super().__init__(optimizer, total_steps, warmup_steps, warmup_init_lr, warmup_power, end_lr)
+
+    def factor(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return super().factor(step)
+        return math.sqrt(self.warmup_steps / max(step, 1))
 
 
 def count_parameters(module: nn.Module) -> dict[str, int]:
@@ -129,10 +165,3 @@ def count_parameters(module: nn.Module) -> dict[str, int]:
     total = sum(p.numel() for p in module.parameters())
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     return {"total": total, "trainable": trainable, "non_trainable": total - trainable}
-
-
-def iter_tagged(model: nn.Module) -> Iterable[tuple[str, dict]]:
-    """(name, tag) for every parameter tagged by `set_optim_hparams`."""
-    for name, p in model.named_parameters():
-        if hasattr(p, OPTIM_ATTR):
-            yield name, getattr(p, OPTIM_ATTR)

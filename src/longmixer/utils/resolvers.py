@@ -43,9 +43,15 @@ def _run_hash(overrides, exclude_keys) -> str:
 
 
 def _run_name(experiment, model, data) -> str:
-    if experiment not in (None, "None", "null"):
-        return str(experiment)
-    return f"{model}-{data}"
+    """`<family>/<task>` for a recipe run with its own family's model, `<family>/<task>-<model>` for a variant or
+    another family on the recipe (`mega/listops-mega_chunk`), `<model>-<data>` without a recipe."""
+    if experiment in (None, "None", "null"):
+        return f"{model}-{data}"
+    experiment = str(experiment)
+    family = experiment.split("/")[0] if "/" in experiment else None
+    if family is not None and model not in (None, "None", "null", family):
+        return f"{experiment}-{model}"
+    return experiment
 
 
 def _abspath(path: str) -> str:

@@ -1,0 +1,1 @@
+"""The Hydra config tree (`pkg://longmixer.configs`): train.yaml and its groups, shipped with the package."""

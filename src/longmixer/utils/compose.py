@@ -1,0 +1,113 @@
+"""Composing a run config: where the configs live, and how a recipe's per-family mixer block reaches the model.
+
+A recipe (`configs/experiment/<family>/<task>.yaml`) is one (paper, task) cell. Its backbone, data, optim and trainer
+values apply to any model; its mixer arguments sit in `mixers.<name>` blocks, because they only make sense for one
+family. After Hydra has composed the run, `apply_mixer_blocks` merges into `model.mixer`, in this order:
+
+1. `mixers.<family>`  where `<family>` is the chosen model yaml's name up to its first `_` (`mega_chunk` -> `mega`);
+2. `mixers.<model>`   the variant's own values for this cell (`mixers.mega_chunk.chunk_size: 2048` on enwik8);
+3. the command line's `model.mixer.<key>=<value>` overrides, which always win.
+
+Blocks for other families are dropped, so `experiment=las/listops model=transformer` builds a Transformer on LaS's
+ListOps backbone without LaS's `pool_size`. Ablation files (`ablation=<family>/<name>`) write into the same blocks, after
+the recipe, and must name the chosen model's family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+# The config tree ships inside the package: a path for Hydra's compose API and globbing, a search path for
+# `hydra.main` that works from an editable checkout and a regular install alike.
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+CONFIG_SEARCH_PATH = "pkg://longmixer.configs"
+MIXER_BLOCKS = "mixers"
+
+
+class RecipeError(ValueError):
+    """A recipe or ablation whose mixer blocks cannot apply to the chosen model; the message names the fix."""
+
+
+def family_of(model: str) -> str:
+    """The family of a model yaml name: `mega_chunk` -> `mega`, `chela` -> `chela`."""
+    return model.split("_", 1)[0]
+
+
+def model_names(config_dir: str = CONFIG_DIR) -> set[str]:
+    return {p.stem for p in (Path(config_dir) / "model").glob("*.yaml")}
+
+
+def _cli_mixer_overrides(overrides: Sequence[str]) -> list[tuple[str, object]]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides([o for o in overrides if o.lstrip("+~").startswith("model.")])
+    return [(o.key_or_group, o.value()) for o in parsed
+            if o.key_or_group.startswith("model.mixer.") and not o.is_delete()]
+
+
+def apply_mixer_blocks(cfg: DictConfig, choices: Mapping[str, str | None], overrides: Sequence[str] = ()) -> DictConfig:
+    """Merge the blocks of `cfg.mixers` that belong to the chosen model into `cfg.model.mixer` and drop `cfg.mixers`.
+
+    Args:
+        cfg: the composed run config (changed in place and returned).
+        choices: Hydra's group choices (`model`, `ablation`, ...), as in `HydraConfig.get().runtime.choices`.
+        overrides: the command-line overrides; `model.mixer.*` ones are applied again so they win over the blocks.
+
+    Raises:
+        RecipeError: a block named after no model yaml, or an ablation of another family than the model's.
+    """
+    if MIXER_BLOCKS not in cfg:
+        return cfg
+    with open_dict(cfg):
+        blocks = cfg.pop(MIXER_BLOCKS)
+    model = choices.get("model")
+    if blocks is None or model is None:
+        return cfg
+    known = model_names()
+    for name in blocks:
+        if name not in known:
+            raise RecipeError(f"mixers.{name}: no configs/model/{name}.yaml; a mixer block is named after a family "
+                              f"or a model variant, one of {sorted(known)}")
+    family = family_of(model)
+    ablation = choices.get("ablation")
+    if ablation not in (None, "null") and family_of(str(ablation).split("/")[0]) != family:
+        raise RecipeError(f"ablation={ablation} belongs to another family than model={model}; pick an ablation "
+                          f"under configs/ablation/{family}/")
+    for name in dict.fromkeys((family, model)):
+        block = blocks.get(name)
+        if block is None:
+            continue
+        with open_dict(cfg.model.mixer):
+            cfg.model.mixer.merge_with(block)  # interpolations stay unresolved
+    with open_dict(cfg):
+        for key, value in _cli_mixer_overrides(overrides):
+            OmegaConf.update(cfg, key, value, merge=True)
+    return cfg
+
+
+def compose(overrides: Sequence[str] = (), *, config_dir: str = CONFIG_DIR, hydra_config: bool = False) -> DictConfig:
+    """Compose `train.yaml` with `overrides` as `python -m longmixer.train` would, mixer blocks applied.
+
+    Args:
+        overrides: Hydra overrides (`experiment=mega/listops`, `model=mega_chunk`, `data.seq_len=64`).
+        config_dir: the config directory (tests point it at a copy).
+        hydra_config: keep the `hydra` node (needed to register a HydraConfig for an in-process `train()`).
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from longmixer.utils.resolvers import register_resolvers
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+        cfg = hydra_compose("train", overrides=list(overrides), return_hydra_config=True)
+    apply_mixer_blocks(cfg, dict(cfg.hydra.runtime.choices), overrides)
+    if not hydra_config:
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return cfg
