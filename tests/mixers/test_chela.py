@@ -11,6 +11,7 @@ import torch
 
 from longmixer.mixers.chela import CHELA, laplace_feature
 from longmixer.models import SequenceModel
+from longmixer.utils.optim import LinearDecay
 
 CONVS = ["short_long", "long", "ema", "s4d"]
 
@@ -124,7 +125,8 @@ def test_test_stage_runs_the_reparameterized_form():
     labels = trained_logits.argmax(-1)
     labels[:2] = (labels[:2] + 1) % 3  # accuracy 4/6 under the trained form
     samples = [{"inputs": tokens[i], "mask": mask[i], "labels": labels[i]} for i in range(6)]
-    task = Classification(model, optim={"optimizer": "adamw", "lr": 1e-3})
+    task = Classification(model, partial(torch.optim.AdamW, lr=1e-3), partial(LinearDecay, warmup_steps=0),
+                          num_classes=3)
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     (result,) = trainer.test(task, dataloaders=torch.utils.data.DataLoader(samples, batch_size=3), verbose=False)

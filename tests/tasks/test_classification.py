@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from torch import nn
 
 from longmixer.tasks.classification import Classification
+from longmixer.utils.optim import LinearDecay
+
+OPTIM = (partial(torch.optim.AdamW, lr=1e-3), partial(LinearDecay, warmup_steps=0))
 
 
 class _Logits(nn.Module):
@@ -17,7 +22,7 @@ class _Logits(nn.Module):
 
 
 def test_epoch_accuracy_counts_samples_not_batch_means():
-    task = Classification(_Logits(), {}, num_classes=3)
+    task = Classification(_Logits(), *OPTIM, num_classes=3)
     logged = {}
     task.log = lambda name, value, **kw: logged.__setitem__(name, value)
     # batch 1: 3 of 3 right; batch 2: 0 of 1 right -> 3 / 4 (the mean of batch means would be 0.5)
@@ -29,4 +34,4 @@ def test_epoch_accuracy_counts_samples_not_batch_means():
 @pytest.mark.parametrize("bad", [1, None, 2.5])
 def test_num_classes_is_checked(bad):
     with pytest.raises(ValueError, match="task.num_classes"):
-        Classification(_Logits(), {}, num_classes=bad)
+        Classification(_Logits(), *OPTIM, num_classes=bad)

@@ -3,8 +3,7 @@ accuracy, masked mean pooling in the model; test accuracy is reported at the bes
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -26,9 +25,10 @@ class Classification(SequenceTask):
         num_classes: the number of labels (the recipe takes it from `${model.num_classes}`).
     """
 
-    def __init__(self, model: nn.Module, optim: Mapping[str, Any], num_classes: int, monitor: str = "val/acc",
-                 mode: str = "max"):
-        super().__init__(model, optim, monitor=monitor, mode=mode)
+    def __init__(self, model: nn.Module, optim: Callable[..., torch.optim.Optimizer],
+                 scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler], num_classes: int,
+                 monitor: str = "val/acc", mode: str = "max"):
+        super().__init__(model, optim, scheduler, monitor=monitor, mode=mode)
         if not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"task.num_classes={num_classes!r} must be an integer >= 2 (set data.num_classes)")
         # accuracy over every sample of the epoch (micro average), summed across ranks by torchmetrics; keyed
