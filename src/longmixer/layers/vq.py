@@ -59,6 +59,9 @@ class VectorQuantizer(nn.Module):
         self.register_buffer("pending_sums", torch.zeros(n_codes, dim), persistent=False)
         self._step: int | None = None
         self._has_pending = False
+        # Python-side: True once a training forward has run the data init (which leaves `initialized` True). The
+        # forward branches on this flag, never on the buffer's value, so it needs no host sync and no graph break.
+        self._init_checked = False
 
     @property
     def codebook(self) -> torch.Tensor:
@@ -78,8 +81,9 @@ class VectorQuantizer(nn.Module):
         """
         B, L, E = k.shape
         flat_mask = None if mask is None else mask.reshape(-1)
-        if self.training and not bool(self.initialized):
+        if self.training and not self._init_checked:
             self._init_from_keys(k.detach().reshape(-1, E), flat_mask)
+            self._init_checked = True
         codebook = self.codebook
         codes, counts, sums = vq_search(k.detach().reshape(-1, E), codebook, flat_mask, backend=self.backend)
         codes = codes.view(B, L)
@@ -99,14 +103,23 @@ class VectorQuantizer(nn.Module):
 
     @torch.no_grad()
     def _init_from_keys(self, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
-        real = keys if mask is None else keys[mask]
-        if real.shape[0] > 0:
-            pick = torch.randint(real.shape[0], (self.n_codes,), device=keys.device)
-            self.sums.copy_(real[pick].float())
-            self.counts.fill_(1.0)
-            if _distributed():
-                dist.broadcast(self.sums, src=0)
+        """Replace the codewords by keys drawn uniformly from the real ones, unless `initialized` is already set
+        (a loaded or hand-set codebook) or the batch has no real key. Written without data-dependent shapes or
+        host reads (a multinomial over the real-key weights, `torch.where` on the flags), so that it traces."""
+        weights = keys.new_ones(keys.shape[0], dtype=torch.float32) if mask is None else mask.float()
+        has_real = weights.sum() > 0
+        pick = torch.multinomial(torch.where(has_real, weights, torch.ones_like(weights)), self.n_codes,
+                                 replacement=True)
+        replace = has_real & ~self.initialized
+        self.sums.copy_(torch.where(replace, keys[pick].float(), self.sums))
+        self.counts.copy_(torch.where(replace, torch.ones_like(self.counts), self.counts))
+        if _distributed():
+            dist.broadcast(self.sums, src=0)
         self.initialized.fill_(True)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._init_checked = False  # the next training forward looks at the loaded `initialized` again
 
     @torch.no_grad()
     def _accumulate(self, counts: torch.Tensor, sums: torch.Tensor) -> None:

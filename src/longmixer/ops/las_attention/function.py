@@ -157,7 +157,7 @@ def las_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torc
             True: the pooling window of column j is j..j+P-1, which keeps the layer causal (for language models).
         scale: logit scale; None means K ** -0.5.
         max_alpha: max(alpha) as a Python float, used to pick the Triton path; None reads it from `alpha` (a host
-            sync on CUDA).
+            sync on CUDA and a graph break under torch.compile: mixers pass it).
         backend: "auto" | "torch" | "triton". torch runs the materialized reference (O(L^2) memory).
 
     Returns:
@@ -178,7 +178,8 @@ def las_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torc
         raise ValueError(f"pool_size={pool_size} must be a positive odd integer (LaS Table 4 uses 3 or 5)")
     if max_alpha is None:
         max_alpha = float(alpha.max())
-    if max_alpha < 0 or (not alpha.is_cuda and float(alpha.min()) < 0):
+    # the value check reads alpha on the host: only in eager mode on the CPU (no device sync, no graph break)
+    if max_alpha < 0 or (not alpha.is_cuda and not torch.compiler.is_compiling() and float(alpha.min()) < 0):
         raise ValueError(f"alpha must be >= 0 (got max {max_alpha}); a negative rate grows with distance")
     if resolve_backend("las_attention", backend, q, k, v) == "torch":
         return las_attention_ref(q, k, v, alpha, pool_size=pool_size, causal_pool=causal_pool, scale=scale)
