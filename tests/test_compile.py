@@ -207,11 +207,9 @@ def _custom_op_cases():
 
 OP_CASES = ["ema_kernel", "ema_chunk", "local_attention", "linear_attention", "las_prep", "las_smooth_values",
             "las_attention", "sparse_local_attention", "vq_search", "vq_attention"]
-SLOW_OP_CASES = {"ema_chunk"}  # ~20 s: the chunked EMA's 32 x 32 tiles, run many times by opcheck
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_OP_CASES else c
-                                  for c in OP_CASES])
+@pytest.mark.parametrize("case", OP_CASES)
 def test_custom_op_is_well_formed(case):
     """torch.library.opcheck on each Triton op (Triton's interpreter on CPU): schema, fake-tensor rule against the
     real outputs, autograd registration, and the op under AOT dispatch with dynamic shapes."""
