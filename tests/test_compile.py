@@ -89,13 +89,17 @@ SLOW_COMPILE = {"mega", "longvq", "seqboat", "seqboat_full"}  # 5-12 s each on 2
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_COMPILE else f
                                     for f in FAMILIES])
 def test_compiled_step_matches_eager(compose, family):
-    """The blocks compiled as `task.compile` does (aot_eager backend on CPU): two training steps (the second after
-    LongVQ's codebook init, a recompile) and an eval forward agree with the eager model."""
+    """The blocks compiled as `task.compile` does (aot_eager backend on CPU): three training steps, each announced
+    by `set_progress` as the task does, and an eval forward agree with the eager model; the blocks compile once for
+    training and once for eval (LongVQ once more after its codebook init), not once per step."""
     model = _model(compose, family)
     eager = copy.deepcopy(model)
     compile_blocks(model, "default", backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
     x, mask = _batch()
-    for _ in range(2):
+    for step in range(3):
+        for net in (eager, model):
+            net.set_progress(step, 10)
         _compare_step(eager, model, x, mask)
         for net in (eager, model):
             net.zero_grad()
@@ -103,6 +107,7 @@ def test_compiled_step_matches_eager(compose, family):
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(x, mask)[0], eager(x, mask)[0])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == (3 if family == "longvq" else 2)
 
 
 TRITON_FAMILIES = ["mega", "mega_chunk", "chela", "longvq", "las", "las_chunk", "seqboat", "seqboat_full"]

@@ -58,6 +58,9 @@ class VectorQuantizer(nn.Module):
         self.register_buffer("pending_counts", torch.zeros(n_codes), persistent=False)
         self.register_buffer("pending_sums", torch.zeros(n_codes, dim), persistent=False)
         self._step: int | None = None
+        # whether set_progress drives the EMA steps; the forward reads this bool, never the step number (an int
+        # attribute read in a compiled forward would recompile it at every step)
+        self._stepped_by_progress = False
         self._has_pending = False
         # Python-side: True once a training forward has run the data init (which leaves `initialized` True). The
         # forward branches on this flag, never on the buffer's value, so it needs no host sync and no graph break.
@@ -126,7 +129,7 @@ class VectorQuantizer(nn.Module):
         self.pending_counts += counts
         self.pending_sums += sums
         self._has_pending = True
-        if self._step is None:
+        if not self._stepped_by_progress:
             self.apply_update()
 
     @torch.no_grad()
@@ -151,6 +154,7 @@ class VectorQuantizer(nn.Module):
         if step != self._step:
             self.apply_update()
         self._step = step
+        self._stepped_by_progress = True
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, n_codes={self.n_codes}, decay={self.decay}, commit_coef={self.commit_coef}"
