@@ -281,3 +281,24 @@ def test_vq_data_init_without_host_reads():
     kept.set_progress(0, 10)
     kept(keys, mask)
     assert torch.equal(kept.sums, before)
+
+
+@pytest.mark.slow
+def test_fit_runs_with_compiled_blocks(compose, monkeypatch):
+    """A 2-step `train()` with task.compile=default compiles the blocks through Lightning's configure_model (with
+    the aot_eager backend here: Inductor's C++ build is slow on CPU) and fits, validates and tests."""
+    import longmixer.tasks.base as base
+    from longmixer.train import train
+    from tests.conftest import TINY_LISTOPS, TINY_TRAINER
+
+    calls = []
+    original = base.compile_blocks
+
+    def compile_with_aot_eager(model, mode, backend="inductor"):
+        calls.append(mode)
+        return original(model, mode, backend="aot_eager")
+
+    monkeypatch.setattr(base, "compile_blocks", compile_with_aot_eager)
+    results = train(compose([*TINY_LISTOPS, *TINY_TRAINER, "model.n_layers=1", "task.compile=default"]))
+    assert calls == ["default"]  # fit and test share one task: compiled once
+    assert {"test/acc", "val/acc"} <= set(results["metrics"])
