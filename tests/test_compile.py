@@ -302,3 +302,22 @@ def test_fit_runs_with_compiled_blocks(compose, monkeypatch):
     results = train(compose([*TINY_LISTOPS, *TINY_TRAINER, "model.n_layers=1", "task.compile=default"]))
     assert calls == ["default"]  # fit and test share one task: compiled once
     assert {"test/acc", "val/acc"} <= set(results["metrics"])
+
+
+def test_attention_dropout_seed_traces(compose):
+    """local_attention's Philox seed is a tensor input drawn by torch's generator: the model with attention
+    dropout traces as one graph, and the compiled forward drops what the eager one drops under the same seed."""
+    model = _model(compose, "mega_chunk", backend="triton",
+                   extra=("model.n_layers=1", "model.d_model=16", "data.seq_len=32", "model.causal=true",
+                          "model.mixer.attention_dropout=0.3"))
+    for module in model.modules():
+        if isinstance(module, MultiHeadEMA):
+            module.backend = "torch"
+    x, mask = _batch(32)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(5)
+    dropped = compiled(x, mask)[0]
+    torch.manual_seed(5)
+    torch.testing.assert_close(dropped, model(x, mask)[0])
+    torch.manual_seed(6)
+    assert not torch.allclose(compiled(x, mask)[0], dropped)
