@@ -9,10 +9,11 @@ import torch
 from torch import Tensor
 
 from longmixer.ops.backend import resolve_backend
+from longmixer.ops.custom import backward_call, call, define, no_gradient_for, register_autograd
 from longmixer.ops.ema.reference import ema_kernel_ref, ema_ref
 
 
-@torch.library.custom_op("longmixer::ema_kernel_fwd", mutates_args=())
+@define("longmixer::ema_kernel_fwd")
 def ema_kernel_fwd_op(c: Tensor, q: Tensor, length: int) -> Tensor:
     """k[d, t] = sum_n c[d, n] q[d, n]^t by the Triton kernel of `kernel.py`, in c's dtype."""
     from longmixer.ops.ema import kernel  # lazy: Triton is imported only when the triton backend runs
@@ -25,7 +26,7 @@ def _(c, q, length):
     return c.new_empty(c.shape[0], length)
 
 
-@torch.library.custom_op("longmixer::ema_kernel_bwd", mutates_args=())
+@define("longmixer::ema_kernel_bwd")
 def ema_kernel_bwd_op(c: Tensor, q: Tensor, dk: Tensor) -> list[Tensor]:
     """[dc, dq] in c's dtype for the kernel gradient dk."""
     from longmixer.ops.ema import kernel
@@ -46,11 +47,11 @@ def _ema_kernel_setup(ctx, inputs, output):
 
 def _ema_kernel_backward(ctx, dk):
     c, q = ctx.saved_tensors
-    dc, dq = ema_kernel_bwd_op(c, q, dk)
+    dc, dq = backward_call(ctx, ema_kernel_bwd_op, c, q, dk)
     return dc, dq.to(q.dtype), None  # c, q, length
 
 
-ema_kernel_fwd_op.register_autograd(_ema_kernel_backward, setup_context=_ema_kernel_setup)
+register_autograd(ema_kernel_fwd_op, _ema_kernel_backward, _ema_kernel_setup)
 
 
 def _chunk_work_dtype(x: Tensor) -> torch.dtype:
@@ -58,7 +59,7 @@ def _chunk_work_dtype(x: Tensor) -> torch.dtype:
     return torch.float32 if x.dtype == torch.float64 else x.dtype
 
 
-@torch.library.custom_op("longmixer::ema_chunk_fwd", mutates_args=())
+@define("longmixer::ema_chunk_fwd")
 def ema_chunk_fwd_op(x: Tensor, c: Tensor, q: Tensor, bidirectional: bool) -> list[Tensor]:
     """The untruncated EMA convolution (causal or two-sided) by the chunked state-passing kernels of `chunked.py`:
     no FFT and no (D, N, L) tensor. Returns [y in x's dtype, xt [B, D, L] and the first CHUNK kernel taps k], the
@@ -81,7 +82,7 @@ def _(x, c, q, bidirectional):
             c.new_empty(c.shape[0], chunked.CHUNK, dtype=torch.float32)]
 
 
-@torch.library.custom_op("longmixer::ema_chunk_bwd", mutates_args=())
+@define("longmixer::ema_chunk_bwd")
 def ema_chunk_bwd_op(xt: Tensor, k: Tensor, c: Tensor, q: Tensor, dy: Tensor, bidirectional: bool,
                      x_dtype: torch.dtype) -> list[Tensor]:
     """[dx in x_dtype, dc, dq in c's dtype] for the output gradient dy."""
@@ -101,17 +102,18 @@ def _(xt, k, c, q, dy, bidirectional, x_dtype):
 def _ema_chunk_setup(ctx, inputs, output):
     x, c, q, bidirectional = inputs
     _, xt, k = output
+    no_gradient_for(ctx, xt, k)
     ctx.save_for_backward(xt, k, c, q)
     ctx.bidirectional, ctx.x_dtype = bidirectional, x.dtype
 
 
 def _ema_chunk_backward(ctx, grads):
     xt, k, c, q = ctx.saved_tensors
-    dx, dc, dq = ema_chunk_bwd_op(xt, k, c, q, grads[0], ctx.bidirectional, ctx.x_dtype)
+    dx, dc, dq = backward_call(ctx, ema_chunk_bwd_op, xt, k, c, q, grads[0], ctx.bidirectional, ctx.x_dtype)
     return dx, dc, dq.to(q.dtype), None  # x, c, q, bidirectional
 
 
-ema_chunk_fwd_op.register_autograd(_ema_chunk_backward, setup_context=_ema_chunk_setup)
+register_autograd(ema_chunk_fwd_op, _ema_chunk_backward, _ema_chunk_setup)
 
 
 def fft_length(n: int) -> int:
@@ -189,7 +191,7 @@ def ema_kernel(coef_in: torch.Tensor, decay: torch.Tensor, coef_out: torch.Tenso
     _check(coef_in, decay, coef_out, length)
     if resolve_backend("ema_kernel", backend, coef_in, decay, coef_out) == "torch":
         return ema_kernel_ref(coef_in, decay, coef_out, length)
-    return ema_kernel_fwd_op(coef_in * coef_out, decay, length)
+    return call(ema_kernel_fwd_op, coef_in * coef_out, decay, length)
 
 
 def ema(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: torch.Tensor, *,
@@ -223,7 +225,7 @@ def ema(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: t
         return ema_ref(x, coef_in, decay, coef_out, bidirectional=bidirectional, truncation=truncation)
     _check(coef_in, decay, coef_out, K)
     if K == L:
-        return ema_chunk_fwd_op(x, coef_in * coef_out, decay, bidirectional)[0]
+        return call(ema_chunk_fwd_op, x, coef_in * coef_out, decay, bidirectional)[0]
     return ema_fft(x, coef_in, decay, coef_out, bidirectional=bidirectional, truncation=K)
 
 
@@ -234,5 +236,5 @@ def ema_fft(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_ou
     chunked state-passing kernels do not apply."""
     L = x.shape[1]
     K = L if truncation is None else min(truncation, L)
-    kernel = ema_kernel_fwd_op(coef_in * coef_out, decay, K)  # [Dk, K]
+    kernel = call(ema_kernel_fwd_op, coef_in * coef_out, decay, K)  # [Dk, K]
     return ema_conv_fast(x, kernel, bidirectional).to(x.dtype)

@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from longmixer.ops.backend import resolve_backend
+from longmixer.ops.custom import backward_call, call, define, no_gradient_for, register_autograd
 from longmixer.ops.las_attention.reference import las_attention_ref
 
 # Largest alpha * (L - 1) / 2 (the exponent of each centred separable factor) for which the SDPA path is used.
@@ -29,7 +30,7 @@ def _pool_offsets(pool_size: int, causal_pool: bool) -> tuple[int, int]:
     return -((pool_size - 1) // 2), -((pool_size - 1) // 2)  # centred window: M is symmetric
 
 
-@torch.library.custom_op("longmixer::las_prep", mutates_args=())
+@define("longmixer::las_prep")
 def las_prep_op(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, pool_size: int, offset: int,
                 adjoint_offset: int) -> list[Tensor]:
     """(q, k, v) -> [q * f_q, k * f_k, M v] with the centred separable decay factors, one Triton pass. `offset` is the
@@ -56,14 +57,14 @@ def _las_prep_setup(ctx, inputs, output):
 def _las_prep_backward(ctx, grads):
     (alpha,) = ctx.saved_tensors
     pool_size, offset, adjoint_offset = ctx.cfg
-    dq, dk, dv = las_prep_op(*grads, alpha, pool_size, adjoint_offset, offset)
+    dq, dk, dv = backward_call(ctx, las_prep_op, *grads, alpha, pool_size, adjoint_offset, offset)
     return dq, dk, dv, None, None, None, None  # q, k, v, alpha, pool_size, offset, adjoint_offset
 
 
-las_prep_op.register_autograd(_las_prep_backward, setup_context=_las_prep_setup)
+register_autograd(las_prep_op, _las_prep_backward, _las_prep_setup)
 
 
-@torch.library.custom_op("longmixer::las_smooth_values", mutates_args=())
+@define("longmixer::las_smooth_values")
 def las_smooth_values_op(v: Tensor, alpha: Tensor, pool_size: int, offset: int, adjoint_offset: int) -> Tensor:
     """v -> M v (the smoothing of V alone, for the flash kernel path); the backward swaps the offsets (M^T)."""
     from longmixer.ops.las_attention.kernel import las_prep
@@ -79,13 +80,14 @@ def _(v, alpha, pool_size, offset, adjoint_offset):
 def _smooth_backward(ctx, dvs):
     (alpha,) = ctx.saved_tensors
     pool_size, offset, adjoint_offset = ctx.cfg
-    return las_smooth_values_op(dvs, alpha, pool_size, adjoint_offset, offset), None, None, None, None
+    dv = backward_call(ctx, las_smooth_values_op, dvs, alpha, pool_size, adjoint_offset, offset)
+    return dv, None, None, None, None  # v, alpha, pool_size, offset, adjoint_offset
 
 
-las_smooth_values_op.register_autograd(_smooth_backward, setup_context=_las_prep_setup)
+register_autograd(las_smooth_values_op, _smooth_backward, _las_prep_setup)
 
 
-@torch.library.custom_op("longmixer::las_attention_fwd", mutates_args=())
+@define("longmixer::las_attention_fwd")
 def las_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, scale: float) -> list[Tensor]:
     """Causal softmax attention with logits scale * exp(-alpha_h (i - j)) q_i . k_j, flash-style, O(L) memory:
     [o, the log2-domain logsumexp [B, H, L] float32]."""
@@ -100,7 +102,7 @@ def _(q, k, v, alpha, scale):
     return [q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=torch.float32)]
 
 
-@torch.library.custom_op("longmixer::las_attention_bwd", mutates_args=())
+@define("longmixer::las_attention_bwd")
 def las_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                          scale: float) -> list[Tensor]:
     """[dq, dk, dv] of `las_attention_fwd_op`."""
@@ -116,32 +118,33 @@ def _(q, k, v, alpha, o, lse, do, scale):
 
 def _las_attention_setup(ctx, inputs, output):
     q, k, v, alpha, scale = inputs
+    no_gradient_for(ctx, output[1])
     ctx.save_for_backward(q, k, v, alpha, *output)
     ctx.scale = scale
 
 
 def _las_attention_backward(ctx, grads):
     q, k, v, alpha, o, lse = ctx.saved_tensors
-    dq, dk, dv = las_attention_bwd_op(q, k, v, alpha, o, lse, grads[0], ctx.scale)
+    dq, dk, dv = backward_call(ctx, las_attention_bwd_op, q, k, v, alpha, o, lse, grads[0], ctx.scale)
     return dq, dk, dv, None, None  # q, k, v, alpha, scale
 
 
-las_attention_fwd_op.register_autograd(_las_attention_backward, setup_context=_las_attention_setup)
+register_autograd(las_attention_fwd_op, _las_attention_backward, _las_attention_setup)
 
 
 def las_attention_separable(q, k, v, alpha, *, pool_size: int = 1, causal_pool: bool = False,
                             scale: float | None = None) -> torch.Tensor:
     """Triton path 1: the fused prep pass, then causal SDPA. Valid while alpha (L - 1) / 2 is within
     SEPARABLE_EXPONENT_LIMIT for the dtype; `las_attention` checks that."""
-    qs, ks, vs = las_prep_op(q, k, v, alpha, pool_size, *_pool_offsets(pool_size, causal_pool))
+    qs, ks, vs = call(las_prep_op, q, k, v, alpha, pool_size, *_pool_offsets(pool_size, causal_pool))
     return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
 
 
 def las_attention_flash(q, k, v, alpha, *, pool_size: int = 1, causal_pool: bool = False,
                         scale: float | None = None) -> torch.Tensor:
     """Triton path 2: smooth V, then the flash-style kernel with the decay rebased per tile (any alpha >= 0)."""
-    vs = las_smooth_values_op(v, alpha, pool_size, *_pool_offsets(pool_size, causal_pool)) if pool_size > 1 else v
-    return las_attention_fwd_op(q, k, vs, alpha, q.shape[-1] ** -0.5 if scale is None else scale)[0]
+    vs = call(las_smooth_values_op, v, alpha, pool_size, *_pool_offsets(pool_size, causal_pool)) if pool_size > 1 else v
+    return call(las_attention_fwd_op, q, k, vs, alpha, q.shape[-1] ** -0.5 if scale is None else scale)[0]
 
 
 def las_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, *, pool_size: int = 1,

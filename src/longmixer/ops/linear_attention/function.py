@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from longmixer.ops.backend import resolve_backend
+from longmixer.ops.custom import backward_call, call, define, no_gradient_for, register_autograd
 from longmixer.ops.linear_attention.reference import linear_attention_ref
 
 MAX_HEAD_DIM = 128  # a program keeps a [head width, column tile] float32 state in registers; wider heads spill
@@ -32,7 +33,7 @@ def _saved_layout(q: Tensor, v: Tensor, g: Tensor | None, causal: bool, normaliz
     return has_h, save_raw and (normalize or g is not None), (p["BH"], p["NS"], p["K"], p["V"])
 
 
-@torch.library.custom_op("longmixer::linear_attention_fwd", mutates_args=())
+@define("longmixer::linear_attention_fwd")
 def linear_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, causal: bool, scale: float,
                             normalize: bool, eps: float, chunk_size: int, save_raw: bool, segments: int | None,
                             block: int | None, warps: int | None, stages: int | None,
@@ -57,7 +58,7 @@ def _(q, k, v, g, causal, scale, normalize, eps, chunk_size, save_raw, segments,
     return [torch.empty_like(v), h, torch.empty_like(v) if has_raw else v.new_empty(0)]
 
 
-@torch.library.custom_op("longmixer::linear_attention_bwd", mutates_args=())
+@define("longmixer::linear_attention_bwd")
 def linear_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, do: Tensor, h: Tensor, raw: Tensor,
                             causal: bool, scale: float, normalize: bool, eps: float, chunk_size: int,
                             segments: int | None, block: int | None, warps: int | None, stages: int | None,
@@ -80,18 +81,19 @@ def _(q, k, v, g, do, h, raw, causal, scale, normalize, eps, chunk_size, segment
 def _setup_context(ctx, inputs, output):
     q, k, v, g, causal, scale, normalize, eps, chunk_size, _, *tune = inputs
     _, h, raw = output
+    no_gradient_for(ctx, h, raw)
     ctx.save_for_backward(q, k, v, g, h, raw)
     ctx.opts = (causal, scale, normalize, eps, chunk_size, *tune)
 
 
 def _backward(ctx, grads):
     q, k, v, g, h, raw = ctx.saved_tensors
-    out = linear_attention_bwd_op(q, k, v, g, grads[0], h, raw, *ctx.opts)
+    out = backward_call(ctx, linear_attention_bwd_op, q, k, v, g, grads[0], h, raw, *ctx.opts)
     # q, k, v, g, then causal, scale, normalize, eps, chunk_size, save_raw and the five tuning overrides
     return (*out[:3], out[3] if g is not None else None) + (None,) * 11
 
 
-linear_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(linear_attention_fwd_op, _backward, _setup_context)
 
 
 def linear_attention_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, causal: bool, scale: float,
@@ -104,8 +106,8 @@ def linear_attention_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, c
         raise ValueError(f"linear_attention tune keys {sorted(set(tune) - set(TUNE_KEYS))} are not among {TUNE_KEYS}")
     tensors = (q, k, v) if g is None else (q, k, v, g)
     save_raw = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return linear_attention_fwd_op(q, k, v, g, causal, scale, normalize, eps, chunk_size, save_raw,
-                                   *(tune.get(key) for key in TUNE_KEYS))[0]
+    return call(linear_attention_fwd_op, q, k, v, g, causal, scale, normalize, eps, chunk_size, save_raw,
+                *(tune.get(key) for key in TUNE_KEYS))[0]
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, chunk_size: int) -> None:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from longmixer.ops.backend import resolve_backend
+from longmixer.ops.custom import backward_call, call, define, no_gradient_for, register_autograd
 from longmixer.ops.local_attention.reference import ATTENTIONS, default_scale, local_attention_ref
 
 
@@ -26,7 +27,7 @@ def _seed_int(seed: Tensor | None) -> int:
     return 0 if seed is None else int(seed.item())
 
 
-@torch.library.custom_op("longmixer::local_attention_fwd", mutates_args=())
+@define("longmixer::local_attention_fwd")
 def local_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: Tensor | None,
                            attention: str, causal: bool, chunk: int, scale: float, dropout: float,
                            seed: Tensor | None) -> list[Tensor]:
@@ -45,7 +46,7 @@ def _(q, k, v, bias, mask, attention, causal, chunk, scale, dropout, seed):
     return [v.new_empty(v.shape, dtype=work), q.new_empty(q.shape[:3], dtype=torch.float32)]
 
 
-@torch.library.custom_op("longmixer::local_attention_bwd", mutates_args=())
+@define("longmixer::local_attention_bwd")
 def local_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, stat: Tensor, do: Tensor,
                            bias: Tensor | None, mask: Tensor | None, attention: str, causal: bool, chunk: int,
                            scale: float, dropout: float, seed: Tensor | None, bias_grad: bool) -> list[Tensor]:
@@ -69,6 +70,7 @@ def _(q, k, v, o, stat, do, bias, mask, attention, causal, chunk, scale, dropout
 def _setup_context(ctx, inputs, output):
     q, k, v, bias, mask, attention, causal, chunk, scale, dropout, seed = inputs
     o, stat = output
+    no_gradient_for(ctx, stat)
     ctx.save_for_backward(q, k, v, o, stat, bias, mask, seed)
     ctx.cfg = (attention, causal, chunk, scale, dropout)
 
@@ -77,14 +79,14 @@ def _backward(ctx, grads):
     q, k, v, o, stat, bias, mask, seed = ctx.saved_tensors
     attention, causal, chunk, scale, dropout = ctx.cfg
     bias_grad = bias is not None and ctx.needs_input_grad[3]
-    out = local_attention_bwd_op(q, k, v, o, stat, grads[0], bias, mask, attention, causal, chunk, scale, dropout,
-                                 seed, bias_grad)
+    out = backward_call(ctx, local_attention_bwd_op, q, k, v, o, stat, grads[0], bias, mask, attention, causal,
+                        chunk, scale, dropout, seed, bias_grad)
     dq, dk, dv = (g.to(t.dtype) for g, t in zip(out[:3], (q, k, v)))
     # gradients for (q, k, v, bias, mask, attention, causal, chunk, scale, dropout, seed); stat gets none
     return dq, dk, dv, out[3] if bias_grad else None, None, None, None, None, None, None, None
 
 
-local_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(local_attention_fwd_op, _backward, _setup_context)
 
 
 def _check(q, k, v, chunk_size, attention, bias, mask) -> int:
@@ -143,6 +145,6 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_
                                    mask=mask, scale=scale, dropout=dropout)
     # drawn from torch's CPU generator (reproducible under torch.manual_seed): a tensor op, no device sync
     seed = torch.randint(0, 2 ** 31 - 1, (1,)) if dropout > 0 else None
-    o, _ = local_attention_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), bias, mask, attention, causal, C,
-                                  scale, dropout, seed)
+    o, _ = call(local_attention_fwd_op, q.contiguous(), k.contiguous(), v.contiguous(), bias, mask, attention, causal,
+                C, scale, dropout, seed)
     return o.to(v.dtype)

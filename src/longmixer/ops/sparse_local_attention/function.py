@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from longmixer.ops.backend import resolve_backend
+from longmixer.ops.custom import backward_call, call, define, no_gradient_for, register_autograd
 from longmixer.ops.sparse_local_attention.reference import ATTENTIONS, REL_POS, sparse_local_attention_ref
 
 
@@ -28,7 +29,7 @@ def packed_index(active: Tensor) -> tuple[Tensor, Tensor]:
     return idx, a.sum(-1).to(torch.int32)
 
 
-@torch.library.custom_op("longmixer::sparse_local_attention_fwd", mutates_args=())
+@define("longmixer::sparse_local_attention_fwd")
 def sparse_local_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, cnt: Tensor, rel_bias: Tensor | None,
                                   window: int | None, chunk: int | None, causal: bool, attention: str,
                                   rel_pos: str) -> list[Tensor]:
@@ -45,7 +46,7 @@ def _(q, k, v, idx, cnt, rel_bias, window, chunk, causal, attention, rel_pos):
     return [torch.empty_like(v, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)]
 
 
-@torch.library.custom_op("longmixer::sparse_local_attention_bwd", mutates_args=())
+@define("longmixer::sparse_local_attention_bwd")
 def sparse_local_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, idx: Tensor, cnt: Tensor,
                                   rel_bias: Tensor | None, lse: Tensor, window: int | None, chunk: int | None,
                                   causal: bool, attention: str, rel_pos: str) -> list[Tensor]:
@@ -67,18 +68,19 @@ def _(q, k, v, o, do, idx, cnt, rel_bias, lse, window, chunk, causal, attention,
 
 def _setup_context(ctx, inputs, output):
     q, k, v, idx, cnt, rel_bias, *opts = inputs
+    no_gradient_for(ctx, output[1])
     ctx.save_for_backward(q, k, v, idx, cnt, rel_bias, *output)
     ctx.opts = opts
 
 
 def _backward(ctx, grads):
     q, k, v, idx, cnt, rel_bias, o, lse = ctx.saved_tensors
-    out = sparse_local_attention_bwd_op(q, k, v, o, grads[0], idx, cnt, rel_bias, lse, *ctx.opts)
+    out = backward_call(ctx, sparse_local_attention_bwd_op, q, k, v, o, grads[0], idx, cnt, rel_bias, lse, *ctx.opts)
     # q, k, v, idx, cnt, rel_bias, window, chunk, causal, attention, rel_pos
     return (*out[:3], None, None, out[3] if rel_bias is not None else None) + (None,) * 5
 
 
-sparse_local_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(sparse_local_attention_fwd_op, _backward, _setup_context)
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, active: Tensor, rel_bias: Tensor | None, window: int | None,
@@ -135,4 +137,5 @@ def sparse_local_attention(q: Tensor, k: Tensor, v: Tensor, active: Tensor, rel_
     if resolve_backend("sparse_local_attention", backend, q, k, v) == "torch":
         return sparse_local_attention_ref(q, k, v, active, rel_bias, **opts)
     idx, cnt = packed_index(active)
-    return sparse_local_attention_fwd_op(q, k, v, idx, cnt, rel_bias, window, chunk, causal, attention, rel_pos)[0]
+    return call(sparse_local_attention_fwd_op, q, k, v, idx, cnt, rel_bias, window, chunk, causal, attention,
+                rel_pos)[0]

@@ -8,6 +8,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from longmixer.ops.backend import resolve_backend
+from longmixer.ops.custom import backward_call, call, define, no_gradient_for, register_autograd
 from longmixer.ops.vq_attention.reference import (ATTENTIONS, code_block_stats, outside_window_stats,
                                                   vq_attention_ref, vq_search_ref)
 
@@ -30,10 +31,10 @@ def vq_search(k: torch.Tensor, codebook: torch.Tensor, mask: torch.Tensor | None
     with torch.no_grad():
         if resolve_backend("vq_search", backend, k, codebook) == "torch":
             return vq_search_ref(k, codebook, mask)
-        return tuple(vq_search_op(k, codebook, mask))
+        return tuple(call(vq_search_op, k, codebook, mask))
 
 
-@torch.library.custom_op("longmixer::vq_search", mutates_args=())
+@define("longmixer::vq_search")
 def vq_search_op(k: Tensor, codebook: Tensor, mask: Tensor | None) -> list[Tensor]:
     """The Triton search: [codes [N] int64, counts [S] float32, sums [S, E] float32]; not differentiable."""
     from longmixer.ops.vq_attention.kernel import vq_search_fwd
@@ -48,7 +49,7 @@ def _(k, codebook, mask):
             k.new_empty(S, E, dtype=torch.float32)]
 
 
-@torch.library.custom_op("longmixer::vq_attention_fwd", mutates_args=())
+@define("longmixer::vq_attention_fwd")
 def vq_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, n_out: Tensor, u_out: Tensor,
                         bias: Tensor | None, mask: Tensor, block_size: int, causal: bool,
                         laplace: bool) -> list[Tensor]:
@@ -69,7 +70,7 @@ def _kernel_args(q, k, v, codebook, n_out, u_out, bias, mask):
             u_out.contiguous(), None if bias is None else bias.float().contiguous(), mask.contiguous())
 
 
-@torch.library.custom_op("longmixer::vq_attention_bwd", mutates_args=())
+@define("longmixer::vq_attention_bwd")
 def vq_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, n_out: Tensor, u_out: Tensor,
                         bias: Tensor | None, mask: Tensor, o: Tensor, lse: Tensor, do: Tensor, block_size: int,
                         causal: bool, laplace: bool) -> list[Tensor]:
@@ -89,18 +90,20 @@ def _(q, k, v, codebook, n_out, u_out, bias, mask, o, lse, do, block_size, causa
 
 def _setup_context(ctx, inputs, output):
     *tensors, block_size, causal, laplace = inputs
+    no_gradient_for(ctx, output[1])
     ctx.save_for_backward(*tensors, *output)
     ctx.cfg = block_size, causal, laplace
 
 
 def _backward(ctx, grads):
     q, k, v, codebook, n_out, u_out, bias, mask, o, lse = ctx.saved_tensors
-    out = vq_attention_bwd_op(q, k, v, codebook, n_out, u_out, bias, mask, o, lse, grads[0], *ctx.cfg)
+    out = backward_call(ctx, vq_attention_bwd_op, q, k, v, codebook, n_out, u_out, bias, mask, o, lse, grads[0],
+                        *ctx.cfg)
     # q, k, v, codebook, n_out, u_out, bias, mask, block_size, causal, laplace
     return (*out[:3], None, None, out[3], out[4] if bias is not None else None, None, None, None, None)
 
 
-vq_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(vq_attention_fwd_op, _backward, _setup_context)
 
 
 def _check(q, k, v, codebook, codes, mask, bias, block_size, attention):
@@ -157,6 +160,6 @@ def vq_attention(q, k, v, codebook, codes, mask=None, bias=None, *, block_size: 
                              attention=attention)
     else:
         n_out, u_out = outside_window_stats(*code_block_stats(codes, v, mask, codebook.shape[0], block_size), causal)
-        o = vq_attention_fwd_op(q, k, v, codebook.detach(), n_out, u_out, bias, mask, block_size, causal,
-                                attention == "laplace")[0]
+        o = call(vq_attention_fwd_op, q, k, v, codebook.detach(), n_out, u_out, bias, mask, block_size, causal,
+                 attention == "laplace")[0]
     return o[:, :L] if pad else o
