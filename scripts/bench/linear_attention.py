@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 
 from longmixer.ops.linear_attention import linear_attention, linear_attention_ref
-from longmixer.ops.linear_attention.function import LinearAttentionFunction
+from longmixer.ops.linear_attention.function import linear_attention_triton
 
 from _common import peak_mem  # scripts/bench/_common.py (this folder is sys.path[0])
 
@@ -213,7 +213,7 @@ def sweep_configs(B, T, H, D, quick, tiles=None, segments=(1, 2, 4, 8, 16, 32)):
 
 
 def sweep(B, T, H, D, device, dtype, quick, tiles=None, segments=(1, 2, 4, 8, 16, 32)):
-    """ms (fwd, fwd+bwd) of LinearAttentionFunction at each configuration of `sweep_configs`."""
+    """ms (fwd, fwd+bwd) of linear_attention_triton at each configuration of `sweep_configs`."""
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(B, T, H, D, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
     do = torch.randn(B, T, H, D, device=device, dtype=dtype, generator=gen)
@@ -222,7 +222,7 @@ def sweep(B, T, H, D, device, dtype, quick, tiles=None, segments=(1, 2, 4, 8, 16
         tune = {key: cfg[key] for key in ("block", "warps", "stages", "segments")}
 
         def f(q, k, v, chunk=cfg["chunk"], tune=tune):
-            return LinearAttentionFunction.apply(q, k, v, None, True, D ** -0.5, False, 1e-5, chunk, tune)
+            return linear_attention_triton(q, k, v, None, True, D ** -0.5, False, 1e-5, chunk, tune)
 
         with torch.no_grad():
             t_f = bench(lambda: f(q, k, v), quick)

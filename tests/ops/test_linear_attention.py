@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longmixer.ops.linear_attention import linear_attention, linear_attention_ref
-from longmixer.ops.linear_attention.function import LinearAttentionFunction
+from longmixer.ops.linear_attention.function import linear_attention_triton
 from longmixer.ops.linear_attention.reference import linear_attention_quadratic
 from tests.ops._helpers import assert_close
 
@@ -100,13 +100,13 @@ def test_kernel_tiles_parity(causal, B, L, H, K, V, chunk, tune, gate, normalize
     q, k, v = tri_in[:3]
     g = tri_in[3] if gate else None
     args = (causal, K ** -0.5, normalize, 1e-5, chunk, tune)
-    out = LinearAttentionFunction.apply(q, k, v, g, *args)
+    out = linear_attention_triton(q, k, v, g, *args)
     tri_grads = torch.autograd.grad(out, tri_in, do.float())
     assert_close("o", ref, out, rtol=TOL_FP32, min_scale=1.0)
     for name, r, t in zip(("dq", "dk", "dv", "dg"), ref_grads, tri_grads):
         assert_close(name, r, t, rtol=TOL_FP32, min_scale=1.0)
     with torch.no_grad():
-        assert_close("o (no grad)", ref, LinearAttentionFunction.apply(q, k, v, g, *args), rtol=TOL_FP32, min_scale=1.0)
+        assert_close("o (no grad)", ref, linear_attention_triton(q, k, v, g, *args), rtol=TOL_FP32, min_scale=1.0)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])

@@ -59,7 +59,13 @@ class VectorQuantizer(nn.Module):
         self.register_buffer("pending_counts", torch.zeros(n_codes), persistent=False)
         self.register_buffer("pending_sums", torch.zeros(n_codes, dim), persistent=False)
         self._step: int | None = None
+        # whether set_progress drives the EMA steps; the forward reads this bool, never the step number (an int
+        # attribute read in a compiled forward would recompile it at every step)
+        self._stepped_by_progress = False
         self._has_pending = False
+        # Python-side: True once a training forward has run the data init (which leaves `initialized` True). The
+        # forward branches on this flag, never on the buffer's value, so it needs no host sync and no graph break.
+        self._init_checked = False
 
     @property
     def codebook(self) -> torch.Tensor:
@@ -79,8 +85,9 @@ class VectorQuantizer(nn.Module):
         """
         B, L, E = k.shape
         flat_mask = None if mask is None else mask.reshape(-1)
-        if self.training and not bool(self.initialized):
+        if self.training and not self._init_checked:
             self._init_from_keys(rearrange(k.detach(), "b l e -> (b l) e"), flat_mask)
+            self._init_checked = True
         codebook = self.codebook
         codes, counts, sums = vq_search(rearrange(k.detach(), "b l e -> (b l) e"), codebook, flat_mask,
                                         backend=self.backend)
@@ -101,21 +108,30 @@ class VectorQuantizer(nn.Module):
 
     @torch.no_grad()
     def _init_from_keys(self, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
-        real = keys if mask is None else keys[mask]
-        if real.shape[0] > 0:
-            pick = torch.randint(real.shape[0], (self.n_codes,), device=keys.device)
-            self.sums.copy_(real[pick].float())
-            self.counts.fill_(1.0)
-            if _distributed():
-                dist.broadcast(self.sums, src=0)
+        """Replace the codewords by keys drawn uniformly from the real ones, unless `initialized` is already set
+        (a loaded or hand-set codebook) or the batch has no real key. Written without data-dependent shapes or
+        host reads (a multinomial over the real-key weights, `torch.where` on the flags), so that it traces."""
+        weights = keys.new_ones(keys.shape[0], dtype=torch.float32) if mask is None else mask.float()
+        has_real = weights.sum() > 0
+        pick = torch.multinomial(torch.where(has_real, weights, torch.ones_like(weights)), self.n_codes,
+                                 replacement=True)
+        replace = has_real & ~self.initialized
+        self.sums.copy_(torch.where(replace, keys[pick].float(), self.sums))
+        self.counts.copy_(torch.where(replace, torch.ones_like(self.counts), self.counts))
+        if _distributed():
+            dist.broadcast(self.sums, src=0)
         self.initialized.fill_(True)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._init_checked = False  # the next training forward looks at the loaded `initialized` again
 
     @torch.no_grad()
     def _accumulate(self, counts: torch.Tensor, sums: torch.Tensor) -> None:
         self.pending_counts += counts
         self.pending_sums += sums
         self._has_pending = True
-        if self._step is None:
+        if not self._stepped_by_progress:
             self.apply_update()
 
     @torch.no_grad()
@@ -140,6 +156,7 @@ class VectorQuantizer(nn.Module):
         if step != self._step:
             self.apply_update()
         self._step = step
+        self._stepped_by_progress = True
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, n_codes={self.n_codes}, decay={self.decay}, commit_coef={self.commit_coef}"

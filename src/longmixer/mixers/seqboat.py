@@ -19,7 +19,7 @@ from longmixer.layers.ema import MultiHeadEMA
 from longmixer.layers.gau import rope
 from longmixer.layers.s4d import S4DConv
 from longmixer.layers.sma import LatentConfigurator, attention_span, compress, extract
-from longmixer.ops.sparse_local_attention import packed_index, sparse_local_attention
+from longmixer.ops.sparse_local_attention import packed_index, packing_capacity, sparse_local_attention
 from longmixer.ops.sparse_local_attention.reference import attention_reach
 
 ROUTERS = ("softmax", "gumbel", "sigmoid", "moe", "always")
@@ -171,7 +171,7 @@ class SeqBoat(nn.Module):
         active, conf = self.decide(h, mask)
         out = self.hx_proj(h) + conf[..., :1].to(h.dtype) * self.gau(h, active[..., 0])  # c * Y + H W + b
         if self.modules == "gau_ffn":  # the second module runs on its own packed tokens (Fig. 2)
-            hc, _, _ = compress(h, active[..., 1])
+            hc, _, _ = compress(h, active[..., 1], packing_capacity(active[..., 1]))
             out = out + conf[..., 1:].to(h.dtype) * extract(self.ffn(hc), active[..., 1])
         out = F.silu(self.dropout(out) + residual)  # section 3.3: S^{l+1} = SiLU(c*Y + HW + b + S^l)
         return out, self.statistics(active, mask)

@@ -1,6 +1,8 @@
 """Explicit backend dispatch for the hot-path ops: `auto` picks Triton on CUDA tensors, the torch reference otherwise.
 
-No probing happens at import time; the choice is made per call from the tensors' device and logged once per op.
+No probing happens at import time; the choice is made per call from the tensors' device only (never from their
+values), so torch.compile traces it into a constant, and logged once per op in eager mode (a logger call would
+break the compiled graph; an eager call of the same op logs it).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def resolve_backend(op: str, backend: str, *tensors: torch.Tensor) -> str:
             raise RuntimeError(f"ops.backend=triton for op {op!r} needs CUDA tensors (or TRITON_INTERPRET=1 to run "
                                "the kernel in Triton's CPU interpreter); set ops.backend=auto or torch on CPU")
         choice = "triton"
-    if (op, choice) not in _logged:
+    if not torch.compiler.is_compiling() and (op, choice) not in _logged:
         _logged.add((op, choice))
         log.info("op %s: backend %s (requested %s)", op, choice, backend)
     return choice

@@ -14,11 +14,43 @@ from torch import nn
 from longmixer.utils.optim import build_optimizer
 
 MODES = ("max", "min")
+COMPILE_MODES = ("auto", "none", "default", "reduce-overhead", "max-autotune")
 
 
 def _numpy_state_to_tensor():
     name, keys, pos, has_gauss, cached = np.random.get_state()
     return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+
+
+def resolve_compile_mode(mode: str, device: torch.device) -> str:
+    """`task.compile=auto` -> "default" on CUDA (fewer, fused kernels and no Python between them; the mixers trace
+    without graph breaks), "none" elsewhere (on a CPU, compiling costs more time than it saves in tests and
+    debugging runs). Any other value is returned as is."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"task.compile={mode!r} is not one of {COMPILE_MODES}; use task.compile=auto")
+    if mode == "auto":
+        return "default" if device.type == "cuda" else "none"
+    return mode
+
+
+def compile_blocks(model: nn.Module, mode: str, backend: str = "inductor") -> nn.Module:
+    """Compile each block of `model` in place (`nn.Module.compile`: parameter names and checkpoints unchanged),
+    or the whole model when it has no `blocks`; "none" leaves it eager.
+
+    The blocks (norm, mixer, FFN) hold nearly all of a step's kernels and are what every path runs through:
+    `model(...)`, and `model.encode(...)` + head in the language-model task. Embedding, pooling and heads stay
+    eager: the adaptive softmax gathers data-dependent rows per cluster. Identical blocks share one compiled graph.
+    `backend` is torch.compile's (the tests use "aot_eager" on CPU; the modes are inductor's and are passed to it
+    only when backend is "inductor").
+    """
+    if mode == "none":
+        return model
+    if mode not in COMPILE_MODES[2:]:
+        raise ValueError(f"compile mode {mode!r} is not one of {COMPILE_MODES[1:]}")
+    blocks = getattr(model, "blocks", None)
+    for module in blocks if isinstance(blocks, nn.ModuleList) else [model]:
+        module.compile(**({"mode": mode} if backend == "inductor" else {}), backend=backend)
+    return model
 
 
 class SequenceTask(pl.LightningModule):
@@ -32,14 +64,21 @@ class SequenceTask(pl.LightningModule):
         monitor: the metric that selects the best checkpoint, e.g. `val/acc` (declared once, interpolated by the
             checkpoint callback, early stopping and hparams_search).
         mode: "max" or "min" for `monitor`.
+        compile: torch.compile mode of the model's blocks (`compile_blocks`): "none" | "default" |
+            "reduce-overhead" | "max-autotune", or "auto": "default" on CUDA, "none" elsewhere (decided in
+            `configure_model` from the trainer's device).
     """
 
     def __init__(self, model: nn.Module, optim: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler], monitor: str = "val/acc",
-                 mode: str = "max"):
+                 mode: str = "max", compile: str = "auto"):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"task.mode={mode!r} is not one of {MODES}")
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"task.compile={compile!r} is not one of {COMPILE_MODES}; use task.compile=auto")
+        self.compile_mode = compile
+        self.compiled_as: str | None = None  # the mode `configure_model` applied, once
         if not monitor.startswith("val/"):
             raise ValueError(f"task.monitor={monitor!r} must be a validation metric (val/...)")
         self.model = model
@@ -48,6 +87,16 @@ class SequenceTask(pl.LightningModule):
         # a float, not torchmetrics' MaxMetric: it must travel in checkpoints (MaxMetric state is not persistent)
         self.best_score: float | None = None
         self.total_steps = 1
+
+    # --- torch.compile (the `task.compile` switch) ------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Compile the model's blocks once per task, for fit, validate and test alike (Lightning calls this hook
+        before each of them, with the trainer's device known)."""
+        if self.compiled_as is not None:
+            return
+        device = self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+        self.compiled_as = resolve_compile_mode(self.compile_mode, device)
+        compile_blocks(self.model, self.compiled_as)
 
     # --- optimization ------------------------------------------------------------------------------------------
     def configure_optimizers(self):

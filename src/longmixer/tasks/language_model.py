@@ -33,14 +33,14 @@ class LanguageModel(SequenceTask):
     """Causal LM over a `SequenceModel` built with `causal=True` and a per-token head.
 
     Args:
-        model, optim, scheduler, monitor, mode: see `SequenceTask` (monitor `val/loss`, mode `min`).
+        model, optim, scheduler, monitor, mode, compile: see `SequenceTask` (monitor `val/loss`, mode `min`).
         metric: "ppl" (WikiText-103) | "bpc" (enwik8); the recipe takes it from `${data.metric}`.
     """
 
     def __init__(self, model: nn.Module, optim: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler], monitor: str = "val/loss",
-                 mode: str = "min", metric: str = "ppl"):
-        super().__init__(model, optim, scheduler, monitor=monitor, mode=mode)
+                 mode: str = "min", metric: str = "ppl", compile: str = "auto"):
+        super().__init__(model, optim, scheduler, monitor=monitor, mode=mode, compile=compile)
         if getattr(model, "causal", None) is not True:
             raise ValueError("task=language_model needs a causal model: set model.causal=true (a bidirectional mixer "
                              "would see the tokens it predicts)")

@@ -1,63 +1,119 @@
 """Public, dispatching MD-EMA ops: `ema_kernel` (Triton kernel generation, no (D, N, L) tensor) and `ema` (the long
 convolution: chunked state-passing Triton kernels for untruncated kernels, kernel generation + cuFFT for truncated
-ones; see README.md). MEGA, arXiv:2209.10655, section 2.2."""
+ones; see README.md). The Triton paths are registered custom ops (`longmixer::ema_*`, see ops/README.md).
+MEGA, arXiv:2209.10655, section 2.2."""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from longmixer.ops.backend import resolve_backend
+from longmixer.ops.custom import backward_call, call, define, no_gradient_for, register_autograd
 from longmixer.ops.ema.reference import ema_kernel_ref, ema_ref
 
 
-class EMAKernelFunction(torch.autograd.Function):
-    """k[d, t] = sum_n c[d, n] q[d, n]^t by the Triton kernels of `kernel.py`."""
+@define("longmixer::ema_kernel_fwd")
+def ema_kernel_fwd_op(c: Tensor, q: Tensor, length: int) -> Tensor:
+    """k[d, t] = sum_n c[d, n] q[d, n]^t by the Triton kernel of `kernel.py`, in c's dtype."""
+    from longmixer.ops.ema import kernel  # lazy: Triton is imported only when the triton backend runs
 
-    @staticmethod
-    def forward(ctx, c: torch.Tensor, q: torch.Tensor, length: int) -> torch.Tensor:
-        from longmixer.ops.ema import kernel  # lazy: Triton is imported only when the triton backend runs
-
-        c32, q32 = c.float().contiguous(), q.float().contiguous()
-        ctx.save_for_backward(c32, q32)
-        ctx.dtype = c.dtype
-        return kernel.ema_kernel_fwd(c32, q32, length).to(c.dtype)
-
-    @staticmethod
-    def backward(ctx, dk: torch.Tensor):
-        from longmixer.ops.ema import kernel
-
-        c32, q32 = ctx.saved_tensors
-        dc, dq = kernel.ema_kernel_bwd(c32, q32, dk.float())
-        # gradients for (c, q, length)
-        return dc.to(ctx.dtype), dq.to(ctx.dtype), None
+    return kernel.ema_kernel_fwd(c.float().contiguous(), q.float().contiguous(), length).to(c.dtype)
 
 
-class EMAChunkFunction(torch.autograd.Function):
+@ema_kernel_fwd_op.register_fake
+def _(c, q, length):
+    return c.new_empty(c.shape[0], length)
+
+
+@define("longmixer::ema_kernel_bwd")
+def ema_kernel_bwd_op(c: Tensor, q: Tensor, dk: Tensor) -> list[Tensor]:
+    """[dc, dq] in c's dtype for the kernel gradient dk."""
+    from longmixer.ops.ema import kernel
+
+    dc, dq = kernel.ema_kernel_bwd(c.float().contiguous(), q.float().contiguous(), dk.float())
+    return [dc.to(c.dtype), dq.to(c.dtype)]
+
+
+@ema_kernel_bwd_op.register_fake
+def _(c, q, dk):
+    return [torch.empty_like(c), torch.empty_like(c)]
+
+
+def _ema_kernel_setup(ctx, inputs, output):
+    c, q, _ = inputs
+    ctx.save_for_backward(c, q)
+
+
+def _ema_kernel_backward(ctx, dk):
+    c, q = ctx.saved_tensors
+    dc, dq = backward_call(ctx, ema_kernel_bwd_op, c, q, dk)
+    return dc, dq.to(q.dtype), None  # c, q, length
+
+
+register_autograd(ema_kernel_fwd_op, _ema_kernel_backward, _ema_kernel_setup)
+
+
+def _chunk_work_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the chunked kernels read x in: float64 runs in float32, like the FFT path."""
+    return torch.float32 if x.dtype == torch.float64 else x.dtype
+
+
+@define("longmixer::ema_chunk_fwd")
+def ema_chunk_fwd_op(x: Tensor, c: Tensor, q: Tensor, bidirectional: bool) -> list[Tensor]:
     """The untruncated EMA convolution (causal or two-sided) by the chunked state-passing kernels of `chunked.py`:
-    no FFT and no (D, N, L) tensor. Gradients for x, c = coef_in * coef_out and q (decay)."""
+    no FFT and no (D, N, L) tensor. Returns [y in x's dtype, xt [B, D, L] and the first CHUNK kernel taps k], the
+    last two kept for the backward."""
+    from longmixer.ops.ema import chunked, kernel  # lazy: Triton is imported only when the triton backend runs
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, c: torch.Tensor, q: torch.Tensor, bidirectional: bool) -> torch.Tensor:
-        from longmixer.ops.ema import chunked, kernel  # lazy: Triton is imported only when the triton backend runs
+    xt = chunked.transpose(x, _chunk_work_dtype(x))  # [B, D, L]: the kernels read rows of the transposed input
+    c32, q32 = c.float().contiguous(), q.float().contiguous()
+    k = kernel.ema_kernel_fwd(c32, q32, chunked.CHUNK)  # the first CHUNK taps: the intra-chunk Toeplitz tile
+    yt = chunked.ema_chunk_fwd(xt, k, c32, q32, bidirectional, out_dtype=xt.dtype)
+    return [chunked.transpose(yt, x.dtype), xt, k]
 
-        # the kernels read rows of the transposed input; float64 runs in float32, like the FFT path
-        xt = chunked.transpose(x, torch.float32 if x.dtype == torch.float64 else None)  # [B, D, L]
-        c32, q32 = c.float().contiguous(), q.float().contiguous()
-        k = kernel.ema_kernel_fwd(c32, q32, chunked.CHUNK)  # the first CHUNK taps: the intra-chunk Toeplitz tile
-        yt = chunked.ema_chunk_fwd(xt, k, c32, q32, bidirectional, out_dtype=xt.dtype)
-        ctx.save_for_backward(xt, k, c32, q32)
-        ctx.bidirectional = bidirectional
-        ctx.dtypes = x.dtype, c.dtype
-        return chunked.transpose(yt, x.dtype)
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        from longmixer.ops.ema import chunked
+@ema_chunk_fwd_op.register_fake
+def _(x, c, q, bidirectional):
+    from longmixer.ops.ema import chunked
 
-        xt, k, c32, q32 = ctx.saved_tensors
-        x_dtype, c_dtype = ctx.dtypes
-        dxt, dc, dq = chunked.ema_chunk_bwd(xt, chunked.transpose(dy, xt.dtype), k, c32, q32, ctx.bidirectional)
-        return chunked.transpose(dxt, x_dtype), dc.to(c_dtype), dq.to(c_dtype), None
+    B, L, D = x.shape
+    return [torch.empty_like(x), x.new_empty(B, D, L, dtype=_chunk_work_dtype(x)),
+            c.new_empty(c.shape[0], chunked.CHUNK, dtype=torch.float32)]
+
+
+@define("longmixer::ema_chunk_bwd")
+def ema_chunk_bwd_op(xt: Tensor, k: Tensor, c: Tensor, q: Tensor, dy: Tensor, bidirectional: bool,
+                     x_dtype: torch.dtype) -> list[Tensor]:
+    """[dx in x_dtype, dc, dq in c's dtype] for the output gradient dy."""
+    from longmixer.ops.ema import chunked
+
+    dxt, dc, dq = chunked.ema_chunk_bwd(xt, chunked.transpose(dy, xt.dtype), k, c.float().contiguous(),
+                                        q.float().contiguous(), bidirectional)
+    return [chunked.transpose(dxt, x_dtype), dc.to(c.dtype), dq.to(c.dtype)]
+
+
+@ema_chunk_bwd_op.register_fake
+def _(xt, k, c, q, dy, bidirectional, x_dtype):
+    B, D, L = xt.shape
+    return [xt.new_empty(B, L, D, dtype=x_dtype), torch.empty_like(c), torch.empty_like(c)]
+
+
+def _ema_chunk_setup(ctx, inputs, output):
+    x, c, q, bidirectional = inputs
+    _, xt, k = output
+    no_gradient_for(ctx, xt, k)
+    ctx.save_for_backward(xt, k, c, q)
+    ctx.bidirectional, ctx.x_dtype = bidirectional, x.dtype
+
+
+def _ema_chunk_backward(ctx, grads):
+    xt, k, c, q = ctx.saved_tensors
+    dx, dc, dq = backward_call(ctx, ema_chunk_bwd_op, xt, k, c, q, grads[0], ctx.bidirectional, ctx.x_dtype)
+    return dx, dc, dq.to(q.dtype), None  # x, c, q, bidirectional
+
+
+register_autograd(ema_chunk_fwd_op, _ema_chunk_backward, _ema_chunk_setup)
 
 
 def fft_length(n: int) -> int:
@@ -135,7 +191,7 @@ def ema_kernel(coef_in: torch.Tensor, decay: torch.Tensor, coef_out: torch.Tenso
     _check(coef_in, decay, coef_out, length)
     if resolve_backend("ema_kernel", backend, coef_in, decay, coef_out) == "torch":
         return ema_kernel_ref(coef_in, decay, coef_out, length)
-    return EMAKernelFunction.apply(coef_in * coef_out, decay, length)
+    return call(ema_kernel_fwd_op, coef_in * coef_out, decay, length)
 
 
 def ema(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: torch.Tensor, *,
@@ -169,7 +225,7 @@ def ema(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: t
         return ema_ref(x, coef_in, decay, coef_out, bidirectional=bidirectional, truncation=truncation)
     _check(coef_in, decay, coef_out, K)
     if K == L:
-        return EMAChunkFunction.apply(x, coef_in * coef_out, decay, bidirectional)
+        return call(ema_chunk_fwd_op, x, coef_in * coef_out, decay, bidirectional)[0]
     return ema_fft(x, coef_in, decay, coef_out, bidirectional=bidirectional, truncation=K)
 
 
@@ -180,5 +236,5 @@ def ema_fft(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_ou
     chunked state-passing kernels do not apply."""
     L = x.shape[1]
     K = L if truncation is None else min(truncation, L)
-    kernel = EMAKernelFunction.apply(coef_in * coef_out, decay, K)  # [Dk, K]
+    kernel = call(ema_kernel_fwd_op, coef_in * coef_out, decay, K)  # [Dk, K]
     return ema_conv_fast(x, kernel, bidirectional).to(x.dtype)

@@ -1,4 +1,4 @@
-"""LaS attention (arXiv:2311.16620, section 4.1, eq. 3) with O(L) memory: autograd wrappers and the dispatching op.
+"""LaS attention (arXiv:2311.16620, section 4.1, eq. 3) with O(L) memory: custom ops and the dispatching op.
 
 Two facts make it cheap. AP(A) V = A (M V): the row-wise average pooling moves onto V. And
 exp(-alpha (i - j)) = exp(-alpha i) exp(alpha j): the multiplicative decay of the logits separates into a row scale
@@ -10,9 +10,11 @@ Outside that range a flash-style Triton kernel applies the decay per tile, rebas
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 from torch.nn import functional as F
 
 from longmixer.ops.backend import resolve_backend
+from longmixer.ops.custom import backward_call, call, define, no_gradient_for, register_autograd
 from longmixer.ops.las_attention.reference import las_attention_ref
 
 # Largest alpha * (L - 1) / 2 (the exponent of each centred separable factor) for which the SDPA path is used.
@@ -28,82 +30,121 @@ def _pool_offsets(pool_size: int, causal_pool: bool) -> tuple[int, int]:
     return -((pool_size - 1) // 2), -((pool_size - 1) // 2)  # centred window: M is symmetric
 
 
-class LasPrepFunction(torch.autograd.Function):
-    """(q, k, v) -> (q * f_q, k * f_k, M v) with the centred separable decay factors; one Triton pass each way."""
+@define("longmixer::las_prep")
+def las_prep_op(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, pool_size: int, offset: int,
+                adjoint_offset: int) -> list[Tensor]:
+    """(q, k, v) -> [q * f_q, k * f_k, M v] with the centred separable decay factors, one Triton pass. `offset` is the
+    pooling window's first offset, `adjoint_offset` that of M^T: the backward is the same op with the two swapped
+    (same factors, M^T on dv)."""
+    from longmixer.ops.las_attention.kernel import las_prep
 
-    @staticmethod
-    def forward(ctx, q, k, v, alpha, pool_size, causal_pool):
-        from longmixer.ops.las_attention.kernel import las_prep
-
-        fwd_off, ctx.bwd_off = _pool_offsets(pool_size, causal_pool)
-        ctx.pool_size = pool_size
-        ctx.save_for_backward(alpha)
-        return las_prep(q, k, v, alpha, pool_size, fwd_off)
-
-    @staticmethod
-    def backward(ctx, dqs, dks, dvs):
-        from longmixer.ops.las_attention.kernel import las_prep
-
-        (alpha,) = ctx.saved_tensors
-        dq, dk, dv = las_prep(dqs, dks, dvs, alpha, ctx.pool_size, ctx.bwd_off)  # same factors, M^T on dv
-        return dq, dk, dv, None, None, None  # q, k, v, alpha, pool_size, causal_pool
+    return list(las_prep(q, k, v, alpha, pool_size, offset))
 
 
-class SmoothValuesFunction(torch.autograd.Function):
-    """v -> M v (the smoothing of V alone, for the flash kernel path)."""
-
-    @staticmethod
-    def forward(ctx, v, alpha, pool_size, causal_pool):
-        from longmixer.ops.las_attention.kernel import las_prep
-
-        fwd_off, ctx.bwd_off = _pool_offsets(pool_size, causal_pool)
-        ctx.pool_size = pool_size
-        ctx.save_for_backward(alpha)
-        return las_prep(None, None, v, alpha, pool_size, fwd_off)[2]
-
-    @staticmethod
-    def backward(ctx, dvs):
-        from longmixer.ops.las_attention.kernel import las_prep
-
-        (alpha,) = ctx.saved_tensors
-        return las_prep(None, None, dvs, alpha, ctx.pool_size, ctx.bwd_off)[2], None, None, None
+@las_prep_op.register_fake
+def _(q, k, v, alpha, pool_size, offset, adjoint_offset):
+    return [torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format)]
 
 
-class LasAttentionFunction(torch.autograd.Function):
-    """Causal softmax attention with logits scale * exp(-alpha_h (i - j)) q_i . k_j, flash-style, O(L) memory."""
+def _las_prep_setup(ctx, inputs, output):
+    *_, alpha, pool_size, offset, adjoint_offset = inputs
+    ctx.save_for_backward(alpha)
+    ctx.cfg = pool_size, offset, adjoint_offset
 
-    @staticmethod
-    def forward(ctx, q, k, v, alpha, scale):
-        from longmixer.ops.las_attention.kernel import las_attention_fwd
 
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = las_attention_fwd(q, k, v, alpha, scale)
-        ctx.save_for_backward(q, k, v, alpha, o, lse)
-        ctx.scale = scale
-        return o
+def _las_prep_backward(ctx, grads):
+    (alpha,) = ctx.saved_tensors
+    pool_size, offset, adjoint_offset = ctx.cfg
+    dq, dk, dv = backward_call(ctx, las_prep_op, *grads, alpha, pool_size, adjoint_offset, offset)
+    return dq, dk, dv, None, None, None, None  # q, k, v, alpha, pool_size, offset, adjoint_offset
 
-    @staticmethod
-    def backward(ctx, do):
-        from longmixer.ops.las_attention.kernel import las_attention_bwd
 
-        q, k, v, alpha, o, lse = ctx.saved_tensors
-        dq, dk, dv = las_attention_bwd(q, k, v, alpha, o, lse, do, ctx.scale)
-        return dq, dk, dv, None, None  # q, k, v, alpha, scale
+register_autograd(las_prep_op, _las_prep_backward, _las_prep_setup)
+
+
+@define("longmixer::las_smooth_values")
+def las_smooth_values_op(v: Tensor, alpha: Tensor, pool_size: int, offset: int, adjoint_offset: int) -> Tensor:
+    """v -> M v (the smoothing of V alone, for the flash kernel path); the backward swaps the offsets (M^T)."""
+    from longmixer.ops.las_attention.kernel import las_prep
+
+    return las_prep(None, None, v, alpha, pool_size, offset)[2]
+
+
+@las_smooth_values_op.register_fake
+def _(v, alpha, pool_size, offset, adjoint_offset):
+    return torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+def _smooth_backward(ctx, dvs):
+    (alpha,) = ctx.saved_tensors
+    pool_size, offset, adjoint_offset = ctx.cfg
+    dv = backward_call(ctx, las_smooth_values_op, dvs, alpha, pool_size, adjoint_offset, offset)
+    return dv, None, None, None, None  # v, alpha, pool_size, offset, adjoint_offset
+
+
+register_autograd(las_smooth_values_op, _smooth_backward, _las_prep_setup)
+
+
+@define("longmixer::las_attention_fwd")
+def las_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, scale: float) -> list[Tensor]:
+    """Causal softmax attention with logits scale * exp(-alpha_h (i - j)) q_i . k_j, flash-style, O(L) memory:
+    [o, the log2-domain logsumexp [B, H, L] float32]."""
+    from longmixer.ops.las_attention.kernel import las_attention_fwd
+
+    return list(las_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), alpha, scale))
+
+
+@las_attention_fwd_op.register_fake
+def _(q, k, v, alpha, scale):
+    B, H, L, _ = q.shape
+    return [q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=torch.float32)]
+
+
+@define("longmixer::las_attention_bwd")
+def las_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                         scale: float) -> list[Tensor]:
+    """[dq, dk, dv] of `las_attention_fwd_op`."""
+    from longmixer.ops.las_attention.kernel import las_attention_bwd
+
+    return list(las_attention_bwd(q.contiguous(), k.contiguous(), v.contiguous(), alpha, o, lse, do, scale))
+
+
+@las_attention_bwd_op.register_fake
+def _(q, k, v, alpha, o, lse, do, scale):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
+
+
+def _las_attention_setup(ctx, inputs, output):
+    q, k, v, alpha, scale = inputs
+    no_gradient_for(ctx, output[1])
+    ctx.save_for_backward(q, k, v, alpha, *output)
+    ctx.scale = scale
+
+
+def _las_attention_backward(ctx, grads):
+    q, k, v, alpha, o, lse = ctx.saved_tensors
+    dq, dk, dv = backward_call(ctx, las_attention_bwd_op, q, k, v, alpha, o, lse, grads[0], ctx.scale)
+    return dq, dk, dv, None, None  # q, k, v, alpha, scale
+
+
+register_autograd(las_attention_fwd_op, _las_attention_backward, _las_attention_setup)
 
 
 def las_attention_separable(q, k, v, alpha, *, pool_size: int = 1, causal_pool: bool = False,
                             scale: float | None = None) -> torch.Tensor:
     """Triton path 1: the fused prep pass, then causal SDPA. Valid while alpha (L - 1) / 2 is within
     SEPARABLE_EXPONENT_LIMIT for the dtype; `las_attention` checks that."""
-    qs, ks, vs = LasPrepFunction.apply(q, k, v, alpha, pool_size, causal_pool)
+    qs, ks, vs = call(las_prep_op, q, k, v, alpha, pool_size, *_pool_offsets(pool_size, causal_pool))
     return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
 
 
 def las_attention_flash(q, k, v, alpha, *, pool_size: int = 1, causal_pool: bool = False,
                         scale: float | None = None) -> torch.Tensor:
     """Triton path 2: smooth V, then the flash-style kernel with the decay rebased per tile (any alpha >= 0)."""
-    vs = SmoothValuesFunction.apply(v, alpha, pool_size, causal_pool) if pool_size > 1 else v
-    return LasAttentionFunction.apply(q, k, vs, alpha, q.shape[-1] ** -0.5 if scale is None else scale)
+    vs = call(las_smooth_values_op, v, alpha, pool_size, *_pool_offsets(pool_size, causal_pool)) if pool_size > 1 else v
+    return call(las_attention_fwd_op, q, k, vs, alpha, q.shape[-1] ** -0.5 if scale is None else scale)[0]
 
 
 def las_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, *, pool_size: int = 1,
@@ -119,7 +160,7 @@ def las_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torc
             True: the pooling window of column j is j..j+P-1, which keeps the layer causal (for language models).
         scale: logit scale; None means K ** -0.5.
         max_alpha: max(alpha) as a Python float, used to pick the Triton path; None reads it from `alpha` (a host
-            sync on CUDA).
+            sync on CUDA and a graph break under torch.compile: mixers pass it).
         backend: "auto" | "torch" | "triton". torch runs the materialized reference (O(L^2) memory).
 
     Returns:
@@ -140,7 +181,8 @@ def las_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torc
         raise ValueError(f"pool_size={pool_size} must be a positive odd integer (LaS Table 4 uses 3 or 5)")
     if max_alpha is None:
         max_alpha = float(alpha.max())
-    if max_alpha < 0 or (not alpha.is_cuda and float(alpha.min()) < 0):
+    # the value check reads alpha on the host: only in eager mode on the CPU (no device sync, no graph break)
+    if max_alpha < 0 or (not alpha.is_cuda and not torch.compiler.is_compiling() and float(alpha.min()) < 0):
         raise ValueError(f"alpha must be >= 0 (got max {max_alpha}); a negative rate grows with distance")
     if resolve_backend("las_attention", backend, q, k, v) == "torch":
         return las_attention_ref(q, k, v, alpha, pool_size=pool_size, causal_pool=causal_pool, scale=scale)

@@ -1,4 +1,5 @@
-"""Public, dispatching linear attention for CHELA (eq. 2 and 9, arXiv:2406.08128): autograd over the Triton kernels."""
+"""Public, dispatching linear attention for CHELA (eq. 2 and 9, arXiv:2406.08128): the Triton kernels registered as the
+custom ops `longmixer::linear_attention_fwd` / `_bwd` (see ops/README.md)."""
 
 from __future__ import annotations
 
@@ -6,36 +7,107 @@ import torch
 from torch import Tensor
 
 from longmixer.ops.backend import resolve_backend
+from longmixer.ops.custom import backward_call, call, define, no_gradient_for, register_autograd
 from longmixer.ops.linear_attention.reference import linear_attention_ref
 
 MAX_HEAD_DIM = 128  # a program keeps a [head width, column tile] float32 state in registers; wider heads spill
 
 
-class LinearAttentionFunction(torch.autograd.Function):
-    """Autograd over the Triton launchers; `tune` (dict or None) overrides kernel._plan's tiles, warps, stages and
-    segments (benchmark sweeps and tests; None keeps the measured defaults)."""
+TUNE_KEYS = ("segments", "block", "warps", "stages", "fuse_sums")  # what `kernel._plan` lets a caller override
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, causal, scale, normalize, eps, chunk_size, tune):
-        from longmixer.ops.linear_attention import kernel  # Triton is imported only when this backend runs
 
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        g = g.contiguous() if g is not None else None
-        opts = dict(causal=causal, scale=scale, normalize=normalize, eps=eps, chunk_size=chunk_size, tune=tune)
-        # the backward goes through norm and gate from the raw output, saved rather than recomputed
-        o, h, raw = kernel.linear_attention_fwd(q, k, v, g, save_raw=any(ctx.needs_input_grad[:4]), **opts)
-        ctx.save_for_backward(q, k, v, g, h, raw)
-        ctx.opts = opts
-        return o
+def _tune(segments, block, warps, stages, fuse_sums) -> dict | None:
+    tune = {key: value for key, value in zip(TUNE_KEYS, (segments, block, warps, stages, fuse_sums))
+            if value is not None}
+    return tune or None
 
-    @staticmethod
-    def backward(ctx, do):
-        from longmixer.ops.linear_attention import kernel
 
-        q, k, v, g, h, raw = ctx.saved_tensors
-        dq, dk, dv, dg = kernel.linear_attention_bwd(q, k, v, g, do, h, raw, **ctx.opts)
-        # one gradient per forward input: q, k, v, g, causal, scale, normalize, eps, chunk_size, tune
-        return dq, dk, dv, dg, None, None, None, None, None, None
+def _saved_layout(q: Tensor, v: Tensor, g: Tensor | None, causal: bool, normalize: bool, chunk_size: int,
+                  save_raw: bool, tune: dict | None) -> tuple[bool, bool, tuple[int, ...]]:
+    """Whether the forward keeps segment states h and the raw output, and the shape of h (as `kernel.linear_attention_
+    fwd` decides them from sizes only)."""
+    from longmixer.ops.linear_attention import kernel
+
+    p = kernel._plan(q, v, chunk_size, tune)
+    has_h = not causal or p["NS"] > 1
+    return has_h, save_raw and (normalize or g is not None), (p["BH"], p["NS"], p["K"], p["V"])
+
+
+@define("longmixer::linear_attention_fwd")
+def linear_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, causal: bool, scale: float,
+                            normalize: bool, eps: float, chunk_size: int, save_raw: bool, segments: int | None,
+                            block: int | None, warps: int | None, stages: int | None,
+                            fuse_sums: bool | None) -> list[Tensor]:
+    """[o, h, raw]: the output, the segment starting states [BH, NS, K, V] float32 and, with save_raw, the output
+    before norm and gate (the backward reads both; an absent one is an empty tensor). The last five arguments
+    override `kernel._plan` (None keeps the measured default)."""
+    from longmixer.ops.linear_attention import kernel  # Triton is imported only when this backend runs
+
+    o, h, raw = kernel.linear_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(),
+                                            g.contiguous() if g is not None else None, causal=causal, scale=scale,
+                                            normalize=normalize, eps=eps, chunk_size=chunk_size, save_raw=save_raw,
+                                            tune=_tune(segments, block, warps, stages, fuse_sums))
+    return [o, q.new_empty(0) if h is None else h, v.new_empty(0) if raw is None else raw]
+
+
+@linear_attention_fwd_op.register_fake
+def _(q, k, v, g, causal, scale, normalize, eps, chunk_size, save_raw, segments, block, warps, stages, fuse_sums):
+    has_h, has_raw, h_shape = _saved_layout(q, v, g, causal, normalize, chunk_size, save_raw,
+                                            _tune(segments, block, warps, stages, fuse_sums))
+    h = q.new_empty(h_shape, dtype=torch.float32) if has_h else q.new_empty(0)
+    return [torch.empty_like(v), h, torch.empty_like(v) if has_raw else v.new_empty(0)]
+
+
+@define("longmixer::linear_attention_bwd")
+def linear_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, do: Tensor, h: Tensor, raw: Tensor,
+                            causal: bool, scale: float, normalize: bool, eps: float, chunk_size: int,
+                            segments: int | None, block: int | None, warps: int | None, stages: int | None,
+                            fuse_sums: bool | None) -> list[Tensor]:
+    """[dq, dk, dv] and dg when g is given."""
+    from longmixer.ops.linear_attention import kernel
+
+    dq, dk, dv, dg = kernel.linear_attention_bwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous() if g is not None else None, do,
+        h if h.numel() else None, raw if raw.numel() else None, causal=causal, scale=scale, normalize=normalize,
+        eps=eps, chunk_size=chunk_size, tune=_tune(segments, block, warps, stages, fuse_sums))
+    return [dq, dk, dv] + ([] if dg is None else [dg])
+
+
+@linear_attention_bwd_op.register_fake
+def _(q, k, v, g, do, h, raw, causal, scale, normalize, eps, chunk_size, segments, block, warps, stages, fuse_sums):
+    return [torch.empty_like(t) for t in (q, k, v)] + ([] if g is None else [torch.empty_like(g)])
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, causal, scale, normalize, eps, chunk_size, _, *tune = inputs
+    _, h, raw = output
+    no_gradient_for(ctx, h, raw)
+    ctx.save_for_backward(q, k, v, g, h, raw)
+    ctx.opts = (causal, scale, normalize, eps, chunk_size, *tune)
+
+
+def _backward(ctx, grads):
+    q, k, v, g, h, raw = ctx.saved_tensors
+    out = backward_call(ctx, linear_attention_bwd_op, q, k, v, g, grads[0], h, raw, *ctx.opts)
+    # q, k, v, g, then causal, scale, normalize, eps, chunk_size, save_raw and the five tuning overrides
+    return (*out[:3], out[3] if g is not None else None) + (None,) * 11
+
+
+register_autograd(linear_attention_fwd_op, _backward, _setup_context)
+
+
+def linear_attention_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, causal: bool, scale: float,
+                            normalize: bool, eps: float, chunk_size: int, tune: dict | None = None) -> Tensor:
+    """The Triton op on inputs of one dtype, without `linear_attention`'s checks; `tune` (dict or None) overrides
+    kernel._plan's tiles, warps, stages, segments and sum fusion (benchmark sweeps and tests; None keeps the
+    measured defaults). Nothing is saved for a backward when no input needs a gradient."""
+    tune = tune or {}
+    if set(tune) - set(TUNE_KEYS):
+        raise ValueError(f"linear_attention tune keys {sorted(set(tune) - set(TUNE_KEYS))} are not among {TUNE_KEYS}")
+    tensors = (q, k, v) if g is None else (q, k, v, g)
+    save_raw = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return call(linear_attention_fwd_op, q, k, v, g, causal, scale, normalize, eps, chunk_size, save_raw,
+                *(tune.get(key) for key in TUNE_KEYS))[0]
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, chunk_size: int) -> None:
@@ -96,12 +168,4 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None, *
         raise ValueError("linear_attention: float64 inputs run only on backend=torch (the kernel accumulates in "
                          "float32); cast to float32 or set ops.backend=torch")
     tune = None if num_segments is None else {"segments": num_segments}
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        # inference: no autograd node, and nothing kept for a backward (Function.forward cannot tell no_grad apart)
-        from longmixer.ops.linear_attention import kernel
-
-        g = g.contiguous() if g is not None else None
-        return kernel.linear_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), g, causal=causal,
-                                           scale=scale, normalize=normalize, eps=eps, chunk_size=chunk_size,
-                                           save_raw=False, tune=tune)[0]
-    return LinearAttentionFunction.apply(q, k, v, g, causal, scale, normalize, eps, chunk_size, tune)
+    return linear_attention_triton(q, k, v, g, causal, scale, normalize, eps, chunk_size, tune)

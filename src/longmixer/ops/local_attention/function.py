@@ -1,56 +1,92 @@
 """Public, dispatching chunked attention op (MEGA-chunk, LaS-chunk): `local_attention`, with the Triton kernels
-of `kernel.py` behind an autograd Function. MEGA, arXiv:2209.10655, sections 3.1 and 3.3."""
+of `kernel.py` registered as the custom ops `longmixer::local_attention_fwd` / `_bwd` (see ops/README.md).
+MEGA, arXiv:2209.10655, sections 3.1 and 3.3."""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from longmixer.ops.backend import resolve_backend
+from longmixer.ops.custom import backward_call, call, define, no_gradient_for, register_autograd
 from longmixer.ops.local_attention.reference import ATTENTIONS, default_scale, local_attention_ref
 
 
-def _kernel_inputs(q, k, v, bias, mask, chunk: int, dropout: float):
-    """What the kernels read: contiguous q, k, v (float64 runs in float32), the bias as float32 [H or 1, 2C-1],
-    the mask as uint8, and the Philox seed (drawn from torch's generator, so runs are reproducible under
-    torch.manual_seed; 0 without dropout)."""
+def _kernel_inputs(q, k, v, bias, mask, chunk: int):
+    """What the kernels read: contiguous q, k, v (float64 runs in float32), the bias as float32 [H or 1, 2C-1] and
+    the mask as uint8."""
     work = torch.float32 if v.dtype == torch.float64 else v.dtype
     q, k, v = (t.to(work).contiguous() for t in (q, k, v))
     bias32 = None if bias is None else bias.float().reshape(-1, 2 * chunk - 1).contiguous()
     mask8 = None if mask is None else mask.to(torch.uint8).contiguous()
-    seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item()) if dropout > 0 else 0
-    return q, k, v, bias32, mask8, seed
+    return q, k, v, bias32, mask8
 
 
-class LocalAttentionFunction(torch.autograd.Function):
-    """Chunked attention by the Triton kernels; float32 inputs use IEEE dots, float64 inputs run in float32."""
+def _seed_int(seed: Tensor | None) -> int:
+    """The Philox seed as the kernels take it: a CPU int64 tensor (reading it is no device sync), 0 without dropout."""
+    return 0 if seed is None else int(seed.item())
 
-    @staticmethod
-    def forward(ctx, q, k, v, bias, mask, attention: str, causal: bool, chunk: int, scale: float, dropout: float):
-        from longmixer.ops.local_attention import kernel  # lazy: Triton only when the triton backend runs
 
-        dtype = v.dtype
-        q, k, v, bias32, mask8, seed = _kernel_inputs(q, k, v, bias, mask, chunk, dropout)
-        o, stat = kernel.local_attention_fwd(q, k, v, bias32, mask8, attention=attention, causal=causal,
-                                             chunk=chunk, scale=scale, dropout=dropout, seed=seed)
-        ctx.save_for_backward(q, k, v, o, stat, bias32, mask8)
-        bias_meta = None if bias is None else (bias.shape, bias.dtype)
-        ctx.cfg = (attention, causal, chunk, scale, dropout, seed, dtype, bias_meta)
-        return o.to(dtype)
+@define("longmixer::local_attention_fwd")
+def local_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: Tensor | None,
+                           attention: str, causal: bool, chunk: int, scale: float, dropout: float,
+                           seed: Tensor | None) -> list[Tensor]:
+    """The forward kernel as one opaque op: [o (work dtype), stat [B, H, L] float32]."""
+    from longmixer.ops.local_attention import kernel  # lazy: Triton only when the triton backend runs
 
-    @staticmethod
-    def backward(ctx, do):
-        from longmixer.ops.local_attention import kernel
+    q, k, v, bias32, mask8 = _kernel_inputs(q, k, v, bias, mask, chunk)
+    o, stat = kernel.local_attention_fwd(q, k, v, bias32, mask8, attention=attention, causal=causal, chunk=chunk,
+                                         scale=scale, dropout=dropout, seed=_seed_int(seed))
+    return [o, stat]
 
-        q, k, v, o, stat, bias32, mask8 = ctx.saved_tensors
-        attention, causal, chunk, scale, dropout, seed, dtype, bias_meta = ctx.cfg
-        dq, dk, dv, dbias = kernel.local_attention_bwd(q, k, v, o, stat, do.to(q.dtype).contiguous(), bias32, mask8,
-                                                       attention=attention, causal=causal, chunk=chunk,
-                                                       scale=scale, dropout=dropout, seed=seed,
-                                                       bias_grad=ctx.needs_input_grad[3])
-        if dbias is not None:
-            dbias = dbias.reshape(bias_meta[0]).to(bias_meta[1])
-        # gradients for (q, k, v, bias, mask, attention, causal, chunk, scale, dropout)
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dbias, None, None, None, None, None, None
+
+@local_attention_fwd_op.register_fake
+def _(q, k, v, bias, mask, attention, causal, chunk, scale, dropout, seed):
+    work = torch.float32 if v.dtype == torch.float64 else v.dtype
+    return [v.new_empty(v.shape, dtype=work), q.new_empty(q.shape[:3], dtype=torch.float32)]
+
+
+@define("longmixer::local_attention_bwd")
+def local_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, stat: Tensor, do: Tensor,
+                           bias: Tensor | None, mask: Tensor | None, attention: str, causal: bool, chunk: int,
+                           scale: float, dropout: float, seed: Tensor | None, bias_grad: bool) -> list[Tensor]:
+    """The backward kernels: [dq, dk, dv] in the work dtype, then dbias shaped like `bias` when bias_grad."""
+    from longmixer.ops.local_attention import kernel
+
+    q, k, v, bias32, mask8 = _kernel_inputs(q, k, v, bias, mask, chunk)
+    dq, dk, dv, dbias = kernel.local_attention_bwd(q, k, v, o, stat, do.to(q.dtype).contiguous(), bias32, mask8,
+                                                   attention=attention, causal=causal, chunk=chunk, scale=scale,
+                                                   dropout=dropout, seed=_seed_int(seed), bias_grad=bias_grad)
+    return [dq, dk, dv] + ([dbias.reshape(bias.shape).to(bias.dtype)] if bias_grad else [])
+
+
+@local_attention_bwd_op.register_fake
+def _(q, k, v, o, stat, do, bias, mask, attention, causal, chunk, scale, dropout, seed, bias_grad):
+    work = torch.float32 if v.dtype == torch.float64 else v.dtype
+    grads = [t.new_empty(t.shape, dtype=work) for t in (q, k, v)]
+    return grads + ([torch.empty_like(bias)] if bias_grad else [])
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, mask, attention, causal, chunk, scale, dropout, seed = inputs
+    o, stat = output
+    no_gradient_for(ctx, stat)
+    ctx.save_for_backward(q, k, v, o, stat, bias, mask, seed)
+    ctx.cfg = (attention, causal, chunk, scale, dropout)
+
+
+def _backward(ctx, grads):
+    q, k, v, o, stat, bias, mask, seed = ctx.saved_tensors
+    attention, causal, chunk, scale, dropout = ctx.cfg
+    bias_grad = bias is not None and ctx.needs_input_grad[3]
+    out = backward_call(ctx, local_attention_bwd_op, q, k, v, o, stat, grads[0], bias, mask, attention, causal,
+                        chunk, scale, dropout, seed, bias_grad)
+    dq, dk, dv = (g.to(t.dtype) for g, t in zip(out[:3], (q, k, v)))
+    # gradients for (q, k, v, bias, mask, attention, causal, chunk, scale, dropout, seed); stat gets none
+    return dq, dk, dv, out[3] if bias_grad else None, None, None, None, None, None, None, None
+
+
+register_autograd(local_attention_fwd_op, _backward, _setup_context)
 
 
 def _check(q, k, v, chunk_size, attention, bias, mask) -> int:
@@ -107,18 +143,8 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_
     if resolve_backend("local_attention", backend, q, k, v) == "torch":
         return local_attention_ref(q, k, v, chunk_size=C, attention=attention, causal=causal, bias=bias,
                                    mask=mask, scale=scale, dropout=dropout)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
-        return LocalAttentionFunction.apply(q, k, v, bias, mask, attention, causal, C, scale, dropout)
-    return _forward_no_grad(q, k, v, bias, mask, attention, causal, C, scale, dropout)
-
-
-def _forward_no_grad(q, k, v, bias, mask, attention, causal, chunk, scale, dropout) -> torch.Tensor:
-    """The forward kernel without an autograd node and without saving anything (evaluation, `no_grad`): the
-    autograd Function's host cost is a large share of a call at MEGA's chunk sizes (docs/notes/mega.md)."""
-    from longmixer.ops.local_attention import kernel
-
-    dtype = v.dtype
-    q, k, v, bias32, mask8, seed = _kernel_inputs(q, k, v, bias, mask, chunk, dropout)
-    o, _ = kernel.local_attention_fwd(q, k, v, bias32, mask8, attention=attention, causal=causal, chunk=chunk,
-                                      scale=scale, dropout=dropout, seed=seed)
-    return o.to(dtype)
+    # drawn from torch's CPU generator (reproducible under torch.manual_seed): a tensor op, no device sync
+    seed = torch.randint(0, 2 ** 31 - 1, (1,)) if dropout > 0 else None
+    o, _ = call(local_attention_fwd_op, q.contiguous(), k.contiguous(), v.contiguous(), bias, mask, attention, causal,
+                C, scale, dropout, seed)
+    return o.to(v.dtype)

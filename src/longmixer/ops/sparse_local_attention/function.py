@@ -1,4 +1,4 @@
-"""Autograd wrapper and dispatching entry point for SeqBoat's fused compress -> local attention -> extract
+"""Custom ops (see ops/README.md) and dispatching entry point for SeqBoat's fused compress -> local attention -> extract
 (SeqBoat, arXiv 2306.11197, section 3.3, appendix A.1-A.2)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from longmixer.ops.backend import resolve_backend
+from longmixer.ops.custom import backward_call, call, define, no_gradient_for, register_autograd
 from longmixer.ops.sparse_local_attention.reference import ATTENTIONS, REL_POS, sparse_local_attention_ref
 
 
@@ -28,30 +29,58 @@ def packed_index(active: Tensor) -> tuple[Tensor, Tensor]:
     return idx, a.sum(-1).to(torch.int32)
 
 
-class SparseLocalAttentionFunction(torch.autograd.Function):
-    """Fused forward and backward; the packed index is built once and saved."""
+@define("longmixer::sparse_local_attention_fwd")
+def sparse_local_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, cnt: Tensor, rel_bias: Tensor | None,
+                                  window: int | None, chunk: int | None, causal: bool, attention: str,
+                                  rel_pos: str) -> list[Tensor]:
+    """The fused forward over the packed sequence given by `packed_index`: [o [B, L, V], lse [B, L] float32]."""
+    from longmixer.ops.sparse_local_attention import kernel
 
-    @staticmethod
-    def forward(ctx, q, k, v, active, rel_bias, window, chunk, causal, attention, rel_pos):
-        from longmixer.ops.sparse_local_attention import kernel
+    return list(kernel.sparse_local_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), idx, cnt, rel_bias,
+                                                  window=window, chunk=chunk, causal=causal, attention=attention,
+                                                  rel_pos=rel_pos))
 
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        idx, cnt = packed_index(active)
-        opts = dict(window=window, chunk=chunk, causal=causal, attention=attention, rel_pos=rel_pos)
-        o, lse = kernel.sparse_local_attention_fwd(q, k, v, idx, cnt, rel_bias, **opts)
-        ctx.save_for_backward(q, k, v, o, idx, cnt, lse, rel_bias)
-        ctx.opts = opts
-        return o
 
-    @staticmethod
-    def backward(ctx, do):
-        from longmixer.ops.sparse_local_attention import kernel
+@sparse_local_attention_fwd_op.register_fake
+def _(q, k, v, idx, cnt, rel_bias, window, chunk, causal, attention, rel_pos):
+    return [torch.empty_like(v, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)]
 
-        q, k, v, o, idx, cnt, lse, rel_bias = ctx.saved_tensors
-        dq, dk, dv, dbias = kernel.sparse_local_attention_bwd(q, k, v, o, do.contiguous(), idx, cnt, rel_bias, lse,
-                                                              **ctx.opts)
-        # q, k, v, active, rel_bias, window, chunk, causal, attention, rel_pos
-        return dq, dk, dv, None, dbias, None, None, None, None, None
+
+@define("longmixer::sparse_local_attention_bwd")
+def sparse_local_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, idx: Tensor, cnt: Tensor,
+                                  rel_bias: Tensor | None, lse: Tensor, window: int | None, chunk: int | None,
+                                  causal: bool, attention: str, rel_pos: str) -> list[Tensor]:
+    """[dq, dk, dv] and, with a bias, dbias."""
+    from longmixer.ops.sparse_local_attention import kernel
+
+    dq, dk, dv, dbias = kernel.sparse_local_attention_bwd(q.contiguous(), k.contiguous(), v.contiguous(), o,
+                                                          do.contiguous(), idx, cnt, rel_bias, lse, window=window,
+                                                          chunk=chunk, causal=causal, attention=attention,
+                                                          rel_pos=rel_pos)
+    return [dq, dk, dv] + ([] if dbias is None else [dbias])
+
+
+@sparse_local_attention_bwd_op.register_fake
+def _(q, k, v, o, do, idx, cnt, rel_bias, lse, window, chunk, causal, attention, rel_pos):
+    grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
+    return grads + ([] if rel_bias is None else [torch.empty_like(rel_bias)])
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, idx, cnt, rel_bias, *opts = inputs
+    no_gradient_for(ctx, output[1])
+    ctx.save_for_backward(q, k, v, idx, cnt, rel_bias, *output)
+    ctx.opts = opts
+
+
+def _backward(ctx, grads):
+    q, k, v, idx, cnt, rel_bias, o, lse = ctx.saved_tensors
+    out = backward_call(ctx, sparse_local_attention_bwd_op, q, k, v, o, grads[0], idx, cnt, rel_bias, lse, *ctx.opts)
+    # q, k, v, idx, cnt, rel_bias, window, chunk, causal, attention, rel_pos
+    return (*out[:3], None, None, out[3] if rel_bias is not None else None) + (None,) * 5
+
+
+register_autograd(sparse_local_attention_fwd_op, _backward, _setup_context)
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, active: Tensor, rel_bias: Tensor | None, window: int | None,
@@ -107,4 +136,6 @@ def sparse_local_attention(q: Tensor, k: Tensor, v: Tensor, active: Tensor, rel_
     opts = dict(window=window, chunk=chunk, causal=causal, attention=attention, rel_pos=rel_pos)
     if resolve_backend("sparse_local_attention", backend, q, k, v) == "torch":
         return sparse_local_attention_ref(q, k, v, active, rel_bias, **opts)
-    return SparseLocalAttentionFunction.apply(q, k, v, active, rel_bias, window, chunk, causal, attention, rel_pos)
+    idx, cnt = packed_index(active)
+    return call(sparse_local_attention_fwd_op, q, k, v, idx, cnt, rel_bias, window, chunk, causal, attention,
+                rel_pos)[0]

@@ -20,21 +20,38 @@ ATTENTIONS = ("softmax", "relu2")
 REL_POS = ("original", "compressed")
 
 
-def compress_ref(x: Tensor, active: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def packing_capacity(active: Tensor) -> int | None:
+    """The packed length R to use for `active` [B, L]: L (a fixed capacity, decided from sizes only) under
+    torch.compile or on an accelerator, so that no shape depends on the data and nothing is read back to the host;
+    None (the largest activated count, read on the host) in eager mode on the CPU, where that read costs no device
+    sync and the shorter packed sequence saves work. Both give the same result: slots past a row's count are
+    empty and masked."""
+    if torch.compiler.is_compiling() or active.device.type != "cpu":
+        return active.shape[-1]
+    return None
+
+
+def compress_ref(x: Tensor, active: Tensor, capacity: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Left-pack the activated tokens of each row (SeqBoat Listing 1).
 
     Args:
         x: [B, L, D] any dtype.
         active: [B, L] bool, True = the module is activated for this token.
+        capacity: the packed length R (>= the largest activated count, e.g. L); None uses the largest activated
+            count in the batch, read on the host (a data-dependent shape).
 
     Returns:
-        xc: [B, R, D] packed tokens, zero in empty slots; R = the largest activated count in the batch (may be 0).
+        xc: [B, R, D] packed tokens, zero in empty slots.
         positions: [B, R] long, the original position of each packed token (0 in empty slots).
         cmask: [B, R] bool, True = a real packed token.
     """
     a = active.long()
     count = a.sum(-1)  # [B]
-    r = int(count.max()) if count.numel() else 0
+    if capacity is not None and capacity < x.shape[1] and not torch.compiler.is_compiling() \
+            and bool((count > capacity).any()):
+        raise ValueError(f"compress capacity={capacity} is below the largest activated count {int(count.max())}; "
+                         f"use capacity=L={x.shape[1]}")
+    r = capacity if capacity is not None else (int(count.max()) if count.numel() else 0)
     slot = a * torch.cumsum(a, dim=-1)  # [B, L]; 1-based rank, 0 = the dump slot
     shape = (x.shape[0], r + 1, x.shape[-1])
     xc = x.new_zeros(shape).scatter(1, slot.unsqueeze(-1).expand_as(x), x)[:, 1:]  # [B, R, D]
@@ -182,10 +199,11 @@ def sparse_local_attention_ref(q: Tensor, k: Tensor, v: Tensor, active: Tensor, 
     Returns:
         o: [B, L, V], zero at inactive positions.
     """
-    qc, positions, cmask = compress_ref(q, active)
+    capacity = packing_capacity(active)
+    qc, positions, cmask = compress_ref(q, active, capacity)
     if qc.shape[1] == 0:
         return torch.zeros_like(v)
-    kc, vc = compress_ref(k, active)[0], compress_ref(v, active)[0]
+    kc, vc = compress_ref(k, active, capacity)[0], compress_ref(v, active, capacity)[0]
     oc = packed_attention_ref(qc, kc, vc, positions, cmask, rel_bias, window=window, chunk=chunk, causal=causal,
                               attention=attention, rel_pos=rel_pos)
     return extract_ref(oc, active)

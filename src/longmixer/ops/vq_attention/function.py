@@ -4,9 +4,11 @@ with per-code statistics) and `vq_attention` (eqs. 16-18, blockwise, linear in L
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 from torch.nn import functional as F
 
 from longmixer.ops.backend import resolve_backend
+from longmixer.ops.custom import backward_call, call, define, no_gradient_for, register_autograd
 from longmixer.ops.vq_attention.reference import (ATTENTIONS, code_block_stats, outside_window_stats,
                                                   vq_attention_ref, vq_search_ref)
 
@@ -29,32 +31,79 @@ def vq_search(k: torch.Tensor, codebook: torch.Tensor, mask: torch.Tensor | None
     with torch.no_grad():
         if resolve_backend("vq_search", backend, k, codebook) == "torch":
             return vq_search_ref(k, codebook, mask)
-        from longmixer.ops.vq_attention.kernel import vq_search_fwd
-        return vq_search_fwd(k, codebook, mask)
+        return tuple(call(vq_search_op, k, codebook, mask))
 
 
-class VQAttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, codebook, n_out, u_out, bias, mask, block_size, causal, laplace):
-        from longmixer.ops.vq_attention.kernel import vq_attention_fwd
-        args = (q.contiguous(), k.contiguous(), v.contiguous(), codebook.detach().contiguous(), n_out.contiguous(),
-                u_out.contiguous(), None if bias is None else bias.float().contiguous(), mask.contiguous())
-        o, lse = vq_attention_fwd(*args, block_size, causal, laplace)
-        ctx.save_for_backward(*[a for a in args if a is not None], o, lse)
-        ctx.has_bias, ctx.cfg = bias is not None, (block_size, causal, laplace)
-        return o
+@define("longmixer::vq_search")
+def vq_search_op(k: Tensor, codebook: Tensor, mask: Tensor | None) -> list[Tensor]:
+    """The Triton search: [codes [N] int64, counts [S] float32, sums [S, E] float32]; not differentiable."""
+    from longmixer.ops.vq_attention.kernel import vq_search_fwd
 
-    @staticmethod
-    def backward(ctx, do):
-        from longmixer.ops.vq_attention.kernel_bwd import vq_attention_bwd
-        saved = list(ctx.saved_tensors)
-        q, k, v, codebook, n_out, u_out = saved[:6]
-        bias = saved[6] if ctx.has_bias else None
-        mask, o, lse = saved[-3:]
-        dq, dk, dv, du, dbias = vq_attention_bwd(q, k, v, codebook, n_out, u_out, bias, mask, o, lse, do,
-                                                 *ctx.cfg)
-        # q, k, v, codebook, n_out, u_out, bias, mask, block_size, causal, laplace
-        return dq, dk, dv, None, None, du, dbias, None, None, None, None
+    return list(vq_search_fwd(k, codebook, mask))
+
+
+@vq_search_op.register_fake
+def _(k, codebook, mask):
+    S, E = codebook.shape
+    return [k.new_empty(k.shape[0], dtype=torch.int64), k.new_empty(S, dtype=torch.float32),
+            k.new_empty(S, E, dtype=torch.float32)]
+
+
+@define("longmixer::vq_attention_fwd")
+def vq_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, n_out: Tensor, u_out: Tensor,
+                        bias: Tensor | None, mask: Tensor, block_size: int, causal: bool,
+                        laplace: bool) -> list[Tensor]:
+    """The blockwise forward kernel: [o [B, L, H] in v's dtype, lse [B, L] float32]."""
+    from longmixer.ops.vq_attention.kernel import vq_attention_fwd
+
+    return list(vq_attention_fwd(*_kernel_args(q, k, v, codebook, n_out, u_out, bias, mask),
+                                 block_size, causal, laplace))
+
+
+@vq_attention_fwd_op.register_fake
+def _(q, k, v, codebook, n_out, u_out, bias, mask, block_size, causal, laplace):
+    return [torch.empty_like(v, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)]
+
+
+def _kernel_args(q, k, v, codebook, n_out, u_out, bias, mask):
+    return (q.contiguous(), k.contiguous(), v.contiguous(), codebook.contiguous(), n_out.contiguous(),
+            u_out.contiguous(), None if bias is None else bias.float().contiguous(), mask.contiguous())
+
+
+@define("longmixer::vq_attention_bwd")
+def vq_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, n_out: Tensor, u_out: Tensor,
+                        bias: Tensor | None, mask: Tensor, o: Tensor, lse: Tensor, do: Tensor, block_size: int,
+                        causal: bool, laplace: bool) -> list[Tensor]:
+    """[dq, dk, dv, du] and, with a bias, dbias in the bias's dtype."""
+    from longmixer.ops.vq_attention.kernel_bwd import vq_attention_bwd
+
+    dq, dk, dv, du, dbias = vq_attention_bwd(*_kernel_args(q, k, v, codebook, n_out, u_out, bias, mask), o, lse, do,
+                                             block_size, causal, laplace)
+    return [dq, dk, dv, du.to(u_out.dtype)] + ([] if bias is None else [dbias.to(bias.dtype)])
+
+
+@vq_attention_bwd_op.register_fake
+def _(q, k, v, codebook, n_out, u_out, bias, mask, o, lse, do, block_size, causal, laplace):
+    grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, u_out)]
+    return grads + ([] if bias is None else [torch.empty_like(bias)])
+
+
+def _setup_context(ctx, inputs, output):
+    *tensors, block_size, causal, laplace = inputs
+    no_gradient_for(ctx, output[1])
+    ctx.save_for_backward(*tensors, *output)
+    ctx.cfg = block_size, causal, laplace
+
+
+def _backward(ctx, grads):
+    q, k, v, codebook, n_out, u_out, bias, mask, o, lse = ctx.saved_tensors
+    out = backward_call(ctx, vq_attention_bwd_op, q, k, v, codebook, n_out, u_out, bias, mask, o, lse, grads[0],
+                        *ctx.cfg)
+    # q, k, v, codebook, n_out, u_out, bias, mask, block_size, causal, laplace
+    return (*out[:3], None, None, out[3], out[4] if bias is not None else None, None, None, None, None)
+
+
+register_autograd(vq_attention_fwd_op, _backward, _setup_context)
 
 
 def _check(q, k, v, codebook, codes, mask, bias, block_size, attention):
@@ -111,6 +160,6 @@ def vq_attention(q, k, v, codebook, codes, mask=None, bias=None, *, block_size: 
                              attention=attention)
     else:
         n_out, u_out = outside_window_stats(*code_block_stats(codes, v, mask, codebook.shape[0], block_size), causal)
-        o = VQAttentionFunction.apply(q, k, v, codebook, n_out, u_out, bias, mask, block_size, causal,
-                                      attention == "laplace")
+        o = call(vq_attention_fwd_op, q, k, v, codebook.detach(), n_out, u_out, bias, mask, block_size, causal,
+                 attention == "laplace")[0]
     return o[:, :L] if pad else o

@@ -1,0 +1,323 @@
+"""torch.compile on CPU: every family traces without graph breaks, compiled and eager steps agree, the Triton ops
+are well-formed custom ops (torch.library.opcheck), and the `task.compile` switch resolves and applies.
+
+Graph breaks are counted with `torch._dynamo.explain` on one whole `Block` (norm + mixer + FFN, the unit that
+`task.compile` compiles) and on the whole `SequenceModel` forward (embedding, every block, pooling, head), in
+training mode with gradients on, so the counts cover the training forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+
+from longmixer.layers.ema import MultiHeadEMA
+from longmixer.tasks.base import COMPILE_MODES, compile_blocks, resolve_compile_mode
+
+FAMILIES = ["transformer", "mega", "mega_chunk", "chela", "longvq", "las", "las_chunk", "seqboat", "seqboat_full"]
+TINY = ["~experiment", "data=listops_gen", "data.seq_len=64", "model.n_layers=2", "model.d_model=32"]
+B, L = 2, 64
+
+
+def _model(compose, family: str, backend: str = "torch", extra: tuple[str, ...] = ()):
+    cfg = compose([f"model={family}", *TINY, f"ops.backend={backend}", *extra])
+    torch.manual_seed(0)
+    return instantiate(cfg.model)
+
+
+def _batch(length: int = L):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(1, 10, (B, length), generator=g)
+    mask = torch.ones(B, length, dtype=torch.bool)
+    mask[1, length - length // 4:] = False  # a padded row
+    return x, mask
+
+
+def _loss(out):
+    y, aux = out
+    return y.float().pow(2).mean() + sum(v for k, v in aux.items() if k.startswith("loss/"))
+
+
+def _reasons(explain) -> list[str]:
+    return [f"{r.reason.splitlines()[0]} at {r.user_stack[-1] if r.user_stack else '?'}" for r in explain.break_reasons]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_graph_breaks(compose, family):
+    model = _model(compose, family)
+    x, mask = _batch()
+    block = copy.deepcopy(model.blocks[0])
+    explain = torch._dynamo.explain(block)(torch.randn(B, L, model.d_model), mask)
+    assert explain.graph_break_count == 0, _reasons(explain)
+    explain = torch._dynamo.explain(model)(x, mask)
+    assert explain.graph_break_count == 0, _reasons(explain)
+
+
+def _compare_step(eager, compiled, x, mask):
+    """One training forward + backward of each; outputs, aux, gradients and buffers must agree."""
+    torch.manual_seed(2)
+    out_e = eager(x, mask)
+    torch.manual_seed(2)
+    out_c = compiled(x, mask)
+    torch.testing.assert_close(out_c[0], out_e[0])
+    assert out_c[1].keys() == out_e[1].keys()
+    for key in out_e[1]:
+        torch.testing.assert_close(out_c[1][key], out_e[1][key], msg=key)
+    _loss(out_e).backward()
+    _loss(out_c).backward()
+    for (name, p_c), p_e in zip(compiled.named_parameters(), eager.parameters()):
+        assert (p_c.grad is None) == (p_e.grad is None), name
+        if p_e.grad is not None:
+            torch.testing.assert_close(p_c.grad, p_e.grad, msg=name)
+    for (name, b_c), b_e in zip(compiled.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(b_c, b_e, msg=name)
+
+
+SLOW_COMPILE = {"mega", "longvq", "seqboat", "seqboat_full"}  # 5-12 s each on 2 shared cores
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_COMPILE else f
+                                    for f in FAMILIES])
+def test_compiled_step_matches_eager(compose, family):
+    """The blocks compiled as `task.compile` does (aot_eager backend on CPU): three training steps, each announced
+    by `set_progress` as the task does, and an eval forward agree with the eager model; the blocks compile once for
+    training and once for eval (LongVQ once more after its codebook init), not once per step."""
+    model = _model(compose, family)
+    eager = copy.deepcopy(model)
+    compile_blocks(model, "default", backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    x, mask = _batch()
+    for step in range(3):
+        for net in (eager, model):
+            net.set_progress(step, 10)
+        _compare_step(eager, model, x, mask)
+        for net in (eager, model):
+            net.zero_grad()
+    eager.eval()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, mask)[0], eager(x, mask)[0])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == (3 if family == "longvq" else 2)
+
+
+TRITON_FAMILIES = ["mega", "mega_chunk", "chela", "longvq", "las", "las_chunk", "seqboat", "seqboat_full"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TRITON_FAMILIES)
+def test_triton_path_compiles(compose, family):
+    """The Triton ops (run by Triton's CPU interpreter) inside the compiled model: the whole model traces as one
+    graph (fullgraph=True fails on any break), and the compiled step equals the eager one."""
+    small = ("model.n_layers=1", "data.seq_len=32") + (("model.d_model=8", "model.causal=true") if family == "mega"
+                                                        else ("model.d_model=16",))
+    model = _model(compose, family, backend="triton", extra=small)
+    if family != "mega":
+        # the chunked EMA kernels take about a minute per family in the interpreter; the mega case covers them
+        for module in model.modules():
+            if isinstance(module, MultiHeadEMA):
+                module.backend = "torch"
+    x, mask = _batch(32)
+    eager = copy.deepcopy(model)
+    _compare_step(eager, torch.compile(model, backend="aot_eager", fullgraph=True), x, mask)
+
+
+def test_compile_mode_resolution():
+    assert resolve_compile_mode("auto", torch.device("cpu")) == "none"
+    assert resolve_compile_mode("auto", torch.device("cuda", 0)) == "default"
+    for mode in COMPILE_MODES[1:]:
+        assert resolve_compile_mode(mode, torch.device("cpu")) == mode
+    with pytest.raises(ValueError, match="task.compile='fast'"):
+        resolve_compile_mode("fast", torch.device("cpu"))
+
+
+def test_task_compiles_blocks_once(compose):
+    """`configure_model` applies the resolved mode to every block, once; auto on CPU leaves the model eager."""
+    cfg = compose(["model=mega", *TINY, "task.compile=max-autotune"])
+    task = instantiate(cfg.task)
+    task.configure_model()
+    assert task.compiled_as == "max-autotune"
+    assert all(block._compiled_call_impl is not None for block in task.model.blocks)
+    task.configure_model()  # fit then test call the hook again: nothing changes
+    assert task.compiled_as == "max-autotune"
+    auto = instantiate(compose(["model=mega", *TINY]).task)
+    assert auto.compile_mode == "auto"
+    auto.configure_model()
+    assert auto.compiled_as == "none"
+    assert all(block._compiled_call_impl is None for block in auto.model.blocks)
+
+
+def test_bad_compile_mode_names_the_key(compose):
+    with pytest.raises((ValueError, InstantiationException), match="task.compile='fastest'"):
+        instantiate(compose(["model=mega", *TINY, "task.compile=fastest"]).task)
+
+
+def _leaf(*shape, low: float = -1.0, high: float = 1.0, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + sum(shape))
+    return (torch.rand(*shape, generator=g) * (high - low) + low).requires_grad_()
+
+
+def _custom_op_cases():
+    """(name, op, args) at tiny sizes for every registered Triton op (forward ops carry autograd, so their inputs
+    require grad; opcheck then checks the backward registration and traces it through fake tensors too)."""
+    from longmixer.ops.ema.function import ema_chunk_fwd_op, ema_kernel_fwd_op
+    from longmixer.ops.las_attention.function import las_attention_fwd_op, las_prep_op, las_smooth_values_op
+    from longmixer.ops.linear_attention.function import linear_attention_fwd_op
+    from longmixer.ops.local_attention.function import local_attention_fwd_op
+    from longmixer.ops.sparse_local_attention.function import packed_index, sparse_local_attention_fwd_op
+    from longmixer.ops.vq_attention.function import vq_attention_fwd_op, vq_search_op
+    from longmixer.ops.vq_attention.reference import code_block_stats, outside_window_stats
+
+    mask = torch.ones(1, 16, dtype=torch.bool)
+    mask[0, 12:] = False
+    alpha = torch.tensor([0.0, 0.05])
+    active = torch.rand(1, 16, generator=torch.Generator().manual_seed(0)) < 0.6
+    idx, cnt = packed_index(active)
+    cb = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+    codes = vq_search_op(_leaf(16, 16).detach(), cb, None)[0].view(1, 16)
+    v = _leaf(1, 16, 16, seed=3)
+    n_out, u_out = outside_window_stats(*code_block_stats(codes, v.detach(), mask, 16, 16), False)
+    return [
+        ("ema_kernel", ema_kernel_fwd_op, (_leaf(4, 2), _leaf(4, 2, low=0.1, high=0.9), 8)),
+        ("ema_chunk", ema_chunk_fwd_op, (_leaf(1, 40, 4), _leaf(8, 2), _leaf(8, 2, low=0.1, high=0.9), True)),
+        ("local_attention", local_attention_fwd_op,
+         (_leaf(1, 2, 16, 16), _leaf(1, 2, 16, 16, seed=1), _leaf(1, 2, 16, 16, seed=2), _leaf(2, 15), mask,
+          "softmax", False, 8, 0.25, 0.0, None)),
+        ("linear_attention", linear_attention_fwd_op,
+         (_leaf(1, 32, 1, 16), _leaf(1, 32, 1, 16, seed=1), _leaf(1, 32, 1, 16, seed=2), None, True, 0.25, True,
+          1e-5, 16, True, 2, None, None, None, None)),
+        ("las_prep", las_prep_op,
+         (_leaf(1, 2, 16, 16), _leaf(1, 2, 16, 16, seed=1), _leaf(1, 2, 16, 16, seed=2), alpha, 3, -1, -1)),
+        ("las_smooth_values", las_smooth_values_op, (_leaf(1, 2, 16, 16), alpha, 3, -2, 0)),
+        ("las_attention", las_attention_fwd_op,
+         (_leaf(1, 2, 16, 16), _leaf(1, 2, 16, 16, seed=1), _leaf(1, 2, 16, 16, seed=2), alpha, 0.25)),
+        ("sparse_local_attention", sparse_local_attention_fwd_op,
+         (_leaf(1, 16, 16), _leaf(1, 16, 16, seed=1), _leaf(1, 16, 16, seed=2), idx, cnt, _leaf(31), 4, None,
+          False, "softmax", "original")),
+        ("vq_search", vq_search_op, (_leaf(16, 16).detach(), cb, mask[0])),
+        ("vq_attention", vq_attention_fwd_op,
+         (_leaf(1, 16, 16), cb[codes].requires_grad_(), v, cb, n_out, u_out, _leaf(16, 48), mask, 16, False,
+          False)),
+    ]
+
+
+OP_CASES = ["ema_kernel", "ema_chunk", "local_attention", "linear_attention", "las_prep", "las_smooth_values",
+            "las_attention", "sparse_local_attention", "vq_search", "vq_attention"]
+
+
+@pytest.mark.parametrize("case", OP_CASES)
+def test_custom_op_is_well_formed(case):
+    """torch.library.opcheck on each Triton op (Triton's interpreter on CPU): schema, fake-tensor rule against the
+    real outputs, autograd registration, and the op under AOT dispatch with dynamic shapes."""
+    cases = {name: (op, args) for name, op, args in _custom_op_cases()}
+    assert sorted(cases) == sorted(OP_CASES)
+    op, args = cases[case]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("window,chunk,causal,attention,rel_pos", [
+    (4, None, False, "softmax", "original"), (4, None, True, "relu2", "compressed"),
+    (None, 4, False, "relu2", "original"), (None, None, False, "relu2", "original"),
+    (None, None, True, "softmax", "compressed")])
+def test_fixed_capacity_packing_equals_data_sized(window, chunk, causal, attention, rel_pos):
+    """SeqBoat's compress -> attend -> extract at the fixed capacity L (what runs under torch.compile and on
+    accelerators: no data-dependent shape) gives the result of packing to the largest activated count."""
+    from longmixer.ops.sparse_local_attention.reference import compress_ref, extract_ref, packed_attention_ref
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 24, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    active = torch.rand(2, 24, generator=g) < 0.5
+    active[1, 10:] = False  # rows with different counts
+    rel_bias = torch.randn(47, generator=g, dtype=torch.float64)
+    outs = []
+    for capacity in (None, 24):
+        qc, positions, cmask = compress_ref(q, active, capacity)
+        if capacity is None:
+            r = int(active.sum(-1).max())
+            assert qc.shape[1] == r
+            packed = qc, positions, cmask
+        else:
+            assert qc.shape[1] == 24
+            for dyn, fixed in zip(packed, (qc, positions, cmask)):
+                assert torch.equal(fixed[:, :r], dyn) and not fixed[:, r:].any()
+        kc, vc = compress_ref(k, active, capacity)[0], compress_ref(v, active, capacity)[0]
+        oc = packed_attention_ref(qc, kc, vc, positions, cmask, rel_bias, window=window, chunk=chunk, causal=causal,
+                                  attention=attention, rel_pos=rel_pos)
+        outs.append(extract_ref(oc, active))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="capacity=3"):
+        compress_ref(q, active, 3)
+
+
+def test_vq_data_init_without_host_reads():
+    """The codebook's data init (traced without a host read) takes its codewords from the real keys only, runs on
+    the first training forward, and keeps a codebook already marked initialized."""
+    from longmixer.layers.vq import VectorQuantizer
+
+    torch.manual_seed(0)
+    vq = VectorQuantizer(4, n_codes=8)
+    keys = torch.randn(2, 6, 4)
+    mask = torch.tensor([[True] * 6, [True] * 2 + [False] * 4])
+    keys[~mask] = 100.0  # padded keys: never chosen
+    vq.train()
+    vq.set_progress(0, 10)  # the EMA step waits for the next optimizer step
+    vq(keys, mask)
+    real = keys[mask]
+    assert bool(vq.initialized)
+    assert all(any(torch.equal(row, key) for key in real) for row in vq.sums)
+    kept = VectorQuantizer(4, n_codes=8)
+    kept.initialized.fill_(True)
+    before = kept.sums.clone()
+    kept.train()
+    kept.set_progress(0, 10)
+    kept(keys, mask)
+    assert torch.equal(kept.sums, before)
+
+
+@pytest.mark.slow
+def test_fit_runs_with_compiled_blocks(compose, monkeypatch):
+    """A 2-step `train()` with task.compile=default compiles the blocks through Lightning's configure_model (with
+    the aot_eager backend here: Inductor's C++ build is slow on CPU) and fits, validates and tests."""
+    import longmixer.tasks.base as base
+    from longmixer.train import train
+    from tests.conftest import TINY_LISTOPS, TINY_TRAINER
+
+    calls = []
+    original = base.compile_blocks
+
+    def compile_with_aot_eager(model, mode, backend="inductor"):
+        calls.append(mode)
+        return original(model, mode, backend="aot_eager")
+
+    monkeypatch.setattr(base, "compile_blocks", compile_with_aot_eager)
+    results = train(compose([*TINY_LISTOPS, *TINY_TRAINER, "model.n_layers=1", "task.compile=default"]))
+    assert calls == ["default"]  # fit and test share one task: compiled once
+    assert {"test/acc", "val/acc"} <= set(results["metrics"])
+
+
+def test_attention_dropout_seed_traces(compose):
+    """local_attention's Philox seed is a tensor input drawn by torch's generator: the model with attention
+    dropout traces as one graph, and the compiled forward drops what the eager one drops under the same seed."""
+    model = _model(compose, "mega_chunk", backend="triton",
+                   extra=("model.n_layers=1", "model.d_model=16", "data.seq_len=32", "model.causal=true",
+                          "model.mixer.attention_dropout=0.3"))
+    for module in model.modules():
+        if isinstance(module, MultiHeadEMA):
+            module.backend = "torch"
+    x, mask = _batch(32)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(5)
+    dropped = compiled(x, mask)[0]
+    torch.manual_seed(5)
+    torch.testing.assert_close(dropped, model(x, mask)[0])
+    torch.manual_seed(6)
+    assert not torch.allclose(compiled(x, mask)[0], dropped)
