@@ -1,17 +1,22 @@
 """What every task shares: optimizer + schedule from the `optim` group, aux losses and statistics, progress for
-scheduled layers, and RNG state in checkpoints (so a resumed run continues exactly)."""
+scheduled layers, and every rank's RNG state in checkpoints (so a resumed run continues exactly)."""
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Mapping
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
+from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
 from longmixer.utils.optim import build_optimizer
+
+log = logging.getLogger(__name__)
 
 MODES = ("max", "min")
 COMPILE_MODES = ("auto", "none", "default", "reduce-overhead", "max-autotune")
@@ -163,22 +168,41 @@ class SequenceTask(pl.LightningModule):
 
     # --- checkpoints: RNG states and the best score -------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["longmixer"] = {
-            "best_score": self.best_score,
-            # numpy's key array stored as a tensor so checkpoints stay loadable with torch.load(weights_only=True)
-            "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_state_to_tensor(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        }
+        # Every rank keeps its own RNG state: the ranks are seeded alike, but each draws dropout masks for its own
+        # batches (their shapes differ with their padding), so the states drift apart. Rank 0 writes the file, so
+        # it gathers all of them (Lightning calls this hook on every rank), indexed by global rank.
+        states = [_rng_state()]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            states = [None] * dist.get_world_size()
+            dist.all_gather_object(states, _rng_state())
+        checkpoint["longmixer"] = {"best_score": self.best_score, "rng": states}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("longmixer")
         if state is None:
             return
         self.best_score = state["best_score"]
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        name, keys, pos, has_gauss, cached = rng["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-        random.setstate(rng["python"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        states = state["rng"]
+        if isinstance(states, Mapping):
+            states = [states]  # a checkpoint holding one state for every rank
+        fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
+        if fitting and len(states) != self.trainer.world_size and self.global_rank == 0:
+            log.warning("the checkpoint holds the RNG states of %d rank(s), this run has %d: rank r resumes from "
+                        "the state of rank r %% %d, and the run does not continue exactly as it would have",
+                        len(states), self.trainer.world_size, len(states))
+        _set_rng_state(states[self.global_rank % len(states)])
+
+
+def _rng_state() -> dict:
+    # numpy's key array stored as a tensor so checkpoints stay loadable with torch.load(weights_only=True)
+    return {"torch": torch.get_rng_state(), "numpy": _numpy_state_to_tensor(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(rng: Mapping[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
