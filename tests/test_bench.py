@@ -15,7 +15,7 @@ from longmixer.bench import (BudgetExceeded, _slot, compile_model, compose_model
 def test_plan_covers_every_family_with_a_text_recipe_and_both_transformers():
     names = [name for name, _ in model_specs("text", quick=True)]
     assert names[:2] == ["transformer_materialized", "transformer_sdpa"]
-    assert {"mega", "seqboat", "seqboat_full"} <= set(names)
+    assert {"mega", "mega_chunk", "las_chunk", "seqboat", "seqboat_full"} <= set(names)
     jobs = plan(quick=True)
     assert {j["setting"] for j in jobs} == {"text", "length", "table6"}
     assert all(j["batch"] * j["length"] == 256 for j in jobs if j["setting"] != "table6")

@@ -15,7 +15,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
 from longmixer.layers.ema import MultiHeadEMA
-from longmixer.tasks.base import COMPILE_MODES, compile_blocks, resolve_compile_mode
+from longmixer.utils.compile import COMPILE_MODES, compile_blocks, resolve_compile_mode
 
 FAMILIES = ["transformer", "mega", "mega_chunk", "chela", "longvq", "las", "las_chunk", "seqboat", "seqboat_full"]
 TINY = ["~experiment", "data=listops_gen", "data.seq_len=64", "model.n_layers=2", "model.d_model=32"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
@@ -14,48 +15,17 @@ import torch.distributed as dist
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
+from longmixer.utils.compile import COMPILE_MODES, compile_blocks, resolve_compile_mode
 from longmixer.utils.optim import build_optimizer
 
 log = logging.getLogger(__name__)
 
 MODES = ("max", "min")
-COMPILE_MODES = ("auto", "none", "default", "reduce-overhead", "max-autotune")
 
 
 def _numpy_state_to_tensor():
     name, keys, pos, has_gauss, cached = np.random.get_state()
     return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
-
-
-def resolve_compile_mode(mode: str, device: torch.device) -> str:
-    """`task.compile=auto` -> "default" on CUDA (fewer, fused kernels and no Python between them; the mixers trace
-    without graph breaks), "none" elsewhere (on a CPU, compiling costs more time than it saves in tests and
-    debugging runs). Any other value is returned as is."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"task.compile={mode!r} is not one of {COMPILE_MODES}; use task.compile=auto")
-    if mode == "auto":
-        return "default" if device.type == "cuda" else "none"
-    return mode
-
-
-def compile_blocks(model: nn.Module, mode: str, backend: str = "inductor") -> nn.Module:
-    """Compile each block of `model` in place (`nn.Module.compile`: parameter names and checkpoints unchanged),
-    or the whole model when it has no `blocks`; "none" leaves it eager.
-
-    The blocks (norm, mixer, FFN) hold nearly all of a step's kernels and are what every path runs through:
-    `model(...)`, and `model.encode(...)` + head in the language-model task. Embedding, pooling and heads stay
-    eager: the adaptive softmax gathers data-dependent rows per cluster. Identical blocks share one compiled graph.
-    `backend` is torch.compile's (the tests use "aot_eager" on CPU; the modes are inductor's and are passed to it
-    only when backend is "inductor").
-    """
-    if mode == "none":
-        return model
-    if mode not in COMPILE_MODES[2:]:
-        raise ValueError(f"compile mode {mode!r} is not one of {COMPILE_MODES[1:]}")
-    blocks = getattr(model, "blocks", None)
-    for module in blocks if isinstance(blocks, nn.ModuleList) else [model]:
-        module.compile(**({"mode": mode} if backend == "inductor" else {}), backend=backend)
-    return model
 
 
 class SequenceTask(pl.LightningModule):
