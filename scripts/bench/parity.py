@@ -89,7 +89,9 @@ def cases(quick: bool, device: str):
 
 def run(op, inputs, kwargs, dtypes, backend, compiled):
     leaves = [x.detach().to(d).requires_grad_(x.is_floating_point()) for x, d in zip(inputs, dtypes)]
-    call = (lambda *a: op(*a, **kwargs, backend=backend))
+    def call(*a):
+        return op(*a, **kwargs, backend=backend)
+
     if compiled:
         call = torch.compile(call, fullgraph=True, dynamic=False)
     out = call(*leaves)
