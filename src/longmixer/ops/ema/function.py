@@ -37,7 +37,7 @@ def ema_kernel_bwd_op(c: Tensor, q: Tensor, dk: Tensor) -> list[Tensor]:
 
 @ema_kernel_bwd_op.register_fake
 def _(c, q, dk):
-    return [torch.empty_like(c), torch.empty_like(c)]
+    return [torch.empty_like(c, memory_format=torch.contiguous_format), torch.empty_like(c, memory_format=torch.contiguous_format)]
 
 
 def _ema_kernel_setup(ctx, inputs, output):
@@ -78,7 +78,7 @@ def _(x, c, q, bidirectional):
     from longmixer.ops.ema import chunked
 
     B, L, D = x.shape
-    return [torch.empty_like(x), x.new_empty(B, D, L, dtype=_chunk_work_dtype(x)),
+    return [torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(B, D, L, dtype=_chunk_work_dtype(x)),
             c.new_empty(c.shape[0], chunked.CHUNK, dtype=torch.float32)]
 
 
@@ -96,7 +96,7 @@ def ema_chunk_bwd_op(xt: Tensor, k: Tensor, c: Tensor, q: Tensor, dy: Tensor, bi
 @ema_chunk_bwd_op.register_fake
 def _(xt, k, c, q, dy, bidirectional, x_dtype):
     B, D, L = xt.shape
-    return [xt.new_empty(B, L, D, dtype=x_dtype), torch.empty_like(c), torch.empty_like(c)]
+    return [xt.new_empty(B, L, D, dtype=x_dtype), torch.empty_like(c, memory_format=torch.contiguous_format), torch.empty_like(c, memory_format=torch.contiguous_format)]
 
 
 def _ema_chunk_setup(ctx, inputs, output):

@@ -55,7 +55,8 @@ def _(q, k, v, g, causal, scale, normalize, eps, chunk_size, save_raw, segments,
     has_h, has_raw, h_shape = _saved_layout(q, v, g, causal, normalize, chunk_size, save_raw,
                                             _tune(segments, block, warps, stages, fuse_sums))
     h = q.new_empty(h_shape, dtype=torch.float32) if has_h else q.new_empty(0)
-    return [torch.empty_like(v), h, torch.empty_like(v) if has_raw else v.new_empty(0)]
+    out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    return [out, h, torch.empty_like(out) if has_raw else v.new_empty(0)]
 
 
 @define("longmixer::linear_attention_bwd")
@@ -75,7 +76,8 @@ def linear_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, d
 
 @linear_attention_bwd_op.register_fake
 def _(q, k, v, g, do, h, raw, causal, scale, normalize, eps, chunk_size, segments, block, warps, stages, fuse_sums):
-    return [torch.empty_like(t) for t in (q, k, v)] + ([] if g is None else [torch.empty_like(g)])
+    grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
+    return grads + ([] if g is None else [torch.empty_like(g, memory_format=torch.contiguous_format)])
 
 
 def _setup_context(ctx, inputs, output):

@@ -64,7 +64,7 @@ def local_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, stat: Ten
 def _(q, k, v, o, stat, do, bias, mask, attention, causal, chunk, scale, dropout, seed, bias_grad):
     work = torch.float32 if v.dtype == torch.float64 else v.dtype
     grads = [t.new_empty(t.shape, dtype=work) for t in (q, k, v)]
-    return grads + ([torch.empty_like(bias)] if bias_grad else [])
+    return grads + ([torch.empty_like(bias, memory_format=torch.contiguous_format)] if bias_grad else [])
 
 
 def _setup_context(ctx, inputs, output):

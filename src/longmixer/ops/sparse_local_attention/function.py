@@ -63,7 +63,7 @@ def sparse_local_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do
 @sparse_local_attention_bwd_op.register_fake
 def _(q, k, v, o, do, idx, cnt, rel_bias, lse, window, chunk, causal, attention, rel_pos):
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
-    return grads + ([] if rel_bias is None else [torch.empty_like(rel_bias)])
+    return grads + ([] if rel_bias is None else [torch.empty_like(rel_bias, memory_format=torch.contiguous_format)])
 
 
 def _setup_context(ctx, inputs, output):

@@ -85,7 +85,7 @@ def vq_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, n_out
 @vq_attention_bwd_op.register_fake
 def _(q, k, v, codebook, n_out, u_out, bias, mask, o, lse, do, block_size, causal, laplace):
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, u_out)]
-    return grads + ([] if bias is None else [torch.empty_like(bias)])
+    return grads + ([] if bias is None else [torch.empty_like(bias, memory_format=torch.contiguous_format)])
 
 
 def _setup_context(ctx, inputs, output):
