@@ -321,3 +321,20 @@ def test_attention_dropout_seed_traces(compose):
     torch.testing.assert_close(dropped, model(x, mask)[0])
     torch.manual_seed(6)
     assert not torch.allclose(compiled(x, mask)[0], dropped)
+
+
+@pytest.mark.parametrize("entry", ["forward", "encode"])
+def test_reduce_overhead_compiles_one_graph_around_the_task_entry(entry):
+    """CUDA graphs need one graph per step: per-block graphs shared by identical blocks overwrite a block's outputs
+    when the next block replays the graph (seen on an H100: "To prevent overwriting, clone the tensor")."""
+    from longmixer.utils.compile import compile_blocks
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    model.encode = lambda x: x
+    compile_blocks(model, "reduce-overhead", backend="aot_eager", entry=entry)
+    assert not any(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl for b in model.blocks)
+    if entry == "encode":
+        assert model.encode is not None and hasattr(model.encode, "_torchdynamo_orig_callable")
+    else:
+        assert model._compiled_call_impl is not None

@@ -19,9 +19,17 @@ BACKENDS = ("auto", "torch", "triton")
 _logged: set[tuple[str, str]] = set()
 
 
+@torch._dynamo.assume_constant_result
 def triton_interpreter_on() -> bool:
     """True when Triton runs kernels on the CPU through its interpreter (`TRITON_INTERPRET=1`, set by the tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@torch._dynamo.assume_constant_result
+def triton_installed() -> bool:
+    """Whether Triton can be imported. A constant to torch.compile: dynamo does not trace `find_spec`, and a call
+    it cannot trace would break the graph at every op (on CUDA, where `auto` asks)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def resolve_backend(op: str, backend: str, *tensors: torch.Tensor) -> str:
@@ -41,11 +49,11 @@ def resolve_backend(op: str, backend: str, *tensors: torch.Tensor) -> str:
         raise ValueError(f"ops.backend={backend!r} is not one of {BACKENDS}; set ops.backend=auto")
     on_cuda = any(t.is_cuda for t in tensors)
     if backend == "auto":
-        choice = "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "torch"
+        choice = "triton" if on_cuda and triton_installed() else "torch"
     elif backend == "torch":
         choice = "torch"
     else:
-        if importlib.util.find_spec("triton") is None:
+        if not triton_installed():
             raise RuntimeError(f"ops.backend=triton for op {op!r} but Triton is not installed: "
                                "`pip install triton==3.6.0`, or set ops.backend=torch")
         if not on_cuda and not triton_interpreter_on():

@@ -64,6 +64,8 @@ class SequenceTask(pl.LightningModule):
         self.total_steps = 1
 
     # --- torch.compile (the `task.compile` switch) ------------------------------------------------------------------
+    compile_entry = "forward"  # what the task calls on the model (utils/compile.py: one CUDA graph around it)
+
     def configure_model(self) -> None:
         """Compile the model's blocks once per task, for fit, validate and test alike (Lightning calls this hook
         before each of them, with the trainer's device known)."""
@@ -71,7 +73,7 @@ class SequenceTask(pl.LightningModule):
             return
         device = self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
         self.compiled_as = resolve_compile_mode(self.compile_mode, device)
-        compile_blocks(self.model, self.compiled_as)
+        compile_blocks(self.model, self.compiled_as, entry=self.compile_entry)
 
     # --- optimization ------------------------------------------------------------------------------------------
     def configure_optimizers(self):

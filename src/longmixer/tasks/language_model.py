@@ -37,6 +37,8 @@ class LanguageModel(SequenceTask):
         metric: "ppl" (WikiText-103) | "bpc" (enwik8); the recipe takes it from `${data.metric}`.
     """
 
+    compile_entry = "encode"  # the task runs `model.encode`, then the head (kept eager)
+
     def __init__(self, model: nn.Module, optim: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler], monitor: str = "val/loss",
                  mode: str = "min", metric: str = "ppl", compile: str = "auto"):
