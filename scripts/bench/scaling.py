@@ -111,7 +111,7 @@ def run_overrides(name: str, recipe: Recipe, world: int, strategy: str, args, ou
             f"+callbacks.scaling.warmup_steps={args.warmup}",
             f"paths.data_dir={(args.data_dir or out / 'data').resolve()}",
             f"paths.log_dir={out / 'logs'}", f"run_tag=scaling_{strategy}_n{world}", f"seed={args.seed}",
-            f"optim.warmup_steps={args.lr_warmup}"]
+            f"scheduler.warmup_steps={args.lr_warmup}"]
 
 
 def child_env(cpu: bool) -> dict[str, str]:
@@ -232,7 +232,7 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
     p.add_argument("--lr-warmup", type=int, default=10,
-                   help="optim.warmup_steps of the runs (the recipes' thousands would leave the lr ~0 for the "
+                   help="scheduler.warmup_steps of the runs (the recipes' thousands would leave the lr ~0 for the "
                         "whole run, and the loss-curve comparison would compare untrained models)")
     p.add_argument("--global-batch", type=int, help="rows per step for every recipe (default: the recipe's)")
     p.add_argument("--dropout", choices=("off", "recipe"), default="off",

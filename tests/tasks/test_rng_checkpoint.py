@@ -20,7 +20,7 @@ def _draws() -> list[float]:
 
 def _rank(rank: int, store: str, ckpt: str, out: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    task = SequenceTask(nn.Linear(2, 2), {})
+    task = SequenceTask(nn.Linear(2, 2), torch.optim.SGD, None)
     task.trainer = SimpleNamespace(global_rank=rank, world_size=2, state=SimpleNamespace(fn=TrainerFn.FITTING))
     torch.manual_seed(0), np.random.seed(0), random.seed(0)  # seeded alike, as seed_everything seeds every rank
     for _ in range(rank + 1):  # then the ranks draw different amounts (dropout on batches of different shapes)

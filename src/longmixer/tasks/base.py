@@ -87,16 +87,36 @@ class SequenceTask(pl.LightningModule):
         if hasattr(self.model, "set_progress"):
             self.model.set_progress(self.global_step, self.total_steps)
 
+    # --- divergence guard --------------------------------------------------------------------------------------
+    divergence_check_every = 50  # steps between the host reads of the guard (each read waits for the GPU)
+
     def on_before_backward(self, loss: torch.Tensor) -> None:
-        """The divergence guard: a non-finite loss on any rank stops every rank before the optimizer step, so no
-        checkpoint ever holds the diverged weights."""
-        finite = bool(torch.isfinite(loss.detach()).all())
-        if self.trainer.world_size > 1:
-            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
-        if not finite:
+        """The divergence guard, without a host sync per step: the first step whose loss is non-finite is recorded on
+        the device and read every `divergence_check_every` steps, at every checkpoint save (so no checkpoint holds
+        diverged weights) and at the end of training; then every rank stops."""
+        step = torch.full((), self.global_step + 1, device=loss.device, dtype=torch.long)
+        bad = ~torch.isfinite(loss.detach()).all()
+        if getattr(self, "_first_bad_step", None) is None or self._first_bad_step.device != loss.device:
+            self._first_bad_step = torch.zeros((), device=loss.device, dtype=torch.long)
+        self._first_bad_step = torch.where(bad & (self._first_bad_step == 0), step, self._first_bad_step)
+        if (self.global_step + 1) % self.divergence_check_every == 0:
+            self._raise_if_diverged()
+
+    def on_train_end(self) -> None:
+        self._raise_if_diverged()
+
+    def _raise_if_diverged(self) -> None:
+        first = getattr(self, "_first_bad_step", None)
+        step = int(first) if first is not None else 0  # the host read
+        diverged = step > 0
+        strategy = getattr(self._trainer, "strategy", None)
+        if strategy is not None and self.trainer.world_size > 1:
+            diverged = strategy.reduce_boolean_decision(diverged, all=False)
+        if diverged:
+            lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self.trainer.optimizers else float("nan")
             raise FloatingPointError(
-                f"training diverged: non-finite loss at step {self.global_step + 1} (optim.lr={self.optim_cfg.get('lr')}"
-                "). Lower optim.lr, raise optim.warmup_steps, set trainer.gradient_clip_val, or train in "
+                f"training diverged: non-finite loss at step {step or '?'} (learning rate {lr:.3g} at the stop). "
+                "Lower optim.lr, raise scheduler.warmup_steps, set trainer.gradient_clip_val, or train in "
                 "trainer.precision=32-true; the run dir keeps the last finite checkpoint")
 
     # --- inference form -----------------------------------------------------------------------------------------
@@ -140,6 +160,7 @@ class SequenceTask(pl.LightningModule):
 
     # --- checkpoints: RNG states and the best score -------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self._raise_if_diverged()  # a checkpoint never holds weights trained on a non-finite loss
         # Every rank keeps its own RNG state: the ranks are seeded alike, but each draws dropout masks for its own
         # batches (their shapes differ with their padding), so the states drift apart. Rank 0 writes the file, so
         # it gathers all of them (Lightning calls this hook on every rank), indexed by global rank.
