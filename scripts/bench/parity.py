@@ -93,6 +93,7 @@ def run(op, inputs, kwargs, dtypes, backend, compiled):
         return op(*a, **kwargs, backend=backend)
 
     if compiled:
+        torch._dynamo.reset()  # one compiled function per case: no recompile limit across cases
         call = torch.compile(call, fullgraph=True, dynamic=False)
     out = call(*leaves)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
