@@ -34,12 +34,13 @@ RECIPES = {"mega_chunk": ("mega", ["model=mega_chunk"]), "las_chunk": ("las", ["
            "seqboat_full": ("seqboat", ["model=seqboat_full"])}
 
 
-def overrides(family: str, task: str, minutes: float, val_every: int, run_dir: Path, trainer: str,
+def overrides(family: str, task: str, minutes: float, val_every: int, run_dir: Path, trainer: str, compile_mode: str,
               extra: list[str]) -> list[str]:
     recipe, swap = RECIPES.get(family, (family, []))
     return [f"experiment={recipe}/{task}", *swap, f"data={task}_gen", f"trainer={trainer}", f"hydra.run.dir={run_dir}",
             f"+trainer.max_time=00:{int(minutes) // 60:02d}:{int(minutes) % 60:02d}:{int(minutes % 1 * 60):02d}",
-            f"trainer.val_check_interval={val_every}", "trainer.check_val_every_n_epoch=null", "~callbacks.progress", *extra]
+            f"trainer.val_check_interval={val_every}", "trainer.check_val_every_n_epoch=null", "trainer.enable_progress_bar=false",
+            f"task.compile={compile_mode}", *extra]
 
 
 def sample_gpu(stop: threading.Event, rows: list) -> None:
@@ -67,7 +68,7 @@ def curve(run_dir: Path) -> list[dict]:
     return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
 
 
-def plot(task: str, curves: dict[str, list[dict]], out: Path) -> None:
+def plot(task: str, curves: dict[str, list[dict]], out: Path, title: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,14 +79,17 @@ def plot(task: str, curves: dict[str, list[dict]], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (family, rows) in enumerate(curves.items()):
         color = f"C{i}"
-        ax.plot([r["step"] for r in rows], [r["val_acc"] for r in rows], color=color, label=family)
-        claims = [e["value"] for e in papers.get("results", []) if e.get("model") == family and e.get("task") == task
-                  and isinstance(e.get("value"), (int, float))]
+        ax.plot([r["step"] for r in rows], [r["val_acc"] for r in rows], color=color, label=family, marker="o",
+                markersize=3)
+        claims = [row["values"][task] for table in papers.get("tables", []) if task in table.get("columns", [])
+                  and table.get("layout") == "lra" for row in table.get("rows", [])
+                  if row.get("model") == family and task in row.get("values", {})]
         if claims:
             ax.axhline(max(claims) / 100, color=color, linestyle=":", linewidth=1)
     ax.set_xlabel("training step")
     ax.set_ylabel("validation accuracy")
-    ax.set_title(f"{task}: equal wall-clock budget per family (dotted: the papers' final test accuracy)")
+    ax.set_title(title or f"{task}: equal wall-clock budget per family (dotted: the papers' final test accuracy)",
+                 fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -100,6 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--minutes", type=float, default=9.0, help="wall-clock budget of each run")
     parser.add_argument("--val-every", type=int, default=250, help="validate every N training steps")
     parser.add_argument("--trainer", default="gpu", help="trainer config (cpu for a smoke test)")
+    parser.add_argument("--compile", default="none",
+                        help="task.compile of the runs (none: ListOps batches are padded per batch, so their shapes vary)")
     parser.add_argument("--sequential", action="store_true", help="one run after another instead of together")
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--logs", default="logs/learning_curves", help="run dirs (carry them to resume)")
@@ -121,7 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
     for family in args.families:
         run_dir = Path(args.logs).resolve() / f"{args.task}_{family}"
         cmd = [sys.executable, "-m", "longmixer.train",
-               *overrides(family, args.task, args.minutes, args.val_every, run_dir, args.trainer, args.extra)]
+               *overrides(family, args.task, args.minutes, args.val_every, run_dir, args.trainer, args.compile,
+                          args.extra)]
         log_path = Path(args.logs) / f"{args.task}_{family}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         logs[family] = log_path
