@@ -12,6 +12,7 @@ exits 1 when a case exceeds its tolerance: fp32 1e-4 (tf32 is not used for float
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -111,6 +112,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="eager only")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("parity.py: no CUDA GPU (set TRITON_INTERPRET=1 with --quick to run the kernels in the interpreter)")
+        return 0
     rows, failed = [], 0
     names = {"fp32": torch.float32, "bf16": torch.bfloat16}
     for name, op, inputs, kwargs, mixed in cases(args.quick, device):
