@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import sys
 from pathlib import Path
 
 import hydra
 import pytorch_lightning as pl
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ProgressBar
@@ -46,6 +48,7 @@ from longmixer.runs.run import (
 )
 from longmixer.runs.run_info import write_run_info
 from longmixer.utils.compose import CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer_blocks
+from longmixer.utils.errors import UserFacingError
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
 
@@ -151,7 +154,13 @@ def _rewind_loggers(trainer: pl.Trainer, ckpt_path: str) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_SEARCH_PATH, config_name="train")
 def _main(cfg: DictConfig) -> float | None:
-    results = train(cfg)  # SIGTERM / SIGINT end it with SystemExit(143 / 130) after a checkpoint
+    try:
+        results = train(cfg)  # SIGTERM / SIGINT end it with SystemExit(143 / 130) after a checkpoint
+    except UserFacingError as err:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # the sweep records the failed job and goes on
+        log.error("%s", err)
+        sys.exit(2)
     metric = cfg.get("optimized_metric")
     if metric is None:
         return None

@@ -179,3 +179,21 @@ def test_verify_reports_a_damaged_file_through_prepare_data_script(prepared, cap
     assert "val.tokens.npy has another sha256" in capsys.readouterr().err
     shutil.rmtree(prepared.root)
     assert prepare_data.main(["listops", f"paths.data_dir={prepared.data_dir}", f"data.source_dir={source}"]) == 0
+
+
+def test_a_training_run_with_missing_source_data_prints_one_line(tmp_path):
+    """Regression: a run whose data cannot be prepared ended in a library traceback of 47-75 lines; it now logs the
+    message that names the fix and exits 2."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    cmd = [sys.executable, "-m", "longmixer.train", "data=listops", f"data.source_dir={tmp_path / 'empty'}",
+           f"paths.data_dir={tmp_path / 'data'}", f"paths.log_dir={tmp_path / 'logs'}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-2000:]
+    assert "Traceback" not in output
+    assert "basic_train.tsv is missing: point data.source_dir" in output

@@ -123,7 +123,7 @@ def test_kernel_segments_agree(causal):
 
 def test_split_policy():
     """Programs are added only where batch*heads leaves SMs idle: column tiles for short sequences, segments
-    (>= 16 chunks each) for long ones; the H200 numbers behind it are in docs/notes/chela.md."""
+    (>= 16 chunks each) for long ones; the H200 numbers behind it are in docs/benchmarks.md."""
     from longmixer.ops.linear_attention.kernel import _split
 
     assert _split(programs=128, n_chunks=1024, sms=132) == (64, 1)  # B8 H16 D64: already ~one program per SM

@@ -22,12 +22,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from longmixer.utils.errors import UserFacingError
+
 log = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-class DataDownloadError(ConnectionError):
+class DataDownloadError(UserFacingError, ConnectionError):
     """A download that could not be done or that arrived damaged; the message is one line naming the ways out."""
 
 

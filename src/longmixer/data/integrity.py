@@ -14,13 +14,19 @@ from pathlib import Path
 
 import numpy as np
 
+from longmixer.utils.errors import UserFacingError
+
 log = logging.getLogger(__name__)
 
 _warned: set[tuple] = set()
 
 
-class DatasetNotPreparedError(RuntimeError):
+class DatasetNotPreparedError(UserFacingError, RuntimeError):
     """The prepared data is missing or incomplete; the message names the command that prepares it."""
+
+
+class SourceFileMissingError(UserFacingError, FileNotFoundError):
+    """A source file the prepare step reads is absent; the message names the file and where it comes from."""
 
 
 class DataIntegrityError(DatasetNotPreparedError):

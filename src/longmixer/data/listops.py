@@ -13,7 +13,7 @@ import numpy as np
 from longmixer.data.base import RaggedDataset, SequenceDataModule, label_counts, save_ragged
 from longmixer.data.download import progress
 from longmixer.data.generators.listops import OPERATORS, SHARD, ListOpsSpec, write_tsv_splits
-from longmixer.data.integrity import read_utf8_lines
+from longmixer.data.integrity import SourceFileMissingError, read_utf8_lines
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ def tokenize(source: str) -> np.ndarray:
 def read_tsv(path: Path) -> tuple[list[np.ndarray], list[int]]:
     """Read an LRA ListOps TSV (header `Source\\tTarget`)."""
     if not path.exists():
-        raise FileNotFoundError(f"ListOps file {path} is missing")
+        raise SourceFileMissingError(f"ListOps file {path} is missing: point data.source_dir at the folder with the LRA "
+                                     "release's basic_{train,val,test}.tsv, or train on data=listops_gen")
     sequences, labels = [], []
     reader = csv.reader(read_utf8_lines(path, "ListOps", "re-extract the file or regenerate it"), delimiter="\t")
     header = next(reader, None)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from longmixer.data.download import download, progress
+from longmixer.data.integrity import SourceFileMissingError
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,6 @@ def pathfinder_dir(release: Path, resolution: int, difficulty_folder: str) -> Pa
 
 def _existing(path: Path) -> Path:
     if not path.is_dir():
-        raise FileNotFoundError(f"{path} is missing from the LRA release; re-extract it with "
+        raise SourceFileMissingError(f"{path} is missing from the LRA release; re-extract it with "
                                 "`python scripts/prepare_data.py <task>` or point data.source_dir at a copy")
     return path

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from longmixer.data.base import RaggedDataset, SequenceDataModule, label_counts, save_ragged
-from longmixer.data.integrity import warn_truncated
+from longmixer.data.integrity import SourceFileMissingError, warn_truncated
 from longmixer.data.text import BYTE_VOCAB, byte_ids, check_vocab
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def read_aan_tsv(path: Path, max_len: int) -> tuple[list[np.ndarray], list[np.nd
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"AAN file {path} is missing; run `python scripts/prepare_data.py retrieval` or "
+        raise SourceFileMissingError(f"AAN file {path} is missing; run `python scripts/prepare_data.py retrieval` or "
                                 "point data.source_dir at the LRA release's tsv_data folder")
     docs1, docs2, labels, raw_lengths = [], [], [], []
     with open(path, "rb") as f:  # bytes: the documents are byte-encoded anyway, and no decoding can fail

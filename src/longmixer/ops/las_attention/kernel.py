@@ -276,7 +276,7 @@ def las_attention_bwd(q, k, v, alpha, o, lse, do, scale: float, config: tuple[in
     delta = (o.float() * do.float()).sum(-1)  # [B, H, L]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     args = _launch_args(q, v)
-    # (128, 32, 4, 3): the fastest of the sweep on an H200 (bf16, d 64; docs/notes/las.md)
+    # (128, 32, 4, 3): the fastest of the sweep on an H200 (bf16, d 64; docs/benchmarks.md, kernel measurement records)
     big, small, warps, stages = config or ((128, 32, 4, 3) if q.is_cuda else (32, 16, 4, 1))
     _las_attention_bwd_dkdv_kernel[(triton.cdiv(L, big), B * H)](
         q, k, v, alpha, do, lse, delta, dk, dv, L, H, scale * LOG2E, BLOCK_M=small, BLOCK_N=big,

@@ -173,8 +173,8 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Measured on the H200 (docs/notes/chela.md, "Linear attention, session 3"): 64-wide column tiles, four warps and
-# four pipeline stages won at every width and length of the grid once the programs fill the SMs;
+# Measured on the H200 (docs/benchmarks.md, kernel measurement records): 64-wide column tiles, four warps and
+# four pipeline stages won at every width and length of the B8 grid once the programs fill the SMs;
 # `_split` decides how to add programs where batch*heads is small.
 _BLOCK, _WARPS, _STAGES = 64, 4, 4
 

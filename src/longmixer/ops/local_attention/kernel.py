@@ -6,7 +6,7 @@ Backward: where a chunk fits one key tile (C <= the span of `_bwd_config`), one 
 does the span's entire backward (dq, dk, dv, rowsum(do o) and the bias gradient as a per-program partial) with
 no atomics; longer chunks use a dq kernel (which also writes rowsum(do o)) and a dk/dv kernel (bias by atomics).
 The bias gradient sums ds along diagonals after rotating each tile's columns (`_diag_sums`). The ops README
-describes the layout; docs/notes/mega.md has the measurements behind the tile table.
+describes the layout; docs/benchmarks.md (kernel measurement records) has the measurements behind the tile table.
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ def _flags(attention: str, causal: bool, has_bias: bool, per_head: bool, has_mas
 
 def _fwd_config(C: int, K: int, V: int) -> dict:
     """Forward tiles: 64 x 64 score tiles, values in blocks of up to 128 (the best or within 8% of it for K, V in
-    64-256 at C = 128 on the H200, docs/notes/mega.md). Long spans with wide values (MEGA's full attention, K 64,
+    64-256 at C = 128 on the H200, docs/benchmarks.md). Long spans with wide values (MEGA's full attention, K 64,
     V 256) take 128 queries and the whole value row per program: 0.40 vs 0.68 ms at B8 L4096 on an H100."""
     if C > 128 and K <= 64 and V >= 256:
         return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_V=256, num_warps=8,
@@ -399,7 +399,7 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
 
 
 def _bwd_config(C: int, K: int, V: int) -> dict:
-    """Backward tiles, from the H200 sweeps in docs/notes/mega.md (session 3). `span` is the key span a program
+    """Backward tiles, from the H200 sweeps in docs/benchmarks.md (kernel measurement records). `span` is the key span a program
     owns: the largest multiple of C up to it when C <= span (one fused kernel), else the span itself (dq + dk/dv
     kernels). `scratch` picks the bias gradient's skew: through an L1-resident scratch tile (faster at K = 128:
     81.6 vs 84.6 us) or a register gather (faster at K = 64: 49.9 vs 55.9 us)."""
