@@ -12,15 +12,14 @@ describes the layout; docs/benchmarks.md (kernel measurement records) has the me
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
+from longmixer.ops.common import LAPLACE_MU, LAPLACE_SIGMA
+
 ATTN_CODES = {"softmax": 0, "relu2": 1, "laplace": 2}
-_LAPLACE_MU = math.sqrt(0.5)
-_LAPLACE_SIGMA = math.sqrt(0.25 / math.pi)
 
 
 @triton.jit
@@ -383,8 +382,8 @@ def _local_attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr,
 def _flags(attention: str, causal: bool, has_bias: bool, per_head: bool, has_mask: bool, dropout: bool,
            fp32: bool) -> dict:
     return dict(ATTN=ATTN_CODES[attention], CAUSAL=causal, HAS_BIAS=has_bias, BIAS_PER_HEAD=per_head,
-                HAS_MASK=has_mask, DROPOUT=dropout, DOT_PREC="ieee" if fp32 else "tf32", MU=_LAPLACE_MU,
-                SIGMA=_LAPLACE_SIGMA)
+                HAS_MASK=has_mask, DROPOUT=dropout, DOT_PREC="ieee" if fp32 else "tf32", MU=LAPLACE_MU,
+                SIGMA=LAPLACE_SIGMA)
 
 
 def _fwd_config(C: int, K: int, V: int) -> dict:

@@ -5,25 +5,18 @@ per chunk, [B, H, L/C, C, C]: the oracle of the Triton kernel and the CPU path."
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch.nn import functional as F
 
+from longmixer.ops.common import laplace
+
 ATTENTIONS = ("softmax", "relu2", "laplace")
-# MEGA's laplace attention: the Gaussian CDF with mu = sqrt(1/2), sigma = sqrt(1/(4 pi)) (MEGA section 3.3)
-LAPLACE_MU = math.sqrt(0.5)
-LAPLACE_SIGMA = math.sqrt(0.25 / math.pi)
 
 
 def relu2(s: torch.Tensor) -> torch.Tensor:
     """relu(s)^2 (So et al. 2021, Primer)."""
     return F.relu(s) ** 2
-
-
-def laplace(s: torch.Tensor) -> torch.Tensor:
-    """0.5 * (1 + erf((s - mu) / (sigma sqrt 2))) (MEGA eq. 17)."""
-    return 0.5 * (1.0 + torch.erf((s - LAPLACE_MU) / (LAPLACE_SIGMA * math.sqrt(2.0))))
 
 
 def default_scale(attention: str, head_dim: int) -> float:

@@ -5,15 +5,18 @@ per-code statistics, and the forward pass of the blockwise VQ attention. The bac
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
+from longmixer.ops import common
 from longmixer.ops.precision import work_dtype
 
 # MEGA's laplace attention function: 0.5 * (1 + erf((x - mu) / (sigma sqrt 2))), mu = sqrt(1/2), sigma = (4 pi)^-1/2.
-LAPLACE_MU = tl.constexpr(0.7071067811865476)
-LAPLACE_INV_SIGMA_SQRT2 = tl.constexpr(2.5066282746310002)  # 1 / (sigma sqrt 2) = sqrt(2 pi)
+LAPLACE_MU = tl.constexpr(common.LAPLACE_MU)
+LAPLACE_INV_SIGMA_SQRT2 = tl.constexpr(1.0 / (common.LAPLACE_SIGMA * math.sqrt(2.0)))  # = sqrt(2 pi)
 
 
 @triton.jit

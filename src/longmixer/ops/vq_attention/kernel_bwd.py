@@ -4,18 +4,21 @@ dk. Scores are recomputed from q, k and the saved log-sum-exp, as in FlashAttent
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
+from longmixer.ops import common
 from longmixer.ops.precision import work_dtype
 
 from longmixer.ops.vq_attention.kernel import _laplace, attention_tiles, dot_precision
 
 # d/dx of MEGA's laplace: exp(-(x - mu)^2 / (2 sigma^2)) / (sigma sqrt(2 pi)), sigma^2 = 1 / (4 pi).
-LAPLACE_MU = tl.constexpr(0.7071067811865476)
-LAPLACE_HALF_INV_VAR = tl.constexpr(6.283185307179586)  # 1 / (2 sigma^2) = 2 pi
-LAPLACE_PEAK = tl.constexpr(1.4142135623730951)  # 1 / (sigma sqrt(2 pi)) = sqrt(4 pi / 2 pi)
+LAPLACE_MU = tl.constexpr(common.LAPLACE_MU)
+LAPLACE_HALF_INV_VAR = tl.constexpr(0.5 / common.LAPLACE_SIGMA ** 2)  # 1 / (2 sigma^2) = 2 pi
+LAPLACE_PEAK = tl.constexpr(1.0 / (common.LAPLACE_SIGMA * math.sqrt(2.0 * math.pi)))  # = sqrt(2)
 
 
 @triton.jit

@@ -17,15 +17,9 @@ import math
 import torch
 from torch.nn import functional as F
 
+from longmixer.ops.common import laplace
+
 ATTENTIONS = ("softmax", "laplace")
-# MEGA's laplace attention function (models.md section 1.3): mu = sqrt(1/2), sigma = sqrt(1/(4 pi)).
-LAPLACE_MU = math.sqrt(0.5)
-LAPLACE_SIGMA = math.sqrt(0.25 / math.pi)
-
-
-def laplace(x: torch.Tensor) -> torch.Tensor:
-    """0.5 * (1 + erf((x - mu) / (sigma sqrt 2))), MEGA's element attention function (LongVQ Table 6, 'laplace')."""
-    return 0.5 * (1.0 + torch.erf((x - LAPLACE_MU) / (LAPLACE_SIGMA * math.sqrt(2.0))))
 
 
 def vq_search_ref(k: torch.Tensor, codebook: torch.Tensor, mask: torch.Tensor | None = None):
