@@ -13,9 +13,10 @@ import os
 
 import torch
 
+from longmixer.utils.config import BACKENDS
+
 log = logging.getLogger("longmixer.ops")
 
-BACKENDS = ("auto", "torch", "triton")
 _logged: set[tuple[str, str]] = set()
 
 
