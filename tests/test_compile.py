@@ -294,9 +294,9 @@ def test_fit_runs_with_compiled_blocks(compose, monkeypatch):
     calls = []
     original = base.compile_blocks
 
-    def compile_with_aot_eager(model, mode, backend="inductor"):
+    def compile_with_aot_eager(model, mode, backend="inductor", entry="forward"):
         calls.append(mode)
-        return original(model, mode, backend="aot_eager")
+        return original(model, mode, backend="aot_eager", entry=entry)
 
     monkeypatch.setattr(base, "compile_blocks", compile_with_aot_eager)
     results = train(compose([*TINY_LISTOPS, *TINY_TRAINER, "model.n_layers=1", "task.compile=default"]))
