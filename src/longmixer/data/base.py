@@ -198,7 +198,10 @@ class ResumableLoader(DataLoader):
 
     The loader counts its own epochs: a pass that consumed every batch moves the next pass to the next epoch. It
     does not follow the epoch Lightning passes to `sampler.set_epoch`, which after a resume from an end-of-epoch
-    checkpoint is one ahead (Lightning 2.6) and would train on the wrong epoch's order."""
+    checkpoint is one ahead (Lightning 2.6) and would train on the wrong epoch's order.
+
+    Kept instead of torchdata's StatefulDataLoader: with the seeded EpochSampler, (epoch, batches consumed) already
+    reproduces the order exactly, and the core install stays without torchdata."""
 
     def __init__(self, dataset: Dataset, sampler: EpochSampler, **kwargs):
         super().__init__(dataset, sampler=sampler, **kwargs)
