@@ -16,9 +16,10 @@ from tests.conftest import TINY_LISTOPS, TINY_TRAINER
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quickstart_two_steps(compose, tmp_path):
+def test_quickstart_two_steps(compose, tmp_path, caplog):
     cfg = compose([*TINY_LISTOPS, *TINY_TRAINER])
-    results = train(cfg)
+    with caplog.at_level("INFO", logger="longmixer"):
+        results = train(cfg)
     assert {"test/acc", "test/loss", "val/acc"} <= set(results["metrics"])
     run_dir = tmp_path / "run"
     assert json.loads((run_dir / "results.json").read_text())["metrics"]["test/acc"] == results["metrics"]["test/acc"]
@@ -26,6 +27,11 @@ def test_quickstart_two_steps(compose, tmp_path):
     assert info["packages"]["torch"] and "git_dirty" in info
     assert (run_dir / "config_resolved.yaml").exists()
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    # the composed config: one line per group in the log (quiet), the whole tree in the run dir
+    (printed,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("composed config")]
+    assert "model: " in printed and "longmixer.models.SequenceModel" in printed and len(printed.splitlines()) < 25
+    full = (run_dir / "config_tree.txt").read_text()
+    assert "d_model:" in full and "max_steps: 2" in full and len(full.splitlines()) > 100
 
 
 def _crash_callback(step):

@@ -73,7 +73,10 @@ def train(cfg: DictConfig) -> dict:
 def _train(cfg: DictConfig, run_dir: Path) -> dict:
     choices = dict(HydraConfig.get().runtime.choices)
     if rank_zero_only.rank == 0:
-        log.info("composed config\n%s", config_tree(cfg))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config_tree.txt").write_text(config_tree(cfg) + "\n")
+        log.info("composed config (full tree: %s)\n%s", run_dir / "config_tree.txt",
+                 config_tree(cfg, choices, compact=True))
     drift = check_config_drift(cfg, run_dir)
     finished = finished_results(run_dir)
     if finished is not None and not drift and cfg.ckpt_path is None:

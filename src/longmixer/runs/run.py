@@ -74,9 +74,10 @@ def resolved_config(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
 
 
-def config_tree(cfg: DictConfig) -> str:
-    """The composed config as a rich tree, rendered to text for the log: the top-level scalars in one branch
-    (`run`), then one branch per group (data, model, task, optim, trainer, ...)."""
+def config_tree(cfg: DictConfig, choices: dict | None = None, compact: bool = False) -> str:
+    """The composed config as a rich tree, rendered to text: the top-level scalars in one branch (`run`), then one
+    branch per group (data, model, task, optim, trainer, ...). `compact`: one line per group, its chosen yaml and
+    `_target_` (what the log shows at start; the full tree goes to `<run dir>/config_tree.txt`)."""
     import io
 
     import rich.tree
@@ -84,9 +85,17 @@ def config_tree(cfg: DictConfig) -> str:
 
     tree = rich.tree.Tree("config")
     scalars = {k: v for k, v in cfg.items() if not isinstance(v, DictConfig)}
-    branches = [("run", OmegaConf.create(scalars))] + [(k, v) for k, v in cfg.items() if isinstance(v, DictConfig)]
-    for key, node in branches:
-        tree.add(str(key)).add(OmegaConf.to_yaml(node, resolve=True).rstrip())
+    groups = [(k, v) for k, v in cfg.items() if isinstance(v, DictConfig)]
+    if compact:
+        tree.add("run: " + ", ".join(f"{k}={v}" for k, v in scalars.items() if k in ("run_name", "seed", "resume")))
+        for key, node in groups:
+            choice = (choices or {}).get(key)
+            target = node.get("_target_") if "_target_" in node else None
+            parts = [p for p in (choice and f"{choice}.yaml", target) if p]
+            tree.add(f"{key}: {' -> '.join(parts) if parts else f'{len(node)} keys'}")
+    else:
+        for key, node in [("run", OmegaConf.create(scalars)), *groups]:
+            tree.add(str(key)).add(OmegaConf.to_yaml(node, resolve=True).rstrip())
     out = io.StringIO()
     Console(file=out, width=120, color_system=None, highlight=False).print(tree)
     return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
