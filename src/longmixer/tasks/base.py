@@ -61,6 +61,7 @@ class SequenceTask(pl.LightningModule):
         self.monitor, self.mode = monitor, mode
         # a float, not torchmetrics' MaxMetric: it must travel in checkpoints (MaxMetric state is not persistent)
         self.best_score: float | None = None
+        self._first_bad_step: torch.Tensor | None = None  # the divergence guard's device-side record
         self.total_steps = 1
 
     # --- torch.compile (the `task.compile` switch) ------------------------------------------------------------------
@@ -96,7 +97,7 @@ class SequenceTask(pl.LightningModule):
         diverged weights) and at the end of training; then every rank stops."""
         step = torch.full((), self.global_step + 1, device=loss.device, dtype=torch.long)
         bad = ~torch.isfinite(loss.detach()).all()
-        if getattr(self, "_first_bad_step", None) is None or self._first_bad_step.device != loss.device:
+        if self._first_bad_step is None or self._first_bad_step.device != loss.device:
             self._first_bad_step = torch.zeros((), device=loss.device, dtype=torch.long)
         self._first_bad_step = torch.where(bad & (self._first_bad_step == 0), step, self._first_bad_step)
         if (self.global_step + 1) % self.divergence_check_every == 0:
@@ -106,7 +107,7 @@ class SequenceTask(pl.LightningModule):
         self._raise_if_diverged()
 
     def _raise_if_diverged(self) -> None:
-        first = getattr(self, "_first_bad_step", None)
+        first = self._first_bad_step
         step = int(first) if first is not None else 0  # the host read
         diverged = step > 0
         strategy = getattr(self._trainer, "strategy", None)
