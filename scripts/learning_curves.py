@@ -5,28 +5,33 @@ their validation curves.
         --minutes 9 --out docs/results
 
 Each family runs `python -m longmixer.train experiment=<recipe> data=<task>_gen trainer=gpu` (the generated data,
-so no download is needed) with `trainer.max_time`, validating every `--val-every` steps. Runs start together
-(`--parallel`, the default: one GPU shared by all, equal wall time each) or one after another. While they run,
-`nvidia-smi` is sampled once a second. Written under --out:
-- `<task>_<family>.csv`: step, wall_s, val_acc, val_loss, one row per validation;
+so no download is needed) with `trainer.max_time`, validating every `--val-every` steps. Runs start together (the
+default: one GPU shared by all, equal wall time each) or one after another (`--sequential`). While they run,
+`nvidia-smi` is sampled once a second. Written under --out, and rewritten every 30 s while the runs go on:
+- `<task>_<family>.csv`: step, val_acc, val_loss, one row per validation;
 - `<task>_gpu_util.csv`: the utilization samples; `<task>_summary.json`: command, GPU, minutes, best val acc;
-- `<task>.png`: the curves with each paper's final test accuracy marked (paper_results.yaml).
+- `<task>.png`: the curves with each paper's final test accuracy marked (paper_results.yaml), when matplotlib is
+  installed (`--plot-only` redraws it from the CSVs elsewhere).
 Re-running the same command resumes each run from its last checkpoint (resume=auto), so a budget can be spread
-over several sessions.
+over several calls or sessions. `--minutes` is each run's total training time over all of them: Lightning's timer
+state travels in the checkpoint, so a resumed run stops at the same cumulative budget. `--no-test` skips the final
+test of a slice that a later call continues.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
-import shutil
+import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from longmixer.utils.gpu_monitor import GpuSampler, gpu_name, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 # Which recipe a family trains on: the variants are model swaps on their paper family's recipe.
@@ -41,18 +46,6 @@ def overrides(family: str, task: str, minutes: float, val_every: int, run_dir: P
             f"+trainer.max_time=00:{int(minutes) // 60:02d}:{int(minutes) % 60:02d}:{int(minutes % 1 * 60):02d}",
             f"trainer.val_check_interval={val_every}", "trainer.check_val_every_n_epoch=null", "trainer.enable_progress_bar=false",
             f"task.compile={compile_mode}", *extra]
-
-
-def sample_gpu(stop: threading.Event, rows: list) -> None:
-    """One nvidia-smi sample a second: utilization.gpu (% of time a kernel ran) and memory used."""
-    start = time.time()
-    while not stop.is_set():
-        out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True)
-        if out.returncode == 0 and out.stdout.strip():
-            util, mem = out.stdout.strip().splitlines()[0].split(",")
-            rows.append((round(time.time() - start, 1), int(util), int(mem)))
-        stop.wait(1.0)
 
 
 def curve(run_dir: Path) -> list[dict]:
@@ -109,8 +102,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sequential", action="store_true", help="one run after another instead of together")
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--logs", default="logs/learning_curves", help="run dirs (carry them to resume)")
+    parser.add_argument("--no-test", action="store_true",
+                        help="skip each run's final test (test=false): for a slice of a budget that a later call resumes")
+    parser.add_argument("--plot-only", action="store_true", help="only redraw <task>.png from the CSVs under --out")
+    parser.add_argument("--title", default=None, help="the plot's title (with --plot-only)")
     parser.add_argument("extra", nargs="*", help="more overrides for every run, e.g. data.num_train=20000")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        plot_only(args)
+        return {}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "LONGMIXER_LOGS": str(Path(args.logs).resolve()), "PYTHONUNBUFFERED": "1"}
@@ -118,28 +118,46 @@ def main(argv: list[str] | None = None) -> dict:
     prep = [sys.executable, str(ROOT / "scripts/prepare_data.py"), f"{args.task}_gen",
             *[o for o in args.extra if o.startswith(("data.", "paths."))]]
     subprocess.run(prep, check=True, env=env, cwd=ROOT)  # once, before the runs, so they do not race to generate it
-    samples: list = []
-    stop = threading.Event()
-    sampler = threading.Thread(target=sample_gpu, args=(stop, samples), daemon=True)
-    if shutil.which("nvidia-smi"):
-        sampler.start()
-    procs, logs, start = {}, {}, time.time()
-    for family in args.families:
-        run_dir = Path(args.logs).resolve() / f"{args.task}_{family}"
-        cmd = [sys.executable, "-m", "longmixer.train",
-               *overrides(family, args.task, args.minutes, args.val_every, run_dir, args.trainer, args.compile,
-                          args.extra)]
-        log_path = Path(args.logs) / f"{args.task}_{family}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        logs[family] = log_path
-        with open(log_path, "a") as f:
-            procs[family] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        if args.sequential:
-            procs[family].wait()
-    codes = {family: p.wait() for family, p in procs.items()}
-    wall = time.time() - start
-    stop.set()
+    extra = [*args.extra, *(["test=false"] if args.no_test else [])]
+    procs, start = {}, time.time()
 
+    def stop_runs(signum, frame):
+        # a SIGTERM (a `timeout`, a scheduler) reaches the runs: each writes last.ckpt and exits 143, and the curves
+        # below are still written; the same command later resumes them
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop_runs)
+    with GpuSampler(interval_s=1.0) as sampler:
+        for family in args.families:
+            run_dir = Path(args.logs).resolve() / f"{args.task}_{family}"
+            cmd = [sys.executable, "-m", "longmixer.train",
+                   *overrides(family, args.task, args.minutes, args.val_every, run_dir, args.trainer, args.compile,
+                              extra)]
+            log_path = Path(args.logs) / f"{args.task}_{family}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "a") as f:
+                procs[family] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            if args.sequential:
+                procs[family].wait()
+        # the curves are rewritten every half minute, so a call cut short keeps what the runs have validated so far
+        last_write = time.time()
+        while not all(p.poll() is not None for p in procs.values()):
+            time.sleep(1)
+            if time.time() - last_write >= 30:
+                write_outputs(args, out, sampler.rows, start, procs, final=False)
+                last_write = time.time()
+        for p in procs.values():
+            p.wait()
+    summary = write_outputs(args, out, sampler.rows, start, procs, final=True)
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
+def write_outputs(args, out: Path, samples: list, start: float, procs: dict, final: bool) -> dict:
+    """The per-family CSVs, the utilization CSV and the summary (and, at the end, the plot when matplotlib is
+    installed: the GPU machine may lack it; `--plot-only` redraws it from the CSVs)."""
     curves = {}
     for family in args.families:
         rows = curves[family] = curve(Path(args.logs).resolve() / f"{args.task}_{family}")
@@ -149,18 +167,29 @@ def main(argv: list[str] | None = None) -> dict:
             writer.writerows(rows)
     with open(out / f"{args.task}_gpu_util.csv", "w", newline="") as f:
         csv.writer(f).writerows([("t_s", "util_pct", "mem_mib"), *samples])
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                         text=True).stdout.strip() if shutil.which("nvidia-smi") else "none"
-    summary = {"command": " ".join(sys.argv), "gpu": gpu, "host_cpus": os.cpu_count(), "wall_min": wall / 60,
-               "minutes_per_run": args.minutes, "parallel": not args.sequential, "exit_codes": codes,
-               "mean_gpu_util_pct": sum(s[1] for s in samples) / len(samples) if samples else None,
+    summary = {"command": " ".join(sys.argv), "gpu": gpu_name(), "host_cpus": os.cpu_count(),
+               "wall_min_this_call": round((time.time() - start) / 60, 2), "minutes_per_run_total": args.minutes,
+               "parallel": not args.sequential, "finished": final,
+               "exit_codes": {f: p.poll() for f, p in procs.items()},
+               "gpu_util": summarize(samples),
                "best_val_acc": {f: max((r["val_acc"] for r in rows), default=None) for f, rows in curves.items()},
                "steps": {f: (rows[-1]["step"] if rows else 0) for f, rows in curves.items()}}
     (out / f"{args.task}_summary.json").write_text(json.dumps(summary, indent=1))
-    if any(curves.values()):
+    if final and any(curves.values()) and importlib.util.find_spec("matplotlib"):
         plot(args.task, curves, out / f"{args.task}.png")
-    print(json.dumps(summary, indent=1))
     return summary
+
+
+def plot_only(args) -> None:
+    """Redraw `<task>.png` from the CSVs under --out (for curves measured where matplotlib is missing)."""
+    out = Path(args.out)
+    curves = {}
+    for family in args.families:
+        path = out / f"{args.task}_{family}.csv"
+        if path.exists():
+            with open(path) as f:
+                curves[family] = [{"step": int(r["step"]), "val_acc": float(r["val_acc"])} for r in csv.DictReader(f)]
+    plot(args.task, curves, out / f"{args.task}.png", title=args.title)
 
 
 if __name__ == "__main__":

@@ -183,3 +183,42 @@ def test_throughput_and_params_are_logged(compose, tmp_path):
     speeds = [float(r["train/speed/tokens_per_s"]) for r in rows if r.get("train/speed/tokens_per_s")]
     assert len(speeds) == 2 and all(s > 0 for s in speeds)
     assert any(r.get("model/params/total") for r in rows)
+
+
+def test_a_run_stopped_by_its_time_budget_continues_with_a_larger_one(compose, tmp_path, monkeypatch):
+    """trainer.max_time ends the first call after one step: recorded as stopped, not finished, so the same run
+    given more time resumes from last.ckpt (the Timer's spent time travels in the checkpoint) and finishes."""
+    from longmixer.tasks.classification import Classification
+
+    step = Classification.training_step
+
+    def slow_first_step(self, batch, batch_idx):
+        if self.global_step == 0:
+            time.sleep(1.2)  # past the 1 s budget: the Timer stops the fit after this step
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(Classification, "training_step", slow_first_step)
+    first = train(compose([*TINY_LISTOPS, *TINY_TRAINER, "+trainer.max_time=00:00:00:01", "test=false"]))
+    run_dir = tmp_path / "run"
+    assert first["status"] == "stopped at trainer.max_time"
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 1
+    second = train(compose([*TINY_LISTOPS, *TINY_TRAINER, "+trainer.max_time=00:01:00:00"]))
+    assert second["status"] == "finished" and "test/acc" in second["metrics"]
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 2
+    assert ckpt["callbacks"]["Timer"]["time_elapsed"]["train"] > 0
+
+
+def test_stopped_by_time_budget_reads_the_timer():
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from pytorch_lightning.callbacks import Timer
+
+    from longmixer.train import stopped_by_time_budget
+
+    spent, fresh = Timer(duration=timedelta(seconds=1)), Timer(duration=timedelta(hours=1))
+    spent.load_state_dict({"time_elapsed": {"train": 5.0}})
+    assert stopped_by_time_budget(SimpleNamespace(callbacks=[spent]))
+    assert not stopped_by_time_budget(SimpleNamespace(callbacks=[fresh]))
+    assert not stopped_by_time_budget(SimpleNamespace(callbacks=[]))

@@ -135,13 +135,26 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
             metrics.update({k: to_number(v) for k, v in result.items()})
 
     majority = majority_rates(getattr(datamodule, "manifest", None))
-    results = write_results(run_dir, cfg, choices, metrics, best_ckpt, majority) if trainer.is_global_zero else {}
+    status = "stopped at trainer.max_time" if cfg.train and stopped_by_time_budget(trainer) else "finished"
+    results = (write_results(run_dir, cfg, choices, metrics, best_ckpt, majority, status=status)
+               if trainer.is_global_zero else {})
     if trainer.is_global_zero:
         log.info("results%s", result_table(results))
     for logger in trainer.loggers:
         if isinstance(logger, pl.loggers.WandbLogger):  # subclasses too (runs/wandb_watch.py)
             logger.experiment.finish()
     return {"metrics": metrics, **results}
+
+
+def stopped_by_time_budget(trainer: pl.Trainer) -> bool:
+    """Whether `trainer.max_time` (Lightning's Timer) ended the fit. Such a run is not recorded as finished: the
+    same command with a larger `trainer.max_time` continues it from `last.ckpt` (the Timer's spent time is in the
+    checkpoint), which is how one training budget is spread over several sessions."""
+    from pytorch_lightning.callbacks import Timer
+    from pytorch_lightning.trainer.states import RunningStage
+
+    timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]
+    return any((t.time_remaining(RunningStage.TRAINING) or 0.0) <= 0.0 for t in timers)
 
 
 def _rewind_loggers(trainer: pl.Trainer, ckpt_path: str) -> None:

@@ -179,3 +179,14 @@ def test_config_drift_compares_by_meaning():
     assert config_drift(stored, same) == {}
     changed = {**same, "optim": {"lr": 0.003, "betas": [0.9, 0.98]}, "trainer": {"max_steps": 200}}
     assert config_drift(stored, changed) == {"optim.lr": (0.002, 0.003), "trainer.max_steps": (100.0, 200.0)}
+
+
+def test_a_longer_time_budget_is_not_drift_but_more_steps_are():
+    """A resumed run may be given more wall time (learning_curves.py spreads one budget over several calls);
+    max_steps changes the schedule, so it stays drift."""
+    from longmixer.runs.resume import config_drift
+
+    stored = {"trainer": {"max_time": "00:00:08:00", "max_steps": 100}}
+    assert config_drift(stored, {"trainer": {"max_time": "00:00:16:00", "max_steps": 100}}) == {}
+    assert config_drift(stored, {"trainer": {"max_time": "00:00:16:00", "max_steps": 200}}) == {
+        "trainer.max_steps": (100.0, 200.0)}
