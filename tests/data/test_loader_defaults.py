@@ -40,3 +40,34 @@ def test_every_data_config_shares_one_loader_default(data):
     assert cfg.data.num_workers == 2 and cfg.data.pin_memory is None and cfg.data.persistent_workers is None
     for path in (CONFIGS / "data").glob("*.yaml"):
         assert "num_workers" not in path.read_text(), f"{path} repeats the shared loader default"
+
+
+def test_padded_length_rounds_up_within_the_cap():
+    from longmixer.data.base import padded_length
+
+    assert padded_length(700, None, 2000) == 700
+    assert padded_length(700, 256, 2000) == 768
+    assert padded_length(1990, 256, 2000) == 2000  # the cap (seq_len) wins over the multiple
+    assert padded_length(2000, 256, None) == 2048
+    assert padded_length(2100, 256, 2000) == 2100  # never below the longest item
+
+
+def test_pad_multiple_gives_few_shapes_and_masks_the_padding():
+    dm = ListOps(pad_multiple=8, seq_len=20)
+    items = [{"inputs": torch.arange(1, n + 1), "labels": torch.tensor(0)} for n in (3, 9)]
+    batch = dm.collate(items)
+    assert batch["inputs"].shape == (2, 16) and batch["mask"].sum(1).tolist() == [3, 9]
+    assert batch["inputs"][0, 3:].eq(0).all() and batch["inputs"][1, :9].tolist() == list(range(1, 10))
+    assert ListOps(seq_len=20).collate(items)["inputs"].shape == (2, 9)  # default: the batch's longest
+    assert ListOps(pad_multiple=8, seq_len=12).collate(items)["inputs"].shape == (2, 12)
+    with pytest.raises(ValueError, match="data.pad_multiple=0"):
+        ListOps(pad_multiple=0)
+
+
+@pytest.mark.parametrize("data", ["listops", "listops_gen", "text_1k", "retrieval"])
+def test_variable_length_configs_take_pad_multiple(data):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(overrides=[f"+data={data}", "+paths=default", "+seed=0", "data.pad_multiple=256"])
+    from hydra.utils import instantiate
+
+    assert instantiate(cfg.data).pad_multiple == 256

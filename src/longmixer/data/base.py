@@ -136,15 +136,25 @@ class RaggedDataset(Dataset):
         return {"inputs": torch.from_numpy(seq), "labels": torch.tensor(int(self.labels[i]))}
 
 
-def pad_collate(items: list[dict[str, torch.Tensor]], pad_value: float = 0, pad_to: int | None = None
-                ) -> dict[str, torch.Tensor]:
+def padded_length(longest: int, multiple: int | None, cap: int | None) -> int:
+    """`longest` rounded up to a multiple of `multiple` (None: not rounded), at most `cap` (but never below
+    `longest`)."""
+    if not multiple:
+        return longest
+    length = -(-longest // multiple) * multiple
+    return max(longest, min(length, cap)) if cap else length
+
+
+def pad_collate(items: list[dict[str, torch.Tensor]], pad_value: float = 0, pad_to: int | None = None,
+                multiple: int | None = None, cap: int | None = None) -> dict[str, torch.Tensor]:
     """Stack items, right-padding every sequence key (`inputs`, `inputs2`, `targets`) to the batch maximum (or
-    `pad_to`) and adding `mask` / `mask2` (True = real token)."""
+    `pad_to`; with `multiple`, the maximum rounded up to a multiple of it, at most `cap`) and adding `mask` /
+    `mask2` (True = real token)."""
     batch: dict[str, torch.Tensor] = {}
     for key in items[0]:
         values = [item[key] for item in items]
         if key in ("inputs", "inputs2", "targets"):
-            length = pad_to or max(v.shape[0] for v in values)
+            length = pad_to or padded_length(max(v.shape[0] for v in values), multiple, cap)
             fill = -100 if key == "targets" else pad_value
             out = torch.full((len(values), length, *values[0].shape[1:]), fill, dtype=values[0].dtype)
             mask = torch.zeros(len(values), length, dtype=torch.bool)
@@ -243,10 +253,16 @@ class SequenceDataModule(pl.LightningDataModule):
 
     def __init__(self, data_dir: str | Path | None = None, batch_size: int = 32, eval_batch_size: int | None = None,
                  num_workers: int | None = None, seed: int = 0, split_seed: int = 0, pin_memory: bool | None = None,
-                 persistent_workers: bool | None = None):
+                 persistent_workers: bool | None = None, pad_multiple: int | None = None):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"data.batch_size={batch_size} must be >= 1")
+        if pad_multiple is not None and pad_multiple < 1:
+            raise ValueError(f"data.pad_multiple={pad_multiple} must be >= 1 (or null: pad to the batch's longest)")
+        # variable-length batches padded to a multiple of this many tokens (at most data.seq_len): a handful of
+        # shapes instead of one per batch, which compiled and CUDA-graph runs need (task.compile=reduce-overhead
+        # records one graph per shape)
+        self.pad_multiple = pad_multiple
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"data.num_workers={num_workers} must be >= 0 (or null for the default)")
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
@@ -329,7 +345,7 @@ class SequenceDataModule(pl.LightningDataModule):
         raise TypeError(f"{type(self).__name__} must implement _load(root, manifest)")
 
     def collate(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return pad_collate(items)
+        return pad_collate(items, multiple=self.pad_multiple, cap=getattr(self, "seq_len", None))
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         if split not in self.datasets:
