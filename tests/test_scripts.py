@@ -33,3 +33,17 @@ def test_argparse_scripts_answer_help(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _resolve(SCRIPTS[name])(["--help"])
     assert exit_info.value.code == 0 and "usage" in capsys.readouterr().out
+
+
+def test_parity_cases_filter_runs_only_the_named_case(monkeypatch, capsys):
+    """scripts/bench/parity.py --cases: one case, in the Triton interpreter (the GPU runs all of them)."""
+    import importlib.util
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = importlib.util.spec_from_file_location("parity", ROOT / "scripts" / "bench" / "parity.py")
+    parity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parity)
+    assert parity.main(["--quick", "--no-compile", "--cases", "ema bidirectional=False"]) == 0
+    out = capsys.readouterr().out
+    assert "| ema bidirectional=False | fp32 | eager |" in out and "1 passed, 0 failed" in out
+    assert "linear_attention" not in out

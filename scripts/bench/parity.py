@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU interpreter)")
     ap.add_argument("--no-compile", action="store_true", help="eager only")
+    ap.add_argument("--cases", nargs="+", default=None, metavar="TEXT",
+                    help="only the cases whose name contains one of these (e.g. vq_attention 'causal=True')")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -118,6 +120,8 @@ def main(argv=None) -> int:
     rows, failed = [], 0
     names = {"fp32": torch.float32, "bf16": torch.bfloat16}
     for name, op, inputs, kwargs, mixed in cases(args.quick, device):
+        if args.cases and not any(text in name for text in args.cases):
+            continue
         ref = run(op, inputs, dict(kwargs), [torch.float64] * len(inputs), "torch", False)
         variants = [("fp32", [torch.float32] * len(inputs), False)]
         if not args.no_compile:
