@@ -64,11 +64,14 @@ def test_no_graph_breaks(compose, family):
 
 
 def _compare_step(eager, compiled, x, mask):
-    """One training forward + backward of each; outputs, aux, gradients and buffers must agree."""
+    """One training forward + backward of each, each forward followed by the model's `after_forward()` as the tasks
+    do; outputs, aux, gradients and buffers must agree."""
     torch.manual_seed(2)
     out_e = eager(x, mask)
+    eager.after_forward()
     torch.manual_seed(2)
     out_c = compiled(x, mask)
+    compiled.after_forward()  # LongVQ: the compiled forward left its codebook statistics to this hook
     torch.testing.assert_close(out_c[0], out_e[0])
     assert out_c[1].keys() == out_e[1].keys()
     for key in out_e[1]:
@@ -338,3 +341,118 @@ def test_reduce_overhead_compiles_one_graph_around_the_task_entry(entry):
         assert model.encode is not None and hasattr(model.encode, "_torchdynamo_orig_callable")
     else:
         assert model._compiled_call_impl is not None
+
+
+# --- LongVQ under CUDA graphs: the steady-state training forward mutates no buffer -------------------------------
+
+def _input_mutation_recorder(records: list[list[int]]):
+    """An aot_eager-like backend recording, for each forward graph it compiles, the indices of the graph inputs
+    (parameters, buffers, user inputs) whose data the functionalized forward mutates. Inductor's CUDA graphs skip
+    any graph with such a mutation ("skipping cudagraphs due to mutated inputs")."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward_compiler(gm, example_inputs):
+        meta = torch._guards.TracingContext.get().fw_metadata
+        records.append([i for i, info in enumerate(meta.input_info) if info.mutates_data])
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward))
+
+
+@pytest.mark.parametrize("backend,driven", [
+    pytest.param("torch", True, id="torch-set_progress"), pytest.param("torch", False, id="torch-standalone"),
+    pytest.param("triton", True, id="triton-set_progress", marks=pytest.mark.slow)])
+def test_longvq_training_forward_mutates_no_input(compose, backend, driven):
+    """Regression: under task.compile=reduce-overhead LongVQ ran outside CUDA graphs (30% GPU-busy, 744 launches per
+    step on an H100) because its training forward added the codebook statistics to buffers in place, which makes
+    them mutated graph inputs. Now only the first (data-initializing) forward mutates; the steady-state forward
+    leaves its statistics for `after_forward()`, whether or not `set_progress` drives the EMA steps. The Triton
+    case runs the codeword search and the attention kernels (Triton's interpreter; the MD-EMA stays on torch)."""
+    small = ("model.n_layers=1",) + (("model.d_model=16", "data.seq_len=32") if backend == "triton" else ())
+    model = _model(compose, "longvq", backend=backend, extra=small)
+    for module in model.modules():
+        if isinstance(module, MultiHeadEMA):
+            module.backend = "torch"
+    x, mask = _batch(32 if backend == "triton" else L)
+    records: list[list[int]] = []
+    compile_blocks(model, "reduce-overhead", backend=_input_mutation_recorder(records))  # one graph, as the task
+    for step in range(3):
+        if driven:
+            model.set_progress(step, 10)
+        _loss(model(x, mask)).backward()
+        model.after_forward()
+    assert len(records) == 2, records  # the init graph, then one steady-state graph for every later step
+    assert records[0], "the first forward writes the data init into the codebook buffers"
+    assert records[1] == [], f"the steady-state training forward mutates graph inputs {records[1]}"
+
+
+def test_longvq_mixer_has_no_graph_break_after_init():
+    """The LongVQ mixer's steady-state training forward (after the codebook's data init) is one graph."""
+    from longmixer.mixers.longvq import LongVQ
+
+    torch.manual_seed(0)
+    layer = LongVQ(16, zdim=8, hdim=24, n_codes=16, chunk_size=16, backend="torch")
+    x, mask = torch.randn(B, 40, 16), torch.ones(B, 40, dtype=torch.bool)
+    layer(x, mask)  # eager: the data init
+    explain = torch._dynamo.explain(layer)(x, mask)
+    assert explain.graph_count == 1 and explain.graph_break_count == 0, _reasons(explain)
+    assert len(layer.vq._batch_stats) == 1  # the traced forward left its statistics for the hook
+
+
+LM_TASK = ("task=language_model", "task.metric=ppl", "model.causal=true", "model.pool=none", "model.head=lm",
+           "model.num_classes=null")
+
+
+def _task_batches(lm: bool, n: int):
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(n):
+        x = torch.randint(1, 10, (B, L), generator=g)
+        mask = torch.ones(B, L, dtype=torch.bool)
+        mask[1, L - L // 4:] = False
+        if lm:
+            targets = torch.where(mask, torch.randint(1, 10, (B, L), generator=g), -100)
+            batches.append({"inputs": x, "mask": mask, "targets": targets})
+        else:
+            batches.append({"inputs": x, "mask": mask, "labels": torch.randint(0, 10, (B,), generator=g)})
+    return batches
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
+@pytest.mark.parametrize("lm,accumulate", [
+    pytest.param(False, 1, id="classify", marks=pytest.mark.slow), pytest.param(False, 2, id="classify-accumulate2"),
+    pytest.param(True, 2, id="lm-accumulate2", marks=pytest.mark.slow)])
+def test_longvq_codebook_compiled_equals_eager(compose, lm, accumulate):
+    """The codebook (counts, sums) after a few optimizer steps of the task's training step is the same with the
+    model compiled as task.compile=reduce-overhead compiles it (aot_eager on CPU: one graph around the task's
+    entry, whose forward leaves the statistics to the task's `after_forward` hook) as in eager mode, where the
+    forward adds them itself; with gradient accumulation, the micro-batches of one step form one EMA step."""
+    overrides = ("model.n_layers=1", *(LM_TASK if lm else ()))
+    tasks = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        task = instantiate(compose(["model=longvq", *TINY, "ops.backend=torch", *overrides]).task)
+        if compiled:
+            compile_blocks(task.model, "reduce-overhead", backend="aot_eager", entry=task.compile_entry)
+        tasks.append(task)
+    steps, batches = 3, _task_batches(lm, 3 * accumulate)
+    torch._dynamo.utils.counters.clear()
+    for task in tasks:
+        torch.manual_seed(1)  # the codebook's data init draws its keys
+        opt = torch.optim.SGD(task.model.parameters(), lr=0.5)
+        for step in range(steps):
+            task.model.set_progress(step, steps)  # what on_train_batch_start does with the trainer's global_step
+            for micro in range(accumulate):
+                loss = task.training_step(batches[step * accumulate + micro], micro)
+                assert task.model.blocks[0].mixer.vq._batch_stats == ()  # the task's hook absorbed them
+                (loss / accumulate).backward()
+            opt.step()
+            opt.zero_grad()
+        task.model.set_progress(steps, steps)  # applies the last step's statistics
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the init graph, then the steady one
+    vqs = [task.model.blocks[0].mixer.vq for task in tasks]
+    assert vqs[1]._batch_stats == () and not vqs[1]._has_pending
+    torch.testing.assert_close(vqs[1].counts, vqs[0].counts, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(vqs[1].sums, vqs[0].sums, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(vqs[0].counts, torch.ones_like(vqs[0].counts))  # the EMA steps did run

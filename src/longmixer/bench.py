@@ -89,6 +89,8 @@ def _forward(model, cfg, x, mask):
     # two-document heads (Retrieval): the same random document twice costs what two documents cost
     extra = {"inputs2": x, "mask2": mask} if isinstance(head, str) and head.startswith("nli") else {}
     out, aux = model(x, mask, **extra)
+    if hasattr(model, "after_forward"):
+        model.after_forward()  # as the tasks do (LongVQ's codebook statistics, outside the compiled graph)
     return out, aux
 
 

@@ -127,3 +127,39 @@ def test_bad_arguments_raise():
         VectorQuantizer(4, 0)
     with pytest.raises(ValueError, match="decay"):
         VectorQuantizer(4, 8, decay=1.0)
+
+
+def test_compiled_forward_leaves_statistics_for_absorb():
+    """Compiled, the training forward writes no buffer: its statistics wait in `_batch_stats` until `after_forward`
+    absorbs them; two calls within one compiled function (a two-document batch) are both kept, and the EMA step
+    then equals the eager one."""
+    eager, comp = quantizer(), quantizer()
+
+    def two_documents(vq, a, b):
+        return vq(a)[0] + vq(b)[0]
+
+    compiled = torch.compile(two_documents, backend="aot_eager", fullgraph=True)
+    for vq in (eager, comp):
+        vq.set_progress(0, 10)
+    torch.testing.assert_close(compiled(comp, KEYS, KEYS.flip(1)), two_documents(eager, KEYS, KEYS.flip(1)))
+    assert len(comp._batch_stats) == 2 and eager._batch_stats == ()
+    assert all(torch.equal(a, b) for a, b in zip(comp.buffers(), quantizer().buffers()))  # nothing written yet
+    comp.after_forward()
+    assert comp._batch_stats == ()
+    for vq in (eager, comp):
+        vq.set_progress(1, 10)
+    torch.testing.assert_close(comp.counts, eager.counts)
+    torch.testing.assert_close(comp.sums, eager.sums)
+
+
+def test_apply_update_absorbs_left_statistics():
+    """A compiled forward's statistics left unabsorbed still enter the next EMA step (set_progress, apply_update)."""
+    vq, ref = quantizer(), quantizer()
+    for q in (vq, ref):
+        q.set_progress(0, 10)
+    torch.compile(vq, backend="aot_eager")(KEYS)
+    ref(KEYS)
+    vq.set_progress(1, 10)
+    ref.set_progress(1, 10)
+    torch.testing.assert_close(vq.counts, ref.counts)
+    torch.testing.assert_close(vq.sums, ref.sums)

@@ -14,12 +14,16 @@ class StatsMixer(nn.Module):
         super().__init__()
         self.lin = nn.Linear(d_model, d_model)
         self.progress = None
+        self.after_forward_calls = 0
 
     def forward(self, x, mask=None, residual=None):
         return residual + self.lin(x), {"loss/extra": x.new_tensor(0.5), "stats/rate": x.new_tensor(0.25)}
 
     def set_progress(self, step, total):
         self.progress = (step, total)
+
+    def after_forward(self):
+        self.after_forward_calls += 1
 
 
 def test_aux_losses_sum_and_stats_are_per_layer():
@@ -33,6 +37,14 @@ def test_progress_reaches_every_layer():
     model = SequenceModel(StatsMixer, d_model=8, n_layers=2, vocab_size=5, num_classes=2)
     model.set_progress(3, 10)
     assert all(block.mixer.progress == (3, 10) for block in model.blocks)
+
+
+def test_after_forward_reaches_every_layer_once():
+    """`after_forward()`, which the tasks call after each forward (LongVQ's codebook statistics), reaches every
+    submodule that defines it, once per call."""
+    model = SequenceModel(StatsMixer, d_model=8, n_layers=2, vocab_size=5, num_classes=2)
+    model.after_forward()
+    assert [block.mixer.after_forward_calls for block in model.blocks] == [1, 1]
 
 
 @pytest.mark.parametrize("norm", ["layernorm", "scalenorm", "rmsnorm", "batchnorm", "syncbatchnorm"])

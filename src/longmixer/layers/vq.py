@@ -4,12 +4,26 @@ eqs. 5-8, 15, 23-24; codebook statistics as VQ-VAE, van den Oord et al. 2017, an
 The codebook is not a parameter: it is `sums / max(counts, clamp)`, two buffers smoothed by an exponential moving
 average (decay 0.99, LongVQ section 5) of the per-code counts and key sums of the real (unpadded) tokens.
 
-When the EMA step happens (the paper is silent; our choice): each training forward adds its statistics to pending
-buffers; they are applied once per optimizer step, when `set_progress(step, ...)` (called by the task before each
-training batch, forwarded by `SequenceModel`) reports a new step. So under gradient accumulation the statistics of
-all micro-batches of one step form one EMA step, and under DDP they are all-reduced (summed over ranks) right
+When the EMA step happens (the paper is silent; our choice): each training forward's statistics are added to
+pending buffers; they are applied once per optimizer step, when `set_progress(step, ...)` (called by the task before
+each training batch, forwarded by `SequenceModel`) reports a new step. So under gradient accumulation the statistics
+of all micro-batches of one step form one EMA step, and under DDP they are all-reduced (summed over ranks) right
 before it. A quantizer that never receives `set_progress` (used outside the task) applies its statistics after
 each training forward instead; `apply_update()` applies them by hand.
+
+Where the statistics are added (so that CUDA graphs capture the forward): a compiled training forward writes no
+buffer, since a buffer written in place is a mutated graph input and Inductor's CUDA graphs skip any graph that has
+one. It leaves its statistics in `_batch_stats`, a plain attribute that torch.compile sets after the graph from the
+graph's outputs, and `absorb_stats()` adds them to the pending buffers, eagerly, outside the graph (and, without
+`set_progress`, applies each as its EMA step). The task calls it through `SequenceModel.after_forward()` right
+after each forward and before any other one: under CUDA graphs those tensors live in the graph's memory pool, and
+the next replay overwrites them. An eager forward calls `absorb_stats()` itself, so a quantizer or model used alone
+in eager mode needs no hook, and eager and compiled runs add the same statistics in the same order: the same
+codebook trajectory. (One exception, outside the task: without `set_progress`, two calls within one compiled
+forward both see the codebook from before the forward, where eager calls would see it move in between.)
+`apply_update()` absorbs statistics left by a compiled forward before it applies anything. Only the first training
+forward writes buffers inside its graph: the data init of the codebook, which runs once (a Python flag leaves it
+out of every later graph, so under CUDA graphs only that first graph runs uncaptured).
 """
 
 from __future__ import annotations
@@ -63,6 +77,10 @@ class VectorQuantizer(nn.Module):
         # attribute read in a compiled forward would recompile it at every step)
         self._stepped_by_progress = False
         self._has_pending = False
+        # statistics ([S] counts, [S, E] sums) of the training forwards not yet added to the pending buffers, in call
+        # order: left by compiled forwards for `absorb_stats()` (one entry per quantizer call; a two-document batch
+        # calls it twice within one forward)
+        self._batch_stats: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
         # Python-side: True once a training forward has run the data init (which leaves `initialized` True). The
         # forward branches on this flag, never on the buffer's value, so it needs no host sync and no graph break.
         self._init_checked = False
@@ -98,7 +116,10 @@ class VectorQuantizer(nn.Module):
         sq_err = ((k.float() - c_z.float()) ** 2).sum(-1)  # [B, L]
         commit = (sq_err * weight).sum() / (weight.sum().clamp_min(1.0) * E)  # eq. 24, MSE over real entries
         if self.training:
-            self._accumulate(counts.float(), sums.float())
+            # read-then-set of a Python attribute: torch.compile replays it after the graph, no buffer is written
+            self._batch_stats = (*self._batch_stats, (counts.float(), sums.float()))
+            if not torch.compiler.is_compiling():
+                self.absorb_stats()
         probs = counts.float() / counts.sum().clamp_min(1.0)
         entropy = -(probs * torch.log(probs.clamp_min(1e-12))).sum()
         aux = {"loss/vq_commit": self.commit_coef * commit,
@@ -127,17 +148,29 @@ class VectorQuantizer(nn.Module):
         self._init_checked = False  # the next training forward looks at the loaded `initialized` again
 
     @torch.no_grad()
-    def _accumulate(self, counts: torch.Tensor, sums: torch.Tensor) -> None:
-        self.pending_counts += counts
-        self.pending_sums += sums
-        self._has_pending = True
-        if not self._stepped_by_progress:
-            self.apply_update()
+    def absorb_stats(self) -> None:
+        """Add the statistics left by training forwards to the pending buffers, in call order; without
+        `set_progress`, apply each as its own EMA step (what an eager forward does at once). Call it eagerly, right
+        after a compiled training forward (`SequenceModel.after_forward()` does; the tasks call that)."""
+        stats, self._batch_stats = self._batch_stats, ()
+        for counts, sums in stats:
+            self.pending_counts += counts
+            self.pending_sums += sums
+            self._has_pending = True
+            if not self._stepped_by_progress:
+                self.apply_update()
+
+    def after_forward(self) -> None:
+        """The hook `SequenceModel.after_forward()` calls after each forward: `absorb_stats()`."""
+        self.absorb_stats()
 
     @torch.no_grad()
     def apply_update(self) -> None:
         """One EMA step with the pending statistics (summed over DDP ranks): n <- eta n + (1 - eta) n_batch,
-        m <- eta m + (1 - eta) m_batch (VQ-VAE appendix; LongVQ section 5, eta = 0.99)."""
+        m <- eta m + (1 - eta) m_batch (VQ-VAE appendix; LongVQ section 5, eta = 0.99). Statistics a
+        compiled forward left unabsorbed are absorbed first."""
+        if self._batch_stats:
+            self.absorb_stats()  # without set_progress, this applies them itself; then nothing is pending
         if not self._has_pending:
             return
         if _distributed():

@@ -167,6 +167,15 @@ class SequenceModel(nn.Module):
             if module is not self and hasattr(module, "set_progress"):
                 module.set_progress(step, total_steps)
 
+    def after_forward(self) -> None:
+        """Call every submodule's `after_forward()` (LongVQ's quantizer adds its batch statistics to its buffers).
+        The task calls it right after each forward, eagerly: outside the compiled graph, whose forward then mutates no
+        buffer (CUDA graphs skip a graph that does), and before the next forward, whose CUDA-graph replay would
+        overwrite what this one left."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "after_forward"):
+                module.after_forward()
+
     def reparameterize(self) -> "SequenceModel":
         """Fuse training-time branches for inference in every submodule that supports it (CHELA short-long conv)."""
         for module in self.modules():

@@ -88,6 +88,12 @@ class SequenceTask(pl.LightningModule):
         if hasattr(self.model, "set_progress"):
             self.model.set_progress(self.global_step, self.total_steps)
 
+    def after_forward(self) -> None:
+        """Right after each call of the model (the compiled entry): the model's `after_forward()` hook, eagerly and
+        before any other forward (LongVQ's codebook statistics; see `SequenceModel.after_forward`)."""
+        if hasattr(self.model, "after_forward"):
+            self.model.after_forward()
+
     # --- divergence guard --------------------------------------------------------------------------------------
     divergence_check_every = 50  # steps between the host reads of the guard (each read waits for the GPU)
 

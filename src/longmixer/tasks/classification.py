@@ -38,6 +38,7 @@ class Classification(SequenceTask):
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str):
         logits, aux = self.model(batch["inputs"], batch.get("mask"), batch.get("inputs2"), batch.get("mask2"))
+        self.after_forward()
         labels = batch["labels"]
         loss = F.cross_entropy(logits.float(), labels)
         n = labels.shape[0]

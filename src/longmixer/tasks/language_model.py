@@ -57,6 +57,7 @@ class LanguageModel(SequenceTask):
     def token_nll(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token NLL [B, L] in nats (0 where `targets` is -100) and the model's aux."""
         h, aux = self.model.encode(batch["inputs"], batch.get("mask"))  # [B, L, D]
+        self.after_forward()
         targets = batch["targets"]
         head = self.model.head
         if hasattr(head, "loss"):  # adaptive softmax: never materializes the [B, L, V] logits
