@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from longmixer.bench import (BudgetExceeded, _slot, compile_model, compose_model_config, main, markdown, measure,
-                             model_specs, plan)
+from longmixer.bench import (NEEDS_CUDA, BudgetExceeded, _slot, compile_model, compose_model_config, main, markdown,
+                             measure, model_specs, plan)
 
 
 def test_plan_covers_every_family_with_a_text_recipe_and_both_transformers():
@@ -74,3 +74,65 @@ def test_without_a_gpu_the_benchmark_runs_labelled_toy_models(tmp_path, monkeypa
     assert result["quick"] is True
     assert {r["model"] for r in result["rows"]} == {"transformer_sdpa", "chela"}
     assert "Toy models" in (tmp_path / "b.md").read_text()
+
+
+def test_step_graph_compiles_the_blocks_as_default(monkeypatch):
+    from longmixer import bench
+
+    modes = []
+    monkeypatch.setattr(bench, "compile_blocks", lambda model, mode: modes.append(mode) or model)
+    compile_model(torch.nn.Linear(2, 2), "step-graph")
+    assert modes == ["default"]
+
+
+def test_step_graph_rows_say_they_need_a_gpu(tmp_path, monkeypatch):
+    """On a CPU the step-graph mode is accepted and its rows are recorded as skipped with the reason (no crash, and
+    nothing is built); `--lengths` keeps only that point of the length sweep."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = main(["--budget-s", "8", "--settings", "length", "--lengths", "32", "--compile", "step-graph",
+                   "--models", "transformer_sdpa", "chela", "--out", str(tmp_path / "b.json")])
+    assert [(r["model"], r["length"], r["compile"]) for r in result["rows"]] == [
+        ("transformer_sdpa", 32, "step-graph"), ("chela", 32, "step-graph")]
+    assert {r["status"] for r in result["rows"]} == {NEEDS_CUDA} and "needs a CUDA GPU" in NEEDS_CUDA
+    assert f"| {NEEDS_CUDA} |" in (tmp_path / "b.md").read_text()
+    name, overrides = model_specs("text", quick=True)[1]
+    cfg = compose_model_config([*overrides, "data.seq_len=16"])
+    with pytest.raises(ValueError, match="step-graph needs a CUDA GPU"):
+        measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=1, compile_mode="step-graph")
+
+
+def test_lengths_keep_only_those_points_of_the_length_sweep():
+    full = plan(quick=False)
+    only = plan(quick=False, lengths=[16384])
+    assert {(j["length"], j["batch"]) for j in only if j["setting"] == "length"} == {(16384, 2)}
+    assert [j for j in only if j["setting"] != "length"] == [j for j in full if j["setting"] != "length"]
+    both = plan(quick=False, lengths=[1024, 8192])
+    assert {j["length"] for j in both if j["setting"] == "length"} == {1024, 8192}
+
+
+@pytest.mark.parametrize("quick,lengths,allowed", [
+    pytest.param(False, [4096], "1024, 2048, 8192, 16384; 4096 is measured by --settings text", id="text-length"),
+    pytest.param(False, [16384, 3000], "--lengths 3000: the length sweep measures 1024", id="unknown"),
+    pytest.param(True, [16384], "--quick length sweep measures 32, 64", id="quick")])
+def test_unknown_lengths_name_the_sweep(quick, lengths, allowed):
+    with pytest.raises(ValueError, match=allowed):
+        plan(quick=quick, lengths=lengths)
+
+
+def test_after_forward_hook_runs_after_each_training_forward(monkeypatch):
+    """A model's callable `after_forward` (LongVQ's eager codebook statistics) runs once per training step, with
+    gradients on; the evaluation forwards do not call it."""
+    from hydra.utils import instantiate as real_instantiate
+
+    name, overrides = model_specs("text", quick=True)[1]
+    cfg = compose_model_config([*overrides, "data.seq_len=16"])
+    calls = []
+
+    def instantiate(config):
+        model = real_instantiate(config)
+        model.after_forward = lambda: calls.append(torch.is_grad_enabled())
+        return model
+
+    monkeypatch.setattr("hydra.utils.instantiate", instantiate)
+    measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=2)
+    assert calls == [True] * 3  # 1 warm-up + 2 timed training steps

@@ -456,3 +456,94 @@ def test_longvq_codebook_compiled_equals_eager(compose, lm, accumulate):
     torch.testing.assert_close(vqs[1].counts, vqs[0].counts, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(vqs[1].sums, vqs[0].sums, rtol=1e-5, atol=1e-6)
     assert not torch.equal(vqs[0].counts, torch.ones_like(vqs[0].counts))  # the EMA steps did run
+
+
+def test_capture_train_step_refuses_what_cannot_be_captured(monkeypatch):
+    from longmixer.utils.compile import capture_train_step
+
+    params = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(ValueError, match="capturable=True"):
+        capture_train_step(lambda: None, torch.optim.AdamW(params), warmup=3)
+    with pytest.raises(ValueError, match="warmup=0"):
+        capture_train_step(lambda: None, torch.optim.SGD(params), warmup=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        capture_train_step(lambda: None, torch.optim.SGD(params), warmup=3)  # SGD has no capturable option
+
+
+def test_capture_train_step_follows_the_whole_network_recipe(monkeypatch):
+    """The order PyTorch's whole-network capture needs, with torch.cuda's stream and graph objects faked on a CPU:
+    every warm-up step on the side stream and the captured step start from `.grad = None` (so the captured backward
+    allocates the gradients from the graph's pool), exactly one step is captured, and the replay is returned."""
+    import contextlib
+
+    from longmixer.utils.compile import capture_train_step
+
+    events: list[str] = []
+
+    class Stream:
+        def wait_stream(self, other):
+            events.append("wait")
+
+    class Graph:
+        def replay(self):
+            events.append("replay")
+
+    @contextlib.contextmanager
+    def scope(name):
+        events.append(f"enter {name}")
+        yield
+        events.append(f"exit {name}")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: scope("side stream"))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: scope("graph"))
+    layer = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+
+    def step():
+        events.append("step, grads " + ("None" if all(p.grad is None for p in layer.parameters()) else "kept"))
+        layer(torch.ones(1, 2)).sum().backward()
+        opt.step()
+
+    replay = capture_train_step(step, opt, warmup=2)
+    assert events == ["wait", "enter side stream", "step, grads None", "step, grads None", "exit side stream",
+                      "wait", "enter graph", "step, grads None", "exit graph"]
+    assert all(p.grad is not None for p in layer.parameters())  # the captured .grad stay for the replays
+    replay()
+    assert events[-1] == "replay"
+
+
+@pytest.mark.gpu
+def test_captured_step_replays_the_eager_steps():
+    """On a GPU: replaying the captured whole step (a tiny eager model, fused capturable AdamW) gives the weights
+    that the same number of eager steps give."""
+    from longmixer.utils.compile import capture_train_step
+
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1)).cuda()
+    graphed = copy.deepcopy(eager)
+    x, y = torch.randn(4, 8, device="cuda"), torch.randn(4, 1, device="cuda")
+
+    def stepper(model, capturable):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=capturable)
+
+        def step():
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return opt, step
+
+    opt, step = stepper(eager, False)
+    for _ in range(3 + 4):  # 3 warm-up steps and 4 replays (capturing records the step without running it)
+        opt.zero_grad(set_to_none=True)
+        step()
+    opt, step = stepper(graphed, True)
+    replay = capture_train_step(step, opt, warmup=3)
+    for _ in range(4):
+        replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager.parameters(), graphed.parameters(), strict=True):
+        torch.testing.assert_close(a, b)

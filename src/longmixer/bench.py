@@ -2,15 +2,20 @@
 evaluation throughput, against a Transformer with materialized attention (the papers' baseline) and with SDPA.
 
     python -m longmixer.bench [--quick] [--compile none default] [--out bench_out/model_bench.json] [--budget-s 230]
+        [--models transformer_sdpa chela] [--settings text length table6] [--lengths 16384]
 
 Each model is measured eager and compiled (`--compile`), and on CUDA one profiled pass gives the GPU-kernel time
-and kernel launches per step: GPU busy = kernel time / wall-clock step time. Without a GPU the benchmark runs
-`--quick` toy models (labelled as such in the table) so the command still finishes within its budget.
+and kernel launches per step: GPU busy = kernel time / wall-clock step time. `--compile step-graph` compiles the
+blocks as `default` does and captures the whole training step (forward, loss, backward, optimizer step) in one CUDA
+graph, replayed per step (utils/compile.py, `capture_train_step`); it needs a CUDA GPU. Without a GPU the benchmark
+runs `--quick` toy models (labelled as such in the table) so the command still finishes within its budget, and
+records step-graph rows as skipped.
 
 Settings, in order (a time budget skips what does not fit, recorded as "skipped"):
 1. `text`: the papers' efficiency setting (CHELA / LongVQ / LaS / SeqBoat Table 1): each family's Text recipe
    (`experiment=<family>/text`) at length 4096, same batch for all (8 sequences, 32K tokens per step).
-2. `length`: the same models at 1K, 2K, 4K, 8K, 16K with 32K tokens per step (batch 32 .. 2).
+2. `length`: the same models at 1K, 2K, 4K, 8K, 16K with 32K tokens per step (batch 32 .. 2); 4K is the `text`
+   setting's row. `--lengths 16384` measures only the 16K point (batch 2).
 3. `table6`: SeqBoat Table 6 layout: MEGA, MEGA-chunk, SeqBoat-full, SeqBoat on each LRA task's recipe at the MEGA
    recipe's batch size: training-step speed, training memory and evaluation speed relative to MEGA.
 Models are built from the model / recipe yamls by Hydra compose (the mixer partials as in training), in bf16
@@ -31,15 +36,19 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from longmixer.utils.compile import COMPILE_MODES, compile_blocks
-
+from longmixer.utils.compile import COMPILE_MODES, capture_train_step, compile_blocks
 from longmixer.utils.compose import CONFIG_DIR, compose, family_of
 
 log = logging.getLogger(__name__)
 CONFIGS = Path(CONFIG_DIR)
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
+TEXT_LENGTH = 4096  # the papers' efficiency setting; the length sweep's 4K point is this setting's row
 TOKENS_PER_STEP = 32768
-BENCH_COMPILE_MODES = COMPILE_MODES[1:]  # "auto" is a training default, not a measurement
+STEP_GRAPH = "step-graph"  # a bench-only mode: blocks compiled as "default", the whole step in one CUDA graph
+# "auto" is a training default, not a measurement
+BENCH_COMPILE_MODES = (*COMPILE_MODES[1:], STEP_GRAPH)
+STEP_GRAPH_WARMUP = 3  # eager steps before capture, at least (PyTorch's whole-network capture example uses 3)
+NEEDS_CUDA = f"skipped ({STEP_GRAPH} needs a CUDA GPU)"
 TABLE6_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 TABLE6_MODELS = ("mega", "mega_chunk", "seqboat_full", "seqboat")
 # The papers' variants, measured on their family's recipe (a model swap, as in training).
@@ -109,10 +118,11 @@ def _check_budget(deadline: float | None) -> None:
 
 
 def compile_model(model, mode: str):
-    """Compile the model's blocks as training does (`task.compile`, utils/compile.py); "none" leaves it eager."""
+    """Compile the model's blocks as training does (`task.compile`, utils/compile.py); "none" leaves it eager and
+    "step-graph" compiles them as "default" (`measure` then captures the whole step)."""
     if mode not in BENCH_COMPILE_MODES:
         raise ValueError(f"--compile {mode!r} is not one of {BENCH_COMPILE_MODES}")
-    return compile_blocks(model, mode)
+    return compile_blocks(model, "default" if mode == STEP_GRAPH else mode)
 
 
 def gpu_profile(step, steps: int, top: int = 0) -> dict:
@@ -154,24 +164,37 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
     `profile_steps`, kernels per step and GPU-busy %.
 
     The step is what a training run does: forward under bf16 autocast (on CUDA), loss, backward and a fused AdamW
-    step; `compile_mode` compiles the model (not the optimizer), as `task.compile` does in training.
+    step; `compile_mode` compiles the model (not the optimizer), as `task.compile` does in training. A model's
+    callable `after_forward` attribute, if any, runs right after each training forward. "step-graph" captures the
+    whole step once (`capture_train_step`: warm-up, then one CUDA graph; `after_forward` runs at capture and its GPU
+    work is replayed) and times its replay; evaluation then runs the blocks compiled as "default".
     """
     from hydra.utils import instantiate
 
+    graphed = compile_mode == STEP_GRAPH
+    if graphed and device.type != "cuda":
+        raise ValueError(f"--compile {STEP_GRAPH} needs a CUDA GPU (it captures the step in a CUDA graph); "
+                         f"the device is {device}")
     model = instantiate(cfg.model).to(device)
     params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda", capturable=graphed)
     x, mask, y = make_batch(cfg, batch, length, device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     net = compile_model(model, compile_mode)
+    hook = getattr(model, "after_forward", None)
 
-    def train_step():
+    def update():  # forward, loss, backward, optimizer step; the gradients stay (the graph refills them in place)
         with amp:
             out, aux = _forward(net, cfg, x, mask)
+            if callable(hook):
+                hook()
             loss = F.cross_entropy(out.float(), y)
             loss = loss + sum(v for k, v in aux.items() if k.startswith("loss/"))
         loss.backward()
         opt.step()
+
+    def train_step():
+        update()
         opt.zero_grad(set_to_none=True)
 
     def timed(fn, n):
@@ -185,22 +208,25 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
 
     model.train()
     compile_start = time.perf_counter()
+    step = capture_train_step(update, opt, max(warmup, STEP_GRAPH_WARMUP)) if graphed else train_step
     for _ in range(warmup):
-        train_step()
+        step()
         _check_budget(deadline)
     _sync(device)
     first_ms = (time.perf_counter() - compile_start) * 1e3
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    train_ms = timed(train_step, iters)
-    # CUDA graphs allocate their memory pool during warm-up, before the reset: the peak after it is not the step's
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" and compile_mode != "reduce-overhead"
-            else float("nan"))
+    train_ms = timed(step, iters)
+    # CUDA graphs allocate their memory pool during warm-up or capture, before the reset: the peak after it is not
+    # the step's
+    peak = (torch.cuda.max_memory_allocated() / 2**20
+            if device.type == "cuda" and compile_mode not in ("reduce-overhead", STEP_GRAPH) else float("nan"))
     row = {"params": params, "compile": compile_mode, "warmup_ms": first_ms, "train_ms": train_ms,
            "train_tokens_per_s": batch * length / train_ms * 1e3, "peak_mem_mib": peak}
     if device.type == "cuda" and profile_steps:
-        prof = gpu_profile(train_step, profile_steps, top_kernels)
+        prof = gpu_profile(step, profile_steps, top_kernels)
         row.update(prof, gpu_busy=min(1.0, prof["gpu_kernel_ms"] / train_ms))
+    del step  # a captured graph and its pool go before the optimizer state it reads
     opt.zero_grad(set_to_none=True)
     opt.state.clear()  # free the Adam moments before timing evaluation (train_step still names opt)
 
@@ -219,20 +245,30 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
     return row
 
 
-def plan(quick: bool) -> list[dict]:
+def plan(quick: bool, lengths: list[int] | None = None) -> list[dict]:
     """Every measurement, in priority order: the Text setting, the sweep's ends (1K, 16K), Table 6, the sweep's
-    middle (2K, 8K); a time budget cuts from the end."""
-    lengths = (64, 128, 32) if quick else LENGTHS
+    middle (2K, 8K); a time budget cuts from the end. `lengths` (`--lengths`) keeps only those points of the
+    `length` sweep (the other settings are unchanged).
+
+    Raises:
+        ValueError: a value of `lengths` is not a point of the sweep (the message names the points).
+    """
     tokens = 256 if quick else TOKENS_PER_STEP
-    text_len = 128 if quick else 4096
+    text_len = 128 if quick else TEXT_LENGTH
+    others = [n for n in ((64, 128, 32) if quick else LENGTHS) if n != text_len]  # text_len is the text setting's
+    unknown = sorted(set(lengths or ()) - set(others))
+    if unknown:
+        hint = f"; {text_len} is measured by --settings text" if text_len in unknown else ""
+        raise ValueError(f"--lengths {' '.join(map(str, unknown))}: the {'--quick ' if quick else ''}length sweep "
+                         f"measures {', '.join(map(str, sorted(others)))}{hint}")
 
     def sweep(points):
         return [{"setting": "length", "model": n, "overrides": o + [f"data.seq_len={length}"], "length": length,
-                 "batch": tokens // length} for length in points for n, o in model_specs("length", quick)]
+                 "batch": tokens // length} for length in points if lengths is None or length in lengths
+                for n, o in model_specs("length", quick)]
 
     jobs = [{"setting": "text", "model": n, "overrides": o + [f"data.seq_len={text_len}"], "length": text_len,
              "batch": tokens // text_len} for n, o in model_specs("text", quick)]
-    others = [n for n in lengths if n != text_len]
     jobs += sweep([min(others), max(others)])
     for task in TABLE6_TASKS:
         if not (CONFIGS / "experiment" / "mega" / f"{task}.yaml").exists():
@@ -273,7 +309,9 @@ def run(args) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     deadline = start + args.budget_s
-    jobs = [{**j, "compile": mode} for j in plan(args.quick) for mode in args.compile
+    if STEP_GRAPH in args.compile and device.type != "cuda":
+        log.warning("no CUDA GPU: --compile %s rows are recorded as skipped (it captures a CUDA graph)", STEP_GRAPH)
+    jobs = [{**j, "compile": mode} for j in plan(args.quick, args.lengths) for mode in args.compile
             if (not args.models or j["model"] in args.models) and (not args.settings or j["setting"] in args.settings)]
     if args.merge:
         # keep the earlier run's rows for what this run does not measure again
@@ -281,8 +319,10 @@ def run(args) -> dict:
         result["rows"] = [r for r in json.loads(Path(args.merge).read_text())["rows"] if _slot(r) not in again]
     for job in jobs:
         row = {k: v for k, v in job.items() if k != "overrides"}
-        if time.perf_counter() > deadline:
-            row["status"] = "skipped (time budget)"
+        skip = ("skipped (time budget)" if time.perf_counter() > deadline
+                else NEEDS_CUDA if job["compile"] == STEP_GRAPH and device.type != "cuda" else None)
+        if skip is not None:
+            row["status"] = skip
             result["rows"].append(row)
             continue
         try:
@@ -409,7 +449,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget-s", type=float, default=230.0,
                         help="stop measuring after this many seconds, also inside a job (rows left are 'skipped')")
     parser.add_argument("--compile", nargs="+", default=None, choices=BENCH_COMPILE_MODES,
-                        help="compile modes to measure each model in (default: none and default on a GPU, none on CPU)")
+                        help="compile modes to measure each model in (default: none and default on a GPU, none on "
+                             "CPU); step-graph: blocks compiled as default, the whole step captured in one CUDA graph "
+                             "(CUDA only)")
     parser.add_argument("--profile-steps", type=int, default=3,
                         help="steps traced by torch.profiler for GPU-busy %% and kernels per step (CUDA only; 0: off)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -418,6 +460,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="record the N most expensive GPU kernels of a profiled step in each JSON row")
     parser.add_argument("--models", nargs="*", default=None, help="only these models (e.g. transformer_sdpa chela)")
     parser.add_argument("--settings", nargs="*", default=None, choices=("text", "length", "table6"))
+    sweep = ", ".join(str(n) for n in LENGTHS if n != TEXT_LENGTH)
+    parser.add_argument("--lengths", nargs="+", type=int, default=None,
+                        help=f"only these points of the length sweep ({sweep}; 32K tokens per step): "
+                             "--settings length --lengths 16384 measures 16K, batch 2")
     parser.add_argument("--merge", default=None, help="an earlier JSON: its rows stay for what is not measured again")
     args = parser.parse_args(argv)
     if args.compile is None:
