@@ -120,8 +120,9 @@ def test_unknown_lengths_name_the_sweep(quick, lengths, allowed):
 
 
 def test_after_forward_hook_runs_after_each_training_forward(monkeypatch):
-    """A model's callable `after_forward` (LongVQ's eager codebook statistics) runs once per training step, with
-    gradients on; the evaluation forwards do not call it."""
+    """A model's callable `after_forward` (LongVQ's eager codebook statistics) runs once after every forward, as
+    in the tasks: once per training step (gradients on), and after each evaluation forward, where it has nothing
+    to do."""
     from hydra.utils import instantiate as real_instantiate
 
     name, overrides = model_specs("text", quick=True)[1]
@@ -135,4 +136,5 @@ def test_after_forward_hook_runs_after_each_training_forward(monkeypatch):
 
     monkeypatch.setattr("hydra.utils.instantiate", instantiate)
     measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=2)
-    assert calls == [True] * 3  # 1 warm-up + 2 timed training steps
+    assert calls[:3] == [True] * 3  # 1 warm-up + 2 timed training steps
+    assert calls[3:] == [False] * 3  # the evaluation forwards (no_grad)

@@ -181,13 +181,10 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
     x, mask, y = make_batch(cfg, batch, length, device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     net = compile_model(model, compile_mode)
-    hook = getattr(model, "after_forward", None)
 
     def update():  # forward, loss, backward, optimizer step; the gradients stay (the graph refills them in place)
         with amp:
-            out, aux = _forward(net, cfg, x, mask)
-            if callable(hook):
-                hook()
+            out, aux = _forward(net, cfg, x, mask)  # with the model's after_forward hook
             loss = F.cross_entropy(out.float(), y)
             loss = loss + sum(v for k, v in aux.items() if k.startswith("loss/"))
         loss.backward()
