@@ -18,6 +18,7 @@ import csv
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -56,7 +57,11 @@ def main(argv: list[str] | None = None) -> dict:
     cmd = [sys.executable, "-m", "longmixer.train", *args.overrides]
     start = time.time()
     with GpuSampler(args.interval_s) as sampler:
-        code = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # a SIGTERM (a `timeout`, a scheduler) goes on to the run, which checkpoints and exits 143; the figures
+        # sampled so far are still written below
+        signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+        code = proc.wait()
     summary = {"command": "python -m longmixer.train " + " ".join(args.overrides), "gpu": gpu_name(),
                "host_cpus": os.cpu_count(), "exit_code": code, "wall_s": round(time.time() - start, 1),
                "settle_s": args.settle_s, **summarize(sampler.rows, args.settle_s)}
