@@ -171,10 +171,14 @@ class SequenceModel(nn.Module):
         """Call every submodule's `after_forward()` (LongVQ's quantizer adds its batch statistics to its buffers).
         The task calls it right after each forward, eagerly: outside the compiled graph, whose forward then mutates no
         buffer (CUDA graphs skip a graph that does), and before the next forward, whose CUDA-graph replay would
-        overwrite what this one left."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "after_forward"):
-                module.after_forward()
+        overwrite what this one left. It runs every step, so the modules that define the hook are found once (the
+        module tree is fixed after construction; compiling blocks in place keeps it)."""
+        hooked = self.__dict__.get("_after_forward_modules")
+        if hooked is None:
+            hooked = [m for m in self.modules() if m is not self and hasattr(m, "after_forward")]
+            self._after_forward_modules = hooked  # a plain list: not registered as submodules
+        for module in hooked:
+            module.after_forward()
 
     def reparameterize(self) -> "SequenceModel":
         """Fuse training-time branches for inference in every submodule that supports it (CHELA short-long conv)."""

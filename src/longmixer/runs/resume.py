@@ -30,9 +30,10 @@ STORED_CONFIG = "config_resolved.yaml"
 # `trainer.max_time` decides when a run stops, not what any step computes (the schedules follow max_steps /
 # max_epochs), so a resumed run may be given a longer budget; Lightning restores the time already spent.
 DRIFT_IGNORED = ("resume", "ckpt_path", "run_dir", "train", "test", "tags", "trainer.max_time", "paths.root_dir",
-                 "paths.log_dir", "paths.output_dir", "logger", "callbacks.progress", "callbacks.summary", "callbacks.lr_monitor",
-                 "callbacks.throughput", "callbacks.params", "callbacks.resume_step", "trainer.enable_progress_bar",
-                 "trainer.enable_model_summary", "trainer.log_every_n_steps", "data.num_workers")
+                 "paths.log_dir", "paths.output_dir", "logger", "callbacks.progress", "callbacks.summary",
+                 "callbacks.lr_monitor", "callbacks.throughput", "callbacks.params", "callbacks.resume_step",
+                 "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.log_every_n_steps",
+                 "data.num_workers")
 
 
 class RunLockedError(RuntimeError):
