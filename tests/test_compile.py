@@ -113,6 +113,74 @@ def test_compiled_step_matches_eager(compose, family):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == (3 if family == "longvq" else 2)
 
 
+# --- Inductor's GPU code generation, emulated on a CPU ----------------------------------------------------------
+
+class _CodegenDone(Exception):
+    """Raised once Inductor has generated every kernel of a graph: nothing is compiled or run."""
+
+
+@pytest.fixture
+def h100_codegen(monkeypatch):
+    """Make Inductor generate, for CPU tensors, the Triton kernels it would generate on an H100 under torch 2.11,
+    and stop before compiling them; yields the list the generated kernels' sources are appended to.
+
+    Inductor's Triton backend for CPU tensors (`cpu_backend="triton"`) schedules, fuses and generates kernels as on
+    a GPU; an H100's device properties make it choose the same split scans (a scan over more than 8192 elements
+    with fewer than 2 x 132 rows); and `get_block_shape` raises where torch 2.11's does (an operand indexed by the
+    row alone inside a split scan, pytorch#180221, fixed in the pinned torch). This leans on Inductor internals of
+    the pinned torch (Makefile)."""
+    import torch._inductor.codegen.triton as triton_codegen
+    from torch._inductor import graph
+    from torch._inductor.runtime import hints
+
+    h100 = hints.DeviceProperties(type="cpu", index=None, multi_processor_count=132, cc=90, major=9,
+                                  regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                                  max_threads_per_block=1024, warp_size=32)
+    kernels: list[str] = []
+    get_block_shape = triton_codegen.TritonSymbols.get_block_shape.__func__
+    define_kernel = triton_codegen.TritonScheduling.define_kernel
+    codegen = graph.GraphLowering.codegen
+
+    def strict_block_shape(cls, expr):
+        for var in expr.free_symbols:
+            node = triton_codegen.V.kernel.range_tree_nodes.get(var)
+            if node is not None and node.root.tensor_dim is None:
+                raise TypeError("list indices must be integers or slices, not NoneType")  # torch 2.11's failure
+        return get_block_shape(cls, expr)
+
+    def record_kernel(self, src_code, node_schedule, kernel):
+        kernels.append(src_code)
+        return define_kernel(self, src_code, node_schedule, kernel)
+
+    def codegen_then_stop(self, *args, **kwargs):
+        codegen(self, *args, **kwargs)
+        raise _CodegenDone
+
+    monkeypatch.setattr(torch.utils._triton, "triton_hash_with_backend", lambda: "emulated-h100")  # no driver here
+    monkeypatch.setattr(hints.DeviceProperties, "create", classmethod(lambda cls, device: h100))
+    monkeypatch.setattr(triton_codegen.TritonSymbols, "get_block_shape", classmethod(strict_block_shape))
+    monkeypatch.setattr(triton_codegen.TritonScheduling, "define_kernel", record_kernel)
+    monkeypatch.setattr(graph.GraphLowering, "codegen", codegen_then_stop)
+    with torch._inductor.config.patch(cpu_backend="triton", fx_graph_cache=False, autotune_local_cache=False):
+        yield kernels
+
+
+@pytest.mark.parametrize("family", ["seqboat", "seqboat_full"])
+def test_seqboat_block_codegen_at_16k(compose, h100_codegen, family):
+    """Regression: `python -m longmixer.bench --settings length --lengths 16384 --compile step-graph` failed to
+    compile SeqBoat and SeqBoat-full on an H100 (torch 2.11: "list indices must be integers or slices, not
+    NoneType"; at 4K they compiled). At 16K, batch 2, Inductor splits the prefix sums over the sequence across
+    several programs, and the attention-span statistic's prefix sum read each row's activated count. The block's
+    training forward (Triton ops, as on the GPU) now generates its H100 kernels, split scans included."""
+    model = _model(compose, family, backend="triton",
+                   extra=("data.seq_len=16384", "model.n_layers=1", "model.d_model=16"))
+    x, mask = torch.randn(2, 16384, 16, requires_grad=True), torch.ones(2, 16384, dtype=torch.bool)
+    with pytest.raises(torch._inductor.exc.InductorError) as failure:
+        torch.compile(model.blocks[0], fullgraph=True)(x, mask)
+    assert isinstance(failure.value.inner_exception, _CodegenDone), failure.value
+    assert sum("@triton_heuristics.split_scan" in k for k in h100_codegen) >= 2  # slot ranks and the span's prefix sum
+
+
 TRITON_FAMILIES = ["mega", "mega_chunk", "chela", "longvq", "las", "las_chunk", "seqboat", "seqboat_full"]
 
 

@@ -64,9 +64,12 @@ def cases(quick: bool, device: str):
     def las(q, k, v, **kw):
         return las_attention(q, k, v, alpha.to(q.dtype), **kw)
 
-    yield ("las_attention pool=3", las,
-           [rnd(B, H, L, K, scale=0.5), rnd(B, H, L, K, scale=0.5), rnd(B, H, L, V)],
-           dict(pool_size=3, causal_pool=True), None)
+    # with max_alpha (a host float, as the LaS mixer passes it) the small rates take the separable path; without
+    # it the op runs the flash kernel, reading nothing of alpha
+    for path, bound in (("separable", dict(max_alpha=float(alpha.max()))), ("flash", {})):
+        yield (f"las_attention pool=3 {path}", las,
+               [rnd(B, H, L, K, scale=0.5), rnd(B, H, L, K, scale=0.5), rnd(B, H, L, V)],
+               dict(pool_size=3, causal_pool=True, **bound), None)
     active = torch.rand(B, L, generator=g).to(device) < 0.6
 
     def sparse(q, k, v, rel_bias, **kw):

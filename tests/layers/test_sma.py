@@ -94,3 +94,29 @@ def test_attention_span_matches_bruteforce(window, chunk, causal):
     idx, count = packed_index(active)
     span = attention_span(idx, count, window, chunk, causal)
     assert math.isclose(span.item(), _span_bruteforce(active, window, chunk, causal), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("window,chunk,causal", [(4, None, False), (None, 3, True), (None, None, False)])
+def test_attention_span_prefix_sum_reads_no_row_count(window, chunk, causal):
+    """Regression: SeqBoat and SeqBoat-full failed to compile at 16K tokens, batch 2 on an H100 (torch 2.11,
+    "list indices must be integers or slices, not NoneType"). Inductor splits a scan that long over several
+    programs, and torch 2.11's split-scan codegen fails on an operand indexed by the row alone (pytorch#180221);
+    the prefix sum of positions read `count[:, None]` through its validity mask. It now reads `idx` alone
+    (tests/test_compile.py::test_seqboat_block_codegen_at_16k checks the generated kernels)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    g = torch.Generator().manual_seed(0)
+    idx, count = packed_index(torch.rand(2, 23, generator=g) < 0.5)
+    graph = make_fx(lambda i, c: attention_span(i, c, window, chunk, causal))(idx, count).graph
+    count_input = [n for n in graph.nodes if n.op == "placeholder"][1]
+
+    def reads(node, target, seen=None):
+        seen = set() if seen is None else seen
+        if node is target:
+            return True
+        seen.add(node)
+        return any(reads(a, target, seen) for a in node.all_input_nodes if a not in seen)
+
+    scans = [n for n in graph.nodes if n.target == torch.ops.aten.cumsum.default]
+    assert scans
+    assert not any(reads(scan, count_input) for scan in scans)

@@ -132,11 +132,49 @@ def test_backend_torch_is_reference():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(pool_size=4), "pool_size=4"),
     (dict(alpha=torch.tensor([0.0, -0.1])), "alpha must be >= 0"),
+    (dict(max_alpha=-0.1), "max_alpha=-0.1"),
     (dict(alpha=torch.zeros(3)), "one decay rate per head"),
     (dict(backend="cuda"), "ops.backend='cuda'"),
-], ids=["even-P", "negative-alpha", "alpha-shape", "bad-backend"])
+], ids=["even-P", "negative-alpha", "negative-max-alpha", "alpha-shape", "bad-backend"])
 def test_errors_name_the_value(kwargs, match):
     q, k, v = _qkv(1, 2, 8, 4, dtype=torch.float32)
     kwargs = {"alpha": torch.zeros(2), **kwargs}
     with pytest.raises(ValueError, match=match):
         las_attention(q, k, v, **kwargs)
+
+
+def test_path_is_chosen_from_max_alpha_only(monkeypatch):
+    """The Triton path never depends on alpha's values: without max_alpha the flash kernel runs (valid for any
+    alpha >= 0); with it, the separable path runs while max_alpha (L - 1) / 2 is within the dtype's limit."""
+    import longmixer.ops.las_attention.function as las_function
+
+    taken = []
+    monkeypatch.setattr(las_function, "las_attention_separable", lambda *a, **kw: taken.append("separable"))
+    monkeypatch.setattr(las_function, "las_attention_flash", lambda *a, **kw: taken.append("flash"))
+    q, k, v = _qkv(1, 2, 9, 4, dtype=torch.float32)
+    for max_alpha in (None, 0.0, 100.0):
+        las_function.las_attention(q, k, v, torch.zeros(2), max_alpha=max_alpha, backend="triton")
+    assert taken == ["flash", "separable", "flash"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("max_alpha", [None, 0.05], ids=["no-bound", "bound"])
+def test_compiles_as_one_graph_without_reading_alpha(backend, max_alpha):
+    """Regression: scripts/bench/parity.py compiles las_attention with fullgraph=True and no max_alpha, which failed
+    with "Could not guard on data-dependent expression zuf0 < 0.0": the op read max(alpha) on the host and compared
+    it (a host sync on CUDA, a data-dependent guard under torch.compile). Path and checks now come from sizes and
+    max_alpha only; the compiled forward and backward equal the eager ones."""
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 37, 16, dtype=torch.float32, seed=3))
+    alpha = torch.tensor([0.0, 0.05])
+
+    def attend(q, k, v, alpha):
+        return las_attention(q, k, v, alpha, pool_size=3, max_alpha=max_alpha, backend=backend)
+
+    torch._dynamo.reset()
+    outs = [fn(q, k, v, alpha) for fn in (attend, torch.compile(attend, backend="aot_eager", fullgraph=True))]
+    do = torch.randn_like(outs[0])
+    grads = [torch.autograd.grad(out, (q, k, v), do) for out in outs]
+    torch.testing.assert_close(outs[1], outs[0], msg="o")
+    for name, g_c, g_e in zip(("dq", "dk", "dv"), grads[1], grads[0]):
+        torch.testing.assert_close(g_c, g_e, msg=name)
+    torch._dynamo.reset()

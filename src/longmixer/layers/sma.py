@@ -121,13 +121,17 @@ def attention_span(idx: Tensor, count: Tensor, window: int | None, chunk_size: i
     over queries (SeqBoat section 5, Fig. 6), in O(L) with prefix sums; 0 when nothing is activated.
 
     Args:
-        idx: [B, L] original position of each packed slot (first count[b] valid); count: [B].
+        idx: [B, L] original position of each packed slot, the first count[b] valid and 0 after them (as
+            `packed_index` gives); count: [B].
         window, chunk_size, causal: the attention pattern over the packed sequence (see `sparse_local_attention`).
     """
     bsz, length = idx.shape
     slot = torch.arange(length, device=idx.device).expand(bsz, -1)
     valid = slot < count[:, None]
-    pos = torch.where(valid, idx.long(), 0).double()
+    # idx is already 0 past each row's count, so the prefix sum reads no per-row value: on a GPU, Inductor splits a
+    # scan this long over several programs (L > 8192 with few rows on an H100), and torch 2.11's split-scan codegen
+    # fails on a per-row operand ("list indices must be integers or slices, not NoneType", pytorch#180221).
+    pos = idx.double()  # [B, L]
     prefix = F.pad(pos.cumsum(-1), (1, 0))  # [B, L+1]
     last = (count[:, None].long() - 1).clamp(min=0)
     if window is not None:

@@ -159,8 +159,10 @@ def las_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torc
         causal_pool: False (paper): centred pooling window, so row i also reads V up to (P - 1) / 2 steps ahead.
             True: the pooling window of column j is j..j+P-1, which keeps the layer causal (for language models).
         scale: logit scale; None means K ** -0.5.
-        max_alpha: max(alpha) as a Python float, used to pick the Triton path; None reads it from `alpha` (a host
-            sync on CUDA and a graph break under torch.compile: mixers pass it).
+        max_alpha: an upper bound on alpha as a Python float (the LaS mixer passes max(alpha)), used to pick the
+            Triton path: the separable one (prep + SDPA) while max_alpha (L - 1) / 2 is within
+            SEPARABLE_EXPONENT_LIMIT, else the flash kernel. None runs the flash kernel, valid for any alpha >= 0:
+            the path is decided from sizes and arguments, never from alpha's values.
         backend: "auto" | "torch" | "triton". torch runs the materialized reference (O(L^2) memory).
 
     Returns:
@@ -179,15 +181,16 @@ def las_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torc
         raise ValueError(f"alpha has shape {tuple(alpha.shape)}; expected one decay rate per head, ({q.shape[1]},)")
     if pool_size < 1 or pool_size % 2 == 0:
         raise ValueError(f"pool_size={pool_size} must be a positive odd integer (LaS Table 4 uses 3 or 5)")
-    if max_alpha is None:
-        max_alpha = float(alpha.max())
-    # the value check reads alpha on the host: only in eager mode on the CPU (no device sync, no graph break)
-    if max_alpha < 0 or (not alpha.is_cuda and not torch.compiler.is_compiling() and float(alpha.min()) < 0):
-        raise ValueError(f"alpha must be >= 0 (got max {max_alpha}); a negative rate grows with distance")
+    if max_alpha is not None and max_alpha < 0:
+        raise ValueError(f"max_alpha={max_alpha} must be >= 0; a negative decay rate grows with distance")
+    # alpha's values are read on the host only in eager mode on the CPU, where that is neither a device sync nor a
+    # graph break; the LaS mixer checks its rates where it makes them (`las_alphas`)
+    if alpha.device.type == "cpu" and not torch.compiler.is_compiling() and float(alpha.min()) < 0:
+        raise ValueError(f"alpha must be >= 0 (got min {float(alpha.min())}); a negative rate grows with distance")
     if resolve_backend("las_attention", backend, q, k, v) == "torch":
         return las_attention_ref(q, k, v, alpha, pool_size=pool_size, causal_pool=causal_pool, scale=scale)
     alpha = alpha.to(torch.float32)
     limit = SEPARABLE_EXPONENT_LIMIT.get(q.dtype, 0.0)
-    if max_alpha * (q.shape[-2] - 1) / 2 <= limit:
+    if max_alpha is not None and max_alpha * (q.shape[-2] - 1) / 2 <= limit:
         return las_attention_separable(q, k, v, alpha, pool_size=pool_size, causal_pool=causal_pool, scale=scale)
     return las_attention_flash(q, k, v, alpha, pool_size=pool_size, causal_pool=causal_pool, scale=scale)
