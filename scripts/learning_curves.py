@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--val-every", type=int, default=250, help="validate every N training steps")
     parser.add_argument("--trainer", default="gpu", help="trainer config (cpu for a smoke test)")
     parser.add_argument("--compile", default="none",
-                        help="task.compile of the runs (none: ListOps batches are padded per batch, so their shapes vary)")
+                        help="task.compile of the runs (none: eager, as the recorded curves ran; auto picks CUDA "
+                             "graphs where the batches come in few shapes)")
     parser.add_argument("--sequential", action="store_true", help="one run after another instead of together")
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--logs", default="logs/learning_curves", help="run dirs (carry them to resume)")

@@ -204,7 +204,9 @@ def test_triton_path_compiles(compose, family):
 
 def test_compile_mode_resolution():
     assert resolve_compile_mode("auto", torch.device("cpu")) == "none"
-    assert resolve_compile_mode("auto", torch.device("cuda", 0)) == "default"
+    assert resolve_compile_mode("auto", torch.device("cuda", 0)) == "reduce-overhead"
+    assert resolve_compile_mode("auto", torch.device("cuda", 0), few_shapes=False) == "default"
+    assert resolve_compile_mode("auto", torch.device("cpu"), few_shapes=False) == "none"
     for mode in COMPILE_MODES[1:]:
         assert resolve_compile_mode(mode, torch.device("cpu")) == mode
     with pytest.raises(ValueError, match="task.compile='fast'"):

@@ -71,3 +71,23 @@ def test_variable_length_configs_take_pad_multiple(data):
     from hydra.utils import instantiate
 
     assert instantiate(cfg.data).pad_multiple == 256
+
+
+@pytest.mark.parametrize("data", ["listops", "listops_gen", "text_1k", "retrieval"])
+def test_variable_length_configs_pad_to_few_shapes_by_default(data):
+    """The shipped configs pad variable-length batches to a few shapes, so `task.compile=auto` picks CUDA graphs on
+    a GPU; `data.pad_multiple=null` (one shape per batch) makes it fall back to plain compilation."""
+    from hydra.utils import instantiate
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(overrides=[f"+data={data}", "+paths=default", "+seed=0"])
+        unpadded = compose(overrides=[f"+data={data}", "+paths=default", "+seed=0", "data.pad_multiple=null"])
+    dm = instantiate(cfg.data)
+    assert dm.variable_length and dm.pad_multiple is not None and dm.few_shapes
+    assert not instantiate(unpadded.data).few_shapes
+
+
+def test_fixed_length_data_has_few_shapes():
+    from longmixer.data.pathfinder import Pathfinder
+
+    assert not Pathfinder.variable_length and Pathfinder.few_shapes.fget(Pathfinder.__new__(Pathfinder))

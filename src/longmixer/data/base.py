@@ -250,6 +250,14 @@ class SequenceDataModule(pl.LightningDataModule):
     """
 
     name = "base"
+    # True where examples differ in length (ListOps, Text, Retrieval): each batch is padded to its own longest
+    # unless `pad_multiple` is set
+    variable_length = False
+
+    @property
+    def few_shapes(self) -> bool:
+        """Whether batches come in a handful of shapes: what `task.compile=auto` needs to choose CUDA graphs."""
+        return not self.variable_length or self.pad_multiple is not None
 
     def __init__(self, data_dir: str | Path | None = None, batch_size: int = 32, eval_batch_size: int | None = None,
                  num_workers: int | None = None, seed: int = 0, split_seed: int = 0, pin_memory: bool | None = None,

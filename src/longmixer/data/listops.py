@@ -62,6 +62,7 @@ class ListOps(SequenceDataModule):
     """
 
     name = "listops"
+    variable_length = True
 
     def __init__(self, seq_len: int = 2000, vocab_size: int = len(VOCAB), num_classes: int = 10,
                  source_dir: str | None = None, **kwargs):

@@ -88,6 +88,7 @@ class AAN(SequenceDataModule):
     """
 
     name = "retrieval"
+    variable_length = True
 
     def __init__(self, seq_len: int = 4000, vocab_size: int = BYTE_VOCAB, num_classes: int = 2,
                  source_dir: str | None = None, **kwargs):

@@ -93,6 +93,7 @@ class IMDB(SequenceDataModule):
     """
 
     name = "text"
+    variable_length = True
 
     def __init__(self, seq_len: int = 4096, vocab_size: int = BYTE_VOCAB, num_classes: int = 2,
                  source_dir: str | None = None, **kwargs):

@@ -73,7 +73,10 @@ class SequenceTask(pl.LightningModule):
         if self.compiled_as is not None:
             return
         device = self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
-        self.compiled_as = resolve_compile_mode(self.compile_mode, device)
+        # the datamodule says whether its batches come in few shapes (data/base.py: `few_shapes`); `auto` picks
+        # CUDA graphs only then
+        few_shapes = getattr(getattr(self._trainer, "datamodule", None), "few_shapes", True)
+        self.compiled_as = resolve_compile_mode(self.compile_mode, device, few_shapes=few_shapes)
         compile_blocks(self.model, self.compiled_as, entry=self.compile_entry)
 
     # --- optimization ------------------------------------------------------------------------------------------
