@@ -202,7 +202,8 @@ def test_a_run_stopped_by_its_time_budget_continues_with_a_larger_one(compose, t
     run_dir = tmp_path / "run"
     assert first["status"] == "stopped at trainer.max_time"
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 1
-    second = train(compose([*TINY_LISTOPS, *TINY_TRAINER, "+trainer.max_time=00:01:00:00"]))
+    # the dict form of the budget (Lightning's Timer accepts a string, a timedelta or a dict)
+    second = train(compose([*TINY_LISTOPS, *TINY_TRAINER, "+trainer.max_time={hours:1}"]))
     assert second["status"] == "finished" and "test/acc" in second["metrics"]
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 2

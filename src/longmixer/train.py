@@ -95,7 +95,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = instantiate_group(cfg.get("logger"), "logger")
     log.info("instantiating trainer <%s>", cfg.trainer._target_)
-    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    # "partial": nested values reach the Trainer as plain dicts / lists (Lightning's Timer takes
+    # `trainer.max_time={hours: 1}` only as a dict, not as an OmegaConf DictConfig)
+    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, _convert_="partial")
     if cfg.train:
         check_validation_reachable(cfg, datamodule, trainer.world_size)
 
