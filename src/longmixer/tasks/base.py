@@ -74,8 +74,8 @@ class SequenceTask(pl.LightningModule):
             return
         device = self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
         # the datamodule says whether its batches come in few shapes (data/base.py: `few_shapes`); `auto` picks
-        # CUDA graphs only then
-        few_shapes = getattr(getattr(self._trainer, "datamodule", None), "few_shapes", True)
+        # CUDA graphs only then, and not for data that does not say (a user's own datamodule, bare dataloaders)
+        few_shapes = getattr(getattr(self._trainer, "datamodule", None), "few_shapes", False)
         self.compiled_as = resolve_compile_mode(self.compile_mode, device, few_shapes=few_shapes)
         compile_blocks(self.model, self.compiled_as, entry=self.compile_entry)
 
