@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,3 +36,20 @@ def test_epoch_accuracy_counts_samples_not_batch_means():
 def test_num_classes_is_checked(bad):
     with pytest.raises(ValueError, match="task.num_classes"):
         Classification(_Logits(), *OPTIM, num_classes=bad)
+
+
+@pytest.mark.parametrize("datamodule, expected", [
+    (SimpleNamespace(few_shapes=True), "reduce-overhead"),   # fixed length, or padded to a multiple
+    (SimpleNamespace(few_shapes=False), "default"),          # each batch to its own longest
+    (None, "default"),                                       # data that does not say: no CUDA graphs
+])
+def test_auto_compile_follows_the_datamodules_shapes_on_cuda(monkeypatch, datamodule, expected):
+    import longmixer.tasks.base as base
+
+    chosen = []
+    monkeypatch.setattr(base, "compile_blocks", lambda model, mode, **kw: chosen.append(mode))
+    task = Classification(_Logits(), *OPTIM, num_classes=3, compile="auto")
+    task._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)),
+                                    datamodule=datamodule)
+    task.configure_model()
+    assert chosen == [expected] and task.compiled_as == expected
