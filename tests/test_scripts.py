@@ -47,3 +47,43 @@ def test_parity_cases_filter_runs_only_the_named_case(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "| ema bidirectional=False | fp32 | eager |" in out and "1 passed, 0 failed" in out
     assert "linear_attention" not in out
+
+
+def _bench_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_anchor_with_toeplitz_bias_is_megas_full_attention():
+    """scripts/bench/anchors.py times SDPA with the relative-position bias materialized as MEGA's full-length
+    attention: the same output and gradients as `local_attention` (torch path), so the comparison is like for like."""
+    import torch
+
+    from longmixer.ops.local_attention import local_attention
+
+    anchors = _bench_script("anchors")
+    g = torch.Generator().manual_seed(0)
+    B, L, K, V = 2, 24, 8, 12
+    q, k = (torch.randn(B, 1, L, K, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    v = torch.randn(B, 1, L, V, generator=g, dtype=torch.float64).requires_grad_()
+    table = (0.3 * torch.randn(2 * L - 1, generator=g, dtype=torch.float64)).requires_grad_()
+    outs = []
+    for fn in (lambda: anchors.toeplitz_sdpa(q, k, v, table), lambda: local_attention(q, k, v, bias=table,
+                                                                                       backend="torch")):
+        o = fn()
+        outs.append([o, *torch.autograd.grad(o, [q, k, v, table], torch.ones_like(o))])
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=1e-10), (a - b).abs().max()
+
+
+def test_anchors_skips_without_a_gpu(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["anchors.py"])
+    assert _bench_script("anchors").main() == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
