@@ -50,8 +50,13 @@ def test_parity_cases_filter_runs_only_the_named_case(monkeypatch, capsys):
 
 
 def _bench_script(name: str):
+    """Import scripts/bench/<name>.py as running it does: its folder on sys.path (for `_common`)."""
     import importlib.util
+    import sys
 
+    folder = str(ROOT / "scripts" / "bench")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

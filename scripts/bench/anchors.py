@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from longmixer.ops.local_attention import local_attention
 from longmixer.ops.vq_attention import vq_attention, vq_search_ref, window_bias
 
+from _common import fwd_bwd  # scripts/bench/_common.py (this folder is sys.path[0])
+
 ROWS: list[dict] = []
 
 
@@ -47,19 +49,9 @@ def timed(fn) -> tuple[float, float]:
     return wall, graph
 
 
-def step(fn, leaves):
-    """Forward, backward of a fixed random gradient, the leaves' gradients dropped."""
-    def run():
-        out = fn()
-        out.backward(torch.ones_like(out))
-        for t in leaves:
-            t.grad = None
-    return run
-
-
 def record(group: str, shape: str, name: str, fn, leaves, baseline: str | None = None) -> None:
     try:
-        wall, graph = timed(step(fn, leaves))
+        wall, graph = timed(fwd_bwd(fn, leaves))
     except Exception as exc:  # noqa: BLE001
         print(f"{group} {shape} {name}: failed: {type(exc).__name__}: {str(exc)[:200]}")
         return
