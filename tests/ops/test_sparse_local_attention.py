@@ -54,7 +54,30 @@ def test_reference_matches_naive(pattern, causal, attention, rel_pos):
 def test_kernel_parity_fwd_bwd(pattern, causal, attention, rel_pos, B, L, K, V):
     """Forward and every gradient (dq, dk, dv, dbias) of the Triton path against the reference, by name; V = 40
     spans two value blocks under the interpreter, L = 45 leaves ragged query and key blocks."""
+    _check_parity(pattern, causal, attention, rel_pos, B, L, K, V)
+
+
+@pytest.mark.parametrize("pattern,causal,attention,rel_pos,table", [
+    pytest.param(dict(window=6), True, "relu2", "compressed", None, id="w6-causal-relu2-comp"),
+    pytest.param(dict(chunk=5), False, "softmax", "compressed", None, id="chunk5-bidir-softmax-comp"),
+    pytest.param(dict(), False, "softmax", "compressed", None, id="full-bidir-softmax-comp-diag"),
+    pytest.param(dict(), True, "relu2", "compressed", None, id="full-causal-relu2-comp-diag"),
+    pytest.param(dict(), False, "softmax", "original", None, id="full-bidir-softmax-orig"),
+    pytest.param(dict(), False, "softmax", "compressed", 19, id="full-bidir-softmax-comp-short-table"),
+])
+def test_one_kernel_backward_every_mode(monkeypatch, pattern, causal, attention, rel_pos, table):
+    """The one-kernel backward (dq by atomics; the bias gradient by diagonal sums where the table is Toeplitz in
+    packed slots and covers every distance, else one atomic per score), forced on for every attention pattern."""
+    from longmixer.ops.sparse_local_attention import kernel
+
+    monkeypatch.setattr(kernel, "FUSED_BWD_MODES", {kernel.MODE_WINDOW, kernel.MODE_CHUNK, kernel.MODE_FULL})
+    _check_parity(pattern, causal, attention, rel_pos, 2, 45, 12, 40, table=table)
+
+
+def _check_parity(pattern, causal, attention, rel_pos, B, L, K, V, table=None):
     q, k, v, active, bias = _inputs(B, L, K, V, 0.7, seed=L)
+    if table is not None:  # a table shorter than the packed distances: the ends are clamped
+        bias = bias[:table]
     leaves = [t.requires_grad_() for t in (q, k, v, bias)]
     do = torch.randn(B, L, V)
     opts = dict(causal=causal, attention=attention, rel_pos=rel_pos, **pattern)

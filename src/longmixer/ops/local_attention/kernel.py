@@ -220,13 +220,15 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                                 p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
                                 FUSED: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
-                                BIAS_GRAD: tl.constexpr, SCRATCH: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                                ONE_V: tl.constexpr):
+                                BIAS_GRAD: tl.constexpr, SCRATCH: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                BLOCK_V: tl.constexpr, ONE_V: tl.constexpr):
     # one key span [n0, n0 + SPAN) and one value block, tiles kept transposed ([keys, queries]) so that
     # dv += p^T do and dk += ds^T q take their left operand from registers. Every program adds its value block of
     # dv; the value-block-0 program also does dk, the bias gradient and, FUSED (the span holds whole chunks, so
-    # its queries see no other key), dq and delta = rowsum(do o) in place.
+    # its queries see no other key), dq and delta = rowsum(do o) in place. DQ_ATOMIC (long spans): dq is added
+    # into a zeroed float32 buffer by atomics, and the programs of one row start at different query blocks so
+    # that they do not all add into the same rows at once.
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     n0 = i_n * SPAN
@@ -247,7 +249,12 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
         lo, hi = n0, k_hi
     else:
         lo, hi = _query_range(n0, L, C, BLOCK_N, CAUSAL)
-    for m0 in range(lo, hi, BLOCK_M):
+    n_iter = tl.cdiv(hi - lo, BLOCK_M)
+    for it in range(0, n_iter):
+        if DQ_ATOMIC:
+            m0 = lo + ((it + i_n) % n_iter) * BLOCK_M
+        else:
+            m0 = lo + it * BLOCK_M
         o_m = m0 + tl.arange(0, BLOCK_M)
         m_rows = o_m < hi
         b_q = tl.load(q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], mask=m_rows[:, None] & m_k[None, :],
@@ -311,6 +318,10 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                 b_dq = tl.dot(tl.trans(b_dsT).to(b_k.dtype), b_k, input_precision=DOT_PREC)
                 tl.store(dq_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], b_dq.to(dq_ptr.dtype.element_ty),
                          mask=m_rows[:, None] & m_k[None, :])
+            elif DQ_ATOMIC:
+                b_dq = tl.dot(tl.trans(b_dsT).to(b_k.dtype), b_k, input_precision=DOT_PREC)
+                tl.atomic_add(dq_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], b_dq,
+                              mask=m_rows[:, None] & m_k[None, :], sem="relaxed")
     tl.store(dv_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :], b_dv.to(dv_ptr.dtype.element_ty),
              mask=m_keys[:, None] & m_v[None, :])
     if ONE_V or i_v == 0:
@@ -321,6 +332,20 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
             p_part = dbias_ptr + (i_bh * tl.num_programs(0) + i_n) * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(p_part, b_db_lo)
             tl.store(p_part + BLOCK_N, b_db_hi)
+
+
+@triton.jit
+def _delta_kernel(o_ptr, do_ptr, delta_ptr, R, V, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    # delta = rowsum(do o) over R = B H L rows, for the softmax backward of the DQ_ATOMIC path
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    b_delta = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V)
+        m = (o_r[:, None] < R) & (o_v[None, :] < V)
+        p = o_r[:, None] * V + o_v[None, :]
+        b_delta += tl.sum(tl.load(do_ptr + p, mask=m, other=0.).to(tl.float32)
+                          * tl.load(o_ptr + p, mask=m, other=0.).to(tl.float32), 1)
+    tl.store(delta_ptr + o_r, b_delta, mask=o_r < R)
 
 
 @triton.jit
@@ -465,17 +490,27 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     if bias_grad and cfg["scratch"]:
         scratch = torch.empty(B * H * n_spans * BLOCK_N * BLOCK_M, device=q.device, dtype=torch.float32)
     delta = stat
+    dq_atomic = not fused and cfg.get("dq_atomic", False)
+    dq_arg = dq
     if not fused:
         delta = torch.empty_like(stat) if attention == "softmax" else stat
+    if dq_atomic:
+        dq_arg = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        if attention == "softmax":
+            _delta_kernel[(triton.cdiv(B * H * L, 64),)](o, do, delta, B * H * L, V, BLOCK_R=64,
+                                                        BLOCK_V=min(128, max(16, triton.next_power_of_2(V))))
+    elif not fused:
         _local_attention_bwd_dq_kernel[(triton.cdiv(L, BLOCK_M), B * H)](
             q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, H, L, K, V, chunk, scale, seed, dropout, **flags,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
     _local_attention_bwd_kernel[(n_spans, B * H, triton.cdiv(V, BLOCK_V))](
-        q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, dk, dv, dbias if dbias is not None else stat, scratch,
-        H, L, K, V, chunk, span, scale, seed, dropout, **flags, FUSED=fused, BIAS_GRAD=bias_grad,
-        SCRATCH=scratch is not stat, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V,
-        ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq_arg, dk, dv, dbias if dbias is not None else stat,
+        scratch, H, L, K, V, chunk, span, scale, seed, dropout, **flags, FUSED=fused, BIAS_GRAD=bias_grad,
+        SCRATCH=scratch is not stat, DQ_ATOMIC=dq_atomic, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if dq_atomic:
+        dq = dq_arg.to(q.dtype)
     if bias_grad and fused:
         part = dbias.view(B, H, n_spans, 2 * BLOCK_N)[..., BLOCK_N - (chunk - 1):BLOCK_N + chunk]  # j - i = 1-C..C-1
         dbias = part.sum((0, 2)) if bias.shape[0] > 1 else part.sum((0, 1, 2)).view(1, -1)

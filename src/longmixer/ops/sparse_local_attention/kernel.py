@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from longmixer.ops.backend import triton_interpreter_on
+from longmixer.ops.local_attention.kernel import _diag_sums
 from longmixer.ops.precision import work_dtype
 
 MODE_WINDOW, MODE_CHUNK, MODE_FULL = 0, 1, 2
@@ -279,6 +280,80 @@ def _sparse_local_attention_bwd_dkdv_kernel(
                  mask=m_n[:, None] & m_k[None, :])
 
 
+@triton.jit
+def _sparse_local_attention_bwd_kernel(
+    q, k, v, do, idx, cnt, bias, lse, delta, dq, dk, dv, dbias, L, K, V, scale, LEFT, RIGHT, CHUNK, M_BIAS, NORM,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    MODE: tl.constexpr, CAUSAL: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BIAS_ORIG: tl.constexpr, IEEE: tl.constexpr, BIAS_DIAG: tl.constexpr,
+):
+    # the whole backward of one block of packed key slots, the value row in one block: dk, dv in registers, dq
+    # added into a zeroed float32 buffer by atomics (the programs of one row start at different query blocks), the
+    # bias gradient by diagonal sums of each ds tile (BIAS_DIAG: the bias is Toeplitz in packed slots and its
+    # table covers every distance) or by one atomic per score otherwise.
+    i_n, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    n_b = tl.load(cnt + i_b)
+    start = i_n * BLOCK_N
+    o_n = start + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    o_v = tl.arange(0, BLOCK_V)
+    m_n, m_k, m_v = o_n < n_b, o_k < K, o_v < V
+    pos_k = tl.load(idx + i_b * L + o_n, mask=m_n, other=0).to(tl.int64)
+    b_k = tl.load(k + i_b * L * K + pos_k[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+    b_v = tl.load(v + i_b * L * V + pos_k[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0)
+    b_dk = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    b_dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    lo, hi = _query_range(start, n_b, BLOCK_M, BLOCK_N, LEFT, RIGHT, CHUNK, MODE, CAUSAL)
+    n_iter = tl.cdiv(hi - lo, BLOCK_M)
+    for it in range(0, n_iter):
+        m0 = lo + ((it + i_n) % n_iter) * BLOCK_M
+        o_m = m0 + tl.arange(0, BLOCK_M)
+        m_m = o_m < n_b
+        pos_q = tl.load(idx + i_b * L + o_m, mask=m_m, other=0).to(tl.int64)
+        b_q = tl.load(q + i_b * L * K + pos_q[:, None] * K + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+                      other=0.0)
+        b_do = tl.load(do + i_b * L * V + pos_q[:, None] * V + o_v[None, :], mask=m_m[:, None] & m_v[None, :],
+                       other=0.0)
+        b_lse = tl.load(lse + i_b * L + pos_q, mask=m_m, other=0.0)
+        b_delta = tl.load(delta + i_b * L + pos_q, mask=m_m, other=0.0)
+        b_s, b_scale, m_s, i_bias = _scores(b_q, b_k, o_m, o_n, pos_q, pos_k, n_b, bias, scale, LEFT, RIGHT, CHUNK,
+                                            M_BIAS, NORM, MODE, CAUSAL, SOFTMAX, HAS_BIAS, BIAS_ORIG, IEEE)
+        if IEEE:
+            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision="ieee")
+        else:
+            b_dp = tl.dot(b_do, tl.trans(b_v))
+        b_p, b_ds = _ds_tile(b_s, b_dp, m_s, b_lse, b_delta, SOFTMAX)
+        if IEEE:
+            b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision="ieee")
+        else:
+            b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+        if HAS_BIAS:
+            if BIAS_DIAG:
+                # packed distance j - i = n - m: sums along the tile's diagonals, one atomic per diagonal
+                b_s0, b_s1, b_s2, k0 = _diag_sums(tl.trans(b_ds), m0 - start, dbias, BLOCK_N, BLOCK_M, False)
+                o_rel = (M_BIAS - 1) + tl.arange(0, BLOCK_N) - k0 * BLOCK_N  # table index of w = 0
+                tl.atomic_add(dbias + o_rel, b_s0, mask=(o_rel >= 0) & (o_rel <= 2 * M_BIAS - 2), sem="relaxed")
+                o_rel -= BLOCK_N
+                tl.atomic_add(dbias + o_rel, b_s1, mask=(o_rel >= 0) & (o_rel <= 2 * M_BIAS - 2), sem="relaxed")
+                o_rel -= BLOCK_N
+                tl.atomic_add(dbias + o_rel, b_s2, mask=(o_rel >= 0) & (o_rel <= 2 * M_BIAS - 2), sem="relaxed")
+            else:
+                tl.atomic_add(dbias + i_bias, b_ds, mask=m_s, sem="relaxed")
+        b_dsq = (b_ds * b_scale[:, None]).to(b_q.dtype)
+        if IEEE:
+            b_dk += tl.dot(tl.trans(b_dsq), b_q, input_precision="ieee")
+            b_dq = tl.dot(b_dsq, b_k, input_precision="ieee")
+        else:
+            b_dk += tl.dot(tl.trans(b_dsq), b_q)
+            b_dq = tl.dot(b_dsq, b_k)
+        tl.atomic_add(dq + i_b * L * K + pos_q[:, None] * K + o_k[None, :], b_dq, mask=m_m[:, None] & m_k[None, :],
+                      sem="relaxed")
+    tl.store(dv + i_b * L * V + pos_k[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty),
+             mask=m_n[:, None] & m_v[None, :])
+    tl.store(dk + i_b * L * K + pos_k[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty),
+             mask=m_n[:, None] & m_k[None, :])
+
+
 def _config(q: torch.Tensor, v: torch.Tensor, window: int | None, chunk: int | None, causal: bool,
             attention: str, rel_pos: str, rel_bias: torch.Tensor | None) -> dict:
     """Block sizes, constexpr flags and the scalar arguments shared by the launchers."""
@@ -299,6 +374,28 @@ def _config(q: torch.Tensor, v: torch.Tensor, window: int | None, chunk: int | N
     )
 
 
+# Modes whose backward runs as one kernel (`_sparse_local_attention_bwd_kernel`, dq by atomics) when the value
+# row fits one block; the others use the dq kernel and the dk/dv kernels. Full attention (SeqBoat-full) gains
+# most: it would otherwise recompute every score tile once per 64-wide value block (docs/benchmarks.md).
+FUSED_BWD_MODES = {MODE_FULL}
+FUSED_BWD_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1)
+# Forward tiles of those modes on the GPU: the whole value row per program, so no score tile is recomputed per
+# value block (MEGA's full attention uses the same: ops/local_attention `_fwd_config`).
+FWD_WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+
+
+def _bwd_plan(cfg: dict, V: int, length: int, rel_bias) -> dict | None:
+    """Tiles and flags of the one-kernel backward, or None where the split kernels run."""
+    if cfg["MODE"] not in FUSED_BWD_MODES or V > 256:
+        return None
+    small = triton_interpreter_on()
+    tiles = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1) if small else dict(FUSED_BWD_TILES)
+    tiles["BLOCK_M"] = min(tiles["BLOCK_M"], tiles["BLOCK_N"])  # the diagonal sums take BLOCK_M <= BLOCK_N
+    # the bias gradient by diagonal sums where the bias is Toeplitz in packed slots and no distance is clamped
+    diag = rel_bias is not None and not cfg["BIAS_ORIG"] and (rel_bias.shape[0] + 1) // 2 >= length
+    return dict(tiles, BLOCK_V=max(16, triton.next_power_of_2(V)), BIAS_DIAG=diag)
+
+
 def sparse_local_attention_fwd(q, k, v, idx, cnt, rel_bias, *, window, chunk, causal, attention, rel_pos):
     """Launch the forward. Returns o [B, L, V] (zeros at inactive positions) and lse [B, L] float32."""
     bsz, length, _ = q.shape
@@ -309,9 +406,12 @@ def sparse_local_attention_fwd(q, k, v, idx, cnt, rel_bias, *, window, chunk, ca
     o = torch.zeros_like(v)
     lse = torch.zeros(bsz, length, dtype=torch.float32, device=q.device)
     bias = rel_bias if rel_bias is not None else lse
+    cfg = {**cfg, "num_warps": 4, "num_stages": 2}
+    if cfg["MODE"] in FUSED_BWD_MODES and not triton_interpreter_on() and q.shape[-1] <= 64 and v.shape[-1] <= 256:
+        cfg.update(FWD_WIDE_TILES, BLOCK_V=max(16, triton.next_power_of_2(v.shape[-1])))
     grid = (triton.cdiv(length, cfg["BLOCK_M"]), triton.cdiv(v.shape[-1], cfg["BLOCK_V"]), bsz)
     _sparse_local_attention_fwd_kernel[grid](q, k, v, idx, cnt, bias, o, lse, length, q.shape[-1], v.shape[-1],
-                                             *scalars, **cfg, num_warps=4, num_stages=2)
+                                             *scalars, **cfg)
     return o, lse
 
 
@@ -328,6 +428,13 @@ def sparse_local_attention_bwd(q, k, v, o, do, idx, cnt, rel_bias, lse, *, windo
     dbias = torch.zeros(rel_bias.shape[0], dtype=torch.float32, device=q.device) if rel_bias is not None else None
     bias = rel_bias if rel_bias is not None else lse
     args = (length, q.shape[-1], v.shape[-1], *scalars)
+    plan = _bwd_plan(cfg, v.shape[-1], length, rel_bias)
+    if plan is not None:
+        dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        _sparse_local_attention_bwd_kernel[(triton.cdiv(length, plan["BLOCK_N"]), bsz)](
+            q, k, v, do, idx, cnt, bias, lse, delta, dq32, dk, dv, dbias if dbias is not None else lse, *args,
+            **{**cfg, **plan})
+        return dq32.to(q_dtype), dk.to(k_dtype), dv, dbias.to(rel_bias.dtype) if dbias is not None else None
     _sparse_local_attention_bwd_dq_kernel[(triton.cdiv(length, cfg["BLOCK_M"]), bsz)](
         q, k, v, do, idx, cnt, bias, lse, delta, dq, dbias if dbias is not None else lse, *args, **cfg,
         num_warps=4, num_stages=2)

@@ -199,5 +199,6 @@ def vq_attention_bwd(q, k, v, codebook, n_out, u_out, bias, mask, o, lse, do, bl
                                                    G=G)
     grid_kv = (L // t["BN"], B, triton.cdiv(H, t["BH"]))
     _vq_attention_bwd_dkv_kernel[grid_kv](q, k, v, bias if bias is not None else lse, mask, lse, delta, do, dk, dv,
-                                          L, E, H, **flags, BM=t["BM"], BN=t["BN"], BE=t["BE"], BH=t["BH"])
+                                          L, E, H, **flags, BM=t["BM"], BN=t["BN"], BE=t["BE"], BH=t["BH"],
+                                          num_warps=t["num_warps"])
     return dq.to(q_dtype), dk.to(k_dtype), dv, du, None if dbias is None else dbias.sum(0)
