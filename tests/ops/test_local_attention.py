@@ -78,6 +78,43 @@ def test_backward_tilings(monkeypatch, span, block_m, scratch, dq_atomic, block_
         assert rel_error(a, b) < 1e-5, name
 
 
+@pytest.mark.parametrize("block_m", [16, 8], ids=["query-block=span", "query-block=span/2"])
+@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("bias_heads", [0, 2], ids=["shared-bias", "head-bias"])
+def test_full_length_one_pass_backward(monkeypatch, block_m, attention, causal, bias_heads):
+    """Full attention longer than a key span through the one-pass backward: dq by atomics and the bias gradient
+    as per-tile partials folded on the host (ragged L = 45 over spans of 16; query blocks of 16 and of 8)."""
+    monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(span=16, BLOCK_M=block_m, BLOCK_V_MAX=32,
+                                                                     num_warps=4, num_stages=1, scratch=False,
+                                                                     dq_atomic=True))
+    (q, k, v, bias), mask = _case(2, 2, 45, 8, 20, None, bias_heads=bias_heads)
+    kw = dict(chunk_size=None, attention=attention, causal=causal, bias=bias, mask=mask)
+    ref = local_attention_ref(q, k, v, **kw)
+    tri = local_attention(q, k, v, backend="triton", **kw)
+    do = torch.randn_like(ref)
+    assert rel_error(tri, ref) < 1e-5, "o"
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), torch.autograd.grad(tri, [q, k, v, bias], do),
+                          torch.autograd.grad(ref, [q, k, v, bias], do)):
+        assert rel_error(a, b) < 1e-5, name
+
+
+@pytest.mark.parametrize("nb,ratio,W,center,n_taps", [(3, 1, 2, 40, 81), (4, 2, 3, 30, 61), (2, 1, 2, 50, 101)])
+def test_fold_diagonal_partials_equals_scatter(nb, ratio, W, center, n_taps):
+    """The skewed-view fold equals adding each tile's sums at its taps one by one (taps past the table dropped)."""
+    BN = 8
+    part = torch.randn(2, nb, nb * ratio, W, BN, dtype=torch.float64)
+    want = torch.zeros(2, n_taps, dtype=torch.float64)
+    for n in range(nb):
+        for m in range(nb * ratio):
+            for w in range(W):
+                for jj in range(BN):
+                    tap = center + jj - (m // ratio - n + w) * BN
+                    if 0 <= tap < n_taps:
+                        want[:, tap] += part[:, n, m, w, jj]
+    torch.testing.assert_close(kernel.fold_diagonal_partials(part, center, n_taps, ratio), want)
+
+
 def test_bias_without_grad():
     """A bias that needs no gradient skips the bias-gradient pass (BIAS_GRAD off) and leaves dq, dk, dv as they are."""
     (q, k, v, bias), mask = _case(2, 2, 50, 8, 20, 16)

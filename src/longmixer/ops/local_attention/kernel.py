@@ -221,7 +221,7 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                                 BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
                                 FUSED: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
                                 BIAS_GRAD: tl.constexpr, SCRATCH: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                BIAS_PART: tl.constexpr, PART_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 BLOCK_V: tl.constexpr, ONE_V: tl.constexpr):
     # one key span [n0, n0 + SPAN) and one value block, tiles kept transposed ([keys, queries]) so that
     # dv += p^T do and dk += ds^T q take their left operand from registers. Every program adds its value block of
@@ -300,6 +300,15 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                 if FUSED:
                     b_db_hi += b_s0  # 0 <= m0 - n0 < BLOCK_N: k0 = 0, and w = 2 holds no valid pair
                     b_db_lo += b_s1
+                elif BIAS_PART:
+                    # one partial per (key span, query block), no atomics: `fold_diagonal_partials` sums them
+                    n_m = tl.num_programs(0) * (BLOCK_N // BLOCK_M)
+                    p_part = dbias_ptr + ((i_bh * tl.num_programs(0) + i_n) * n_m + m0 // BLOCK_M) * PART_W * BLOCK_N
+                    o_jj = tl.arange(0, BLOCK_N)
+                    tl.store(p_part + o_jj, b_s0)
+                    tl.store(p_part + BLOCK_N + o_jj, b_s1)
+                    if PART_W == 3:
+                        tl.store(p_part + 2 * BLOCK_N + o_jj, b_s2)
                 else:
                     # one atomic per (diagonal, wrap count) into the zeroed [H or 1, 2C-1] gradient
                     p_db = dbias_ptr + (i_h * (2 * C - 1) if BIAS_PER_HEAD else 0)
@@ -403,6 +412,35 @@ def _local_attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr,
              mask=m_rows[:, None] & m_k[None, :])
 
 
+def fold_diagonal_partials(part: torch.Tensor, center: int, n_taps: int, ratio: int = 1) -> torch.Tensor:
+    """Sum per-tile diagonal sums into a relative-position bias gradient, without atomics.
+
+    part [G, NB, NB * ratio, W, BN]: for key block n (BN keys) and query block m (BN / ratio queries), the W row
+    sums `_diag_sums` returns: w holds the pairs with j - i = jj - (k0 + w) BN, k0 = m // ratio - n. Tap
+    `center + j - i` of the [G, n_taps] result is the sum over every tile. Deterministic: the diagonals of the
+    [NB, NB] block grid are summed through a skewed strided view, not by scattering."""
+    G, nb, nbm, W, BN = part.shape
+    if ratio > 1:
+        part = part.view(G, nb, nb, ratio, W, BN).sum(3)  # query blocks of one key-block-sized super block
+    p = part.permute(0, 3, 1, 2, 4)  # [G, W, n, m, BN]
+    width = 3 * nb - 2
+    p = torch.nn.functional.pad(p, (0, 0, nb - 1, nb - 1)).contiguous()  # p[.., n, c] = part[n, c - (nb - 1)]
+    # r[.., n, d] = part[n, n + d - (nb - 1)]: row n shifted left by n (one more element of stride per row)
+    r = p.as_strided((G, W, nb, 2 * nb - 1, BN), (W * nb * width * BN, nb * width * BN, (width + 1) * BN, BN, 1))
+    flat = r.sum(2).flip(2).reshape(G, W, -1)  # f = e BN + jj with m - n = (nb - 1) - e
+    # w = 0: tap = center - (nb - 1) BN + f; each further w is BN taps lower
+    span = (2 * nb - 1) * BN
+    buf = flat.new_zeros(G, span + (W - 1) * BN)
+    for w in range(W):
+        buf[:, (W - 1 - w) * BN:(W - 1 - w) * BN + span] += flat[:, w]
+    lo = center - (nb - 1) * BN - (W - 1) * BN  # the tap of buf[:, 0]
+    out = buf.new_zeros(G, n_taps)
+    a, b = max(lo, 0), min(lo + buf.shape[1], n_taps)
+    if b > a:
+        out[:, a:b] = buf[:, a - lo:b - lo]
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def _flags(attention: str, causal: bool, has_bias: bool, per_head: bool, has_mask: bool, dropout: bool,
            fp32: bool) -> dict:
@@ -422,6 +460,12 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
                 BLOCK_V=min(128, max(16, triton.next_power_of_2(V))), num_warps=4, num_stages=2)
 
 
+# The backward of long spans with K <= 64 (MEGA's full attention, K 64 V 256): one pass over each key span with
+# the whole value row (no score tile recomputed per value block, no dq kernel recomputing dp), dq added by
+# atomics, the bias gradient as per-tile partials (`fold_diagonal_partials`).
+LONG_SPAN_K64 = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=256, num_warps=8, num_stages=1, scratch=False, dq_atomic=True)
+
+
 def _bwd_config(C: int, K: int, V: int) -> dict:
     """Backward tiles, from the H200 sweeps in docs/benchmarks.md (kernel measurement records). `span` is the key span a program
     owns: the largest multiple of C up to it when C <= span (one fused kernel), else the span itself (dq + dk/dv
@@ -433,8 +477,8 @@ def _bwd_config(C: int, K: int, V: int) -> dict:
         return dict(span=128, BLOCK_M=32, BLOCK_V_MAX=128, num_warps=8, num_stages=2, scratch=True)
     if C <= 128 and K <= 64 and V <= 256:
         return dict(span=128, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=8, num_stages=2, scratch=True)
-    if K <= 64:  # long spans (MEGA's full attention): 2.46 vs 3.39 ms at B8 L4096 K64 V256 on an H100
-        return dict(span=64, BLOCK_M=64, BLOCK_V_MAX=128, num_warps=4, num_stages=1, scratch=False)
+    if K <= 64:  # long spans (MEGA's full attention); docs/benchmarks.md has the sweep
+        return dict(LONG_SPAN_K64)
     return dict(span=64, BLOCK_M=64 if max(K, V) <= 64 else 32, BLOCK_V_MAX=128, num_warps=4, num_stages=2,
                 scratch=False)
 
@@ -479,18 +523,28 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     n_spans = triton.cdiv(L, span)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     bias_grad = bias is not None and bias_grad
+    dq_atomic = not fused and cfg.get("dq_atomic", False)
+    # partials per (key span, query block) where one chunk holds the whole sequence (every query block of a span
+    # is visited) and query blocks tile key spans evenly
+    bias_part = bias_grad and dq_atomic and chunk >= L and BLOCK_N == span and BLOCK_N % BLOCK_M == 0
+    part_w = 2 if BLOCK_M == BLOCK_N else 3
     dbias = None
     if bias_grad:
-        # fused: one partial per program, indexed by (j - i) + BLOCK_N; else atomics into a zeroed [H or 1, 2C-1]
-        dbias = (torch.empty(B * H * n_spans, 2 * BLOCK_N, device=q.device, dtype=torch.float32) if fused
-                 else torch.zeros(bias.shape, device=q.device, dtype=torch.float32))
+        # fused: one partial per program, indexed by (j - i) + BLOCK_N; bias_part: one per (span, query block);
+        # else atomics into a zeroed [H or 1, 2C-1]
+        if fused:
+            dbias = torch.empty(B * H * n_spans, 2 * BLOCK_N, device=q.device, dtype=torch.float32)
+        elif bias_part:
+            dbias = torch.zeros(B, H, n_spans, n_spans * (BLOCK_N // BLOCK_M), part_w, BLOCK_N, device=q.device,
+                                dtype=torch.float32)
+        else:
+            dbias = torch.zeros(bias.shape, device=q.device, dtype=torch.float32)
     bias_arg = bias if bias is not None else stat
     mask_arg = mask if mask is not None else stat
     scratch = stat
     if bias_grad and cfg["scratch"]:
         scratch = torch.empty(B * H * n_spans * BLOCK_N * BLOCK_M, device=q.device, dtype=torch.float32)
     delta = stat
-    dq_atomic = not fused and cfg.get("dq_atomic", False)
     dq_arg = dq
     if not fused:
         delta = torch.empty_like(stat) if attention == "softmax" else stat
@@ -507,10 +561,13 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     _local_attention_bwd_kernel[(n_spans, B * H, triton.cdiv(V, BLOCK_V))](
         q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq_arg, dk, dv, dbias if dbias is not None else stat,
         scratch, H, L, K, V, chunk, span, scale, seed, dropout, **flags, FUSED=fused, BIAS_GRAD=bias_grad,
-        SCRATCH=scratch is not stat, DQ_ATOMIC=dq_atomic, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        SCRATCH=scratch is not stat, DQ_ATOMIC=dq_atomic, BIAS_PART=bias_part, PART_W=part_w, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if dq_atomic:
         dq = dq_arg.to(q.dtype)
+    if bias_part:
+        part = dbias.sum(0) if bias.shape[0] > 1 else dbias.sum((0, 1)).unsqueeze(0)  # [H or 1, NB, NM, W, BN]
+        dbias = fold_diagonal_partials(part, chunk - 1, 2 * chunk - 1, BLOCK_N // BLOCK_M)
     if bias_grad and fused:
         part = dbias.view(B, H, n_spans, 2 * BLOCK_N)[..., BLOCK_N - (chunk - 1):BLOCK_N + chunk]  # j - i = 1-C..C-1
         dbias = part.sum((0, 2)) if bias.shape[0] > 1 else part.sum((0, 1, 2)).view(1, -1)

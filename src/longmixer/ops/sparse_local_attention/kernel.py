@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from longmixer.ops.backend import triton_interpreter_on
-from longmixer.ops.local_attention.kernel import _diag_sums
+from longmixer.ops.local_attention.kernel import _diag_sums, fold_diagonal_partials
 from longmixer.ops.precision import work_dtype
 
 MODE_WINDOW, MODE_CHUNK, MODE_FULL = 0, 1, 2
@@ -285,12 +285,13 @@ def _sparse_local_attention_bwd_kernel(
     q, k, v, do, idx, cnt, bias, lse, delta, dq, dk, dv, dbias, L, K, V, scale, LEFT, RIGHT, CHUNK, M_BIAS, NORM,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     MODE: tl.constexpr, CAUSAL: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BIAS_ORIG: tl.constexpr, IEEE: tl.constexpr, BIAS_DIAG: tl.constexpr,
+    BIAS_ORIG: tl.constexpr, IEEE: tl.constexpr, BIAS_DIAG: tl.constexpr, PART_W: tl.constexpr,
 ):
     # the whole backward of one block of packed key slots, the value row in one block: dk, dv in registers, dq
     # added into a zeroed float32 buffer by atomics (the programs of one row start at different query blocks), the
-    # bias gradient by diagonal sums of each ds tile (BIAS_DIAG: the bias is Toeplitz in packed slots and its
-    # table covers every distance) or by one atomic per score otherwise.
+    # bias gradient by diagonal sums of each ds tile stored as one partial per tile (BIAS_DIAG: the bias is
+    # Toeplitz in packed slots and its table covers every distance; the launcher folds them) or by one atomic per
+    # score otherwise.
     i_n, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     n_b = tl.load(cnt + i_b)
     start = i_n * BLOCK_N
@@ -330,13 +331,14 @@ def _sparse_local_attention_bwd_kernel(
         if HAS_BIAS:
             if BIAS_DIAG:
                 # packed distance j - i = n - m: sums along the tile's diagonals, one atomic per diagonal
-                b_s0, b_s1, b_s2, k0 = _diag_sums(tl.trans(b_ds), m0 - start, dbias, BLOCK_N, BLOCK_M, False)
-                o_rel = (M_BIAS - 1) + tl.arange(0, BLOCK_N) - k0 * BLOCK_N  # table index of w = 0
-                tl.atomic_add(dbias + o_rel, b_s0, mask=(o_rel >= 0) & (o_rel <= 2 * M_BIAS - 2), sem="relaxed")
-                o_rel -= BLOCK_N
-                tl.atomic_add(dbias + o_rel, b_s1, mask=(o_rel >= 0) & (o_rel <= 2 * M_BIAS - 2), sem="relaxed")
-                o_rel -= BLOCK_N
-                tl.atomic_add(dbias + o_rel, b_s2, mask=(o_rel >= 0) & (o_rel <= 2 * M_BIAS - 2), sem="relaxed")
+                b_s0, b_s1, b_s2, _ = _diag_sums(tl.trans(b_ds), m0 - start, dbias, BLOCK_N, BLOCK_M, False)
+                n_m = tl.num_programs(0) * (BLOCK_N // BLOCK_M)
+                p_part = dbias + ((i_b * tl.num_programs(0) + i_n) * n_m + m0 // BLOCK_M) * PART_W * BLOCK_N
+                o_jj = tl.arange(0, BLOCK_N)
+                tl.store(p_part + o_jj, b_s0)
+                tl.store(p_part + BLOCK_N + o_jj, b_s1)
+                if PART_W == 3:
+                    tl.store(p_part + 2 * BLOCK_N + o_jj, b_s2)
             else:
                 tl.atomic_add(dbias + i_bias, b_ds, mask=m_s, sem="relaxed")
         b_dsq = (b_ds * b_scale[:, None]).to(b_q.dtype)
@@ -390,10 +392,11 @@ def _bwd_plan(cfg: dict, V: int, length: int, rel_bias) -> dict | None:
         return None
     small = triton_interpreter_on()
     tiles = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1) if small else dict(FUSED_BWD_TILES)
-    tiles["BLOCK_M"] = min(tiles["BLOCK_M"], tiles["BLOCK_N"])  # the diagonal sums take BLOCK_M <= BLOCK_N
+    tiles["BLOCK_M"] = min(tiles["BLOCK_M"], tiles["BLOCK_N"])  # the diagonal sums take BLOCK_M | BLOCK_N
     # the bias gradient by diagonal sums where the bias is Toeplitz in packed slots and no distance is clamped
     diag = rel_bias is not None and not cfg["BIAS_ORIG"] and (rel_bias.shape[0] + 1) // 2 >= length
-    return dict(tiles, BLOCK_V=max(16, triton.next_power_of_2(V)), BIAS_DIAG=diag)
+    return dict(tiles, BLOCK_V=max(16, triton.next_power_of_2(V)), BIAS_DIAG=diag,
+                PART_W=2 if tiles["BLOCK_M"] == tiles["BLOCK_N"] else 3)
 
 
 def sparse_local_attention_fwd(q, k, v, idx, cnt, rel_bias, *, window, chunk, causal, attention, rel_pos):
@@ -431,9 +434,17 @@ def sparse_local_attention_bwd(q, k, v, o, do, idx, cnt, rel_bias, lse, *, windo
     plan = _bwd_plan(cfg, v.shape[-1], length, rel_bias)
     if plan is not None:
         dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        _sparse_local_attention_bwd_kernel[(triton.cdiv(length, plan["BLOCK_N"]), bsz)](
-            q, k, v, do, idx, cnt, bias, lse, delta, dq32, dk, dv, dbias if dbias is not None else lse, *args,
+        n_blocks, ratio = triton.cdiv(length, plan["BLOCK_N"]), plan["BLOCK_N"] // plan["BLOCK_M"]
+        part = dbias
+        if plan["BIAS_DIAG"]:  # one partial per (key block, query block); tiles never visited stay zero
+            part = torch.zeros(bsz, n_blocks, n_blocks * ratio, plan["PART_W"], plan["BLOCK_N"], dtype=torch.float32,
+                               device=q.device)
+        _sparse_local_attention_bwd_kernel[(n_blocks, bsz)](
+            q, k, v, do, idx, cnt, bias, lse, delta, dq32, dk, dv, part if part is not None else lse, *args,
             **{**cfg, **plan})
+        if plan["BIAS_DIAG"]:
+            m_bias = (rel_bias.shape[0] + 1) // 2
+            dbias = fold_diagonal_partials(part.sum(0, keepdim=True), m_bias - 1, 2 * m_bias - 1, ratio)[0]
         return dq32.to(q_dtype), dk.to(k_dtype), dv, dbias.to(rel_bias.dtype) if dbias is not None else None
     _sparse_local_attention_bwd_dq_kernel[(triton.cdiv(length, cfg["BLOCK_M"]), bsz)](
         q, k, v, do, idx, cnt, bias, lse, delta, dq, dbias if dbias is not None else lse, *args, **cfg,
