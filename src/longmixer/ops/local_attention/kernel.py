@@ -454,7 +454,7 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
     64-256 at C = 128 on the H200, docs/benchmarks.md). Long spans with wide values (MEGA's full attention, K 64,
     V 256) take 128 queries and the whole value row per program: 0.40 vs 0.68 ms at B8 L4096 on an H100."""
     if C > 128 and K <= 64 and V >= 256:
-        return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_V=256, num_warps=8,
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_V=256, num_warps=4,
                     num_stages=2)
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=max(16, triton.next_power_of_2(K)),
                 BLOCK_V=min(128, max(16, triton.next_power_of_2(V))), num_warps=4, num_stages=2)
@@ -463,7 +463,7 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
 # The backward of long spans with K <= 64 (MEGA's full attention, K 64 V 256): one pass over each key span with
 # the whole value row (no score tile recomputed per value block, no dq kernel recomputing dp), dq added by
 # atomics, the bias gradient as per-tile partials (`fold_diagonal_partials`).
-LONG_SPAN_K64 = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=256, num_warps=8, num_stages=1, scratch=False, dq_atomic=True)
+LONG_SPAN_K64 = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4, num_stages=1, scratch=False, dq_atomic=True)
 
 
 def _bwd_config(C: int, K: int, V: int) -> dict:

@@ -380,10 +380,10 @@ def _config(q: torch.Tensor, v: torch.Tensor, window: int | None, chunk: int | N
 # row fits one block; the others use the dq kernel and the dk/dv kernels. Full attention (SeqBoat-full) gains
 # most: it would otherwise recompute every score tile once per 64-wide value block (docs/benchmarks.md).
 FUSED_BWD_MODES = {MODE_FULL}
-FUSED_BWD_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1)
+FUSED_BWD_TILES = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
 # Forward tiles of those modes on the GPU: the whole value row per program, so no score tile is recomputed per
 # value block (MEGA's full attention uses the same: ops/local_attention `_fwd_config`).
-FWD_WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+FWD_WIDE_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 def _bwd_plan(cfg: dict, V: int, length: int, rel_bias) -> dict | None:
