@@ -111,14 +111,8 @@ def test_search_kernel_parity(N, E, S, masked):
     pytest.param(2, 50, 8, 12, 10, 16, True, id="B2-L50-E8-H12-S10-C16-bias"),
     pytest.param(1, 40, 12, 70, 20, 16, False, id="B1-L40-E12-H70-S20-C16-nobias"),
 ])
-@pytest.mark.parametrize("wide", [False, True], ids=["value-blocks", "whole-value-row"])
-def test_attention_kernel_parity(monkeypatch, B, L, E, H, S, C, bias, causal, attention, wide):
-    """Triton forward and backward (float32) against the float64 reference, every output and gradient by name;
-    with value tiles narrower than H (two value blocks for H = 70) and with one tile holding the whole row (the
-    GPU's tiles)."""
-    from longmixer.ops.vq_attention import kernel
-
-    monkeypatch.setitem(kernel.WIDE_VALUES, "wide", wide)
+def test_attention_kernel_parity(B, L, E, H, S, C, bias, causal, attention):
+    """Triton forward and backward (float32) against the float64 reference, every output and gradient by name."""
     inp = make_inputs(B, L, E, H, S, C, bias=bias)
     ref = run(vq_attention, inp, C, causal, attention, torch.float64, backend="torch")
     tri = run(vq_attention, inp, C, causal, attention, torch.float32, backend="triton")

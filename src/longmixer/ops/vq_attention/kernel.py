@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from longmixer.ops import common
-from longmixer.ops.backend import triton_interpreter_on
 from longmixer.ops.precision import work_dtype
 
 # MEGA's laplace attention function: 0.5 * (1 + erf((x - mu) / (sigma sqrt 2))), mu = sqrt(1/2), sigma = (4 pi)^-1/2.
@@ -168,22 +167,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
-# Value tiles. A program whose value block is narrower than the value row recomputes its score tiles once per
-# value block, and the backward's dk (which needs dp over the whole row) falls to one of them. On the GPU a
-# program therefore takes the whole row up to `max_bh` columns (LongVQ's H = 256), with the warps to hold it;
-# `wide` None means "on the GPU only" (the interpreter keeps CPU tests small), True / False force it.
-WIDE_VALUES = dict(wide=None, max_bh=256, num_warps=8)
-
-
 def attention_tiles(block_size: int, E: int, H: int) -> dict[str, int]:
     """Tile sizes shared by the forward and backward launchers (BM and BN divide the block size C)."""
     BE = max(16, triton.next_power_of_2(E))
-    t = dict(BM=min(64, block_size), BN=min(64, block_size), BS=64, BE=BE,
-             BH=min(64, max(16, triton.next_power_of_2(H))), num_warps=4)
-    wide = WIDE_VALUES["wide"] if WIDE_VALUES["wide"] is not None else not triton_interpreter_on()
-    if wide and triton.next_power_of_2(H) <= WIDE_VALUES["max_bh"]:
-        t.update(BH=max(16, triton.next_power_of_2(H)), num_warps=WIDE_VALUES["num_warps"])
-    return t
+    return dict(BM=min(64, block_size), BN=min(64, block_size), BS=64, BE=BE,
+                BH=min(64, max(16, triton.next_power_of_2(H))))
 
 
 def vq_attention_fwd(q, k, v, codebook, n_out, u_out, bias, mask, block_size: int, causal: bool, laplace: bool):

@@ -193,15 +193,11 @@ def vq_attention_bwd(q, k, v, codebook, n_out, u_out, bias, mask, o, lse, do, bl
         else None
     codebook = codebook.to(q.dtype).contiguous()
     flags = dict(C=block_size, CAUSAL=causal, LAPLACE=laplace, HAS_BIAS=bias is not None, IP=dot_precision(q.dtype))
-    # the dq kernel loops over value blocks to build dp (nothing is recomputed per block), and a whole-row tile
-    # would not fit its shared memory next to the codebook tiles: it keeps 64-wide value blocks
-    tq = dict(t, BH=min(t["BH"], 64), num_warps=4)
     _vq_attention_bwd_dq_kernel[(L // t["BM"], B)](q, k, v, codebook, n_out, u_out,
                                                    bias if bias is not None else lse, mask, lse, delta, do, dq, du,
-                                                   dbias if bias is not None else lse, L, S, E, H, **flags, **tq,
+                                                   dbias if bias is not None else lse, L, S, E, H, **flags, **t,
                                                    G=G)
     grid_kv = (L // t["BN"], B, triton.cdiv(H, t["BH"]))
     _vq_attention_bwd_dkv_kernel[grid_kv](q, k, v, bias if bias is not None else lse, mask, lse, delta, do, dk, dv,
-                                          L, E, H, **flags, BM=t["BM"], BN=t["BN"], BE=t["BE"], BH=t["BH"],
-                                          num_warps=t["num_warps"])
+                                          L, E, H, **flags, BM=t["BM"], BN=t["BN"], BE=t["BE"], BH=t["BH"])
     return dq.to(q_dtype), dk.to(k_dtype), dv, du, None if dbias is None else dbias.sum(0)
