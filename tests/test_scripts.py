@@ -92,3 +92,18 @@ def test_anchors_skips_without_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["anchors.py"])
     assert _bench_script("anchors").main() == 0
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_long_span_skips_without_a_gpu(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _bench_script("long_span").main([]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_long_span_split_baseline_is_the_previous_path():
+    """The script's "split" rows run the kernels the one-pass path replaced: the dq kernel and bias atomics."""
+    long_span = _bench_script("long_span")
+    assert not long_span.SPLIT_BWD.get("dq_atomic") and long_span.SPLIT_BWD["BLOCK_V_MAX"] == 128
+    assert long_span.local_kernel.LONG_SPAN_K64["dq_atomic"]

@@ -464,6 +464,10 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
 # the whole value row (no score tile recomputed per value block, no dq kernel recomputing dp), dq added by
 # atomics, the bias gradient as per-tile partials (`fold_diagonal_partials`).
 LONG_SPAN_K64 = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4, num_stages=1, scratch=False, dq_atomic=True)
+# Chunks longer than a span but shorter than the sequence (MEGA-chunk with C > 128) keep the dq kernel and the bias
+# atomics, as measured before the one-pass path existed (docs/benchmarks.md); the one-pass path was timed at full
+# length only.
+SPLIT_SPAN_K64 = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=128, num_warps=4, num_stages=1, scratch=False)
 
 
 def _bwd_config(C: int, K: int, V: int) -> dict:
@@ -513,7 +517,10 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     without a bias, or when bias_grad is False)."""
     B, H, L, K = q.shape
     V = v.shape[-1]
-    cfg = cfg or _bwd_config(chunk, K, V)
+    if cfg is None:
+        cfg = _bwd_config(chunk, K, V)
+        if cfg == LONG_SPAN_K64 and chunk < L:
+            cfg = dict(SPLIT_SPAN_K64)
     flags = _flag_args(q, v, attention, causal, bias, mask, dropout)
     fused = chunk <= cfg["span"]
     span = chunk * (cfg["span"] // chunk) if fused else cfg["span"]

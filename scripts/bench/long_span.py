@@ -1,0 +1,177 @@
+"""The long-span attention backward (MEGA's full attention, SeqBoat-full) against the split kernels it replaced.
+
+1. Parity on the GPU against the float64 references: MEGA's full-length `local_attention` (K 64, V 256, softmax and
+   laplace, bidirectional and causal, a padded row) and SeqBoat's `sparse_local_attention` in full mode (70% of the
+   tokens active, compressed and original bias), float32 and bf16, o and every gradient.
+2. Times (bf16, `triton.testing.do_bench` medians) at B8 L4096 and B2 L16384:
+   - MEGA: the forward and the backward launchers with the default tiles (one pass, dq by atomics, bias partials)
+     and with the split path they replaced (`--split-cfg`: a dq kernel and a dk/dv kernel per 128-wide value block,
+     the bias gradient by atomics), the bias gradient on and off;
+   - SeqBoat-full: forward and forward + backward of the op, one-pass path against the split path
+     (`FUSED_BWD_MODES` emptied, which also restores the 64-wide forward).
+
+GPU:  PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/long_span.py [--csv rows.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+
+import torch
+
+from longmixer.ops.local_attention import kernel as local_kernel
+from longmixer.ops.local_attention import local_attention, local_attention_ref
+from longmixer.ops.sparse_local_attention import kernel as sparse_kernel
+from longmixer.ops.sparse_local_attention import sparse_local_attention, sparse_local_attention_ref
+
+ROWS: list[dict] = []
+# the split path's tiles before the one-pass backward (forward: 128 queries, 8 warps)
+SPLIT_BWD = dict(local_kernel.SPLIT_SPAN_K64)
+SPLIT_FWD = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, BLOCK_V=256, num_warps=8, num_stages=2)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+
+
+def check(name: str, got: list, ref: list, dtype) -> bool:
+    errs = [rel(a, b) for a, b in zip(got, ref)]
+    ok = max(errs) < (2e-5 if dtype == torch.float32 else 2e-2)
+    print(f"parity {name:44s} {str(dtype)[6:]:8s} o/dq/dk/dv/dbias " + " ".join(f"{e:.1e}" for e in errs)
+          + ("  ok" if ok else "  FAIL"), flush=True)
+    return ok
+
+
+def parity(device) -> bool:
+    g = torch.Generator().manual_seed(0)
+    B, L, K, V = 2, 1000, 64, 256
+    q, k = (torch.randn(B, 1, L, K, generator=g) for _ in range(2))
+    v = torch.randn(B, 1, L, V, generator=g)
+    table = 0.3 * torch.randn(2 * L - 1, generator=g)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, 700:] = False
+    ok = True
+    for attention in ("softmax", "laplace"):
+        for causal in (False, True):
+            leaves = [t.double().to(device).requires_grad_() for t in (q, k, v, table)]
+            kw = dict(attention=attention, causal=causal, mask=mask.to(device))
+            ref = local_attention_ref(*leaves[:3], chunk_size=L, bias=leaves[3], **kw)
+            go = torch.randn_like(ref)
+            ref.backward(go)
+            for dtype in (torch.float32, torch.bfloat16):
+                ls = [t.detach().to(dtype).requires_grad_() for t in leaves[:3]] + [
+                    leaves[3].detach().float().requires_grad_()]
+                o = local_attention(*ls[:3], bias=ls[3], **kw)
+                o.backward(go.to(dtype))
+                ok &= check(f"mega {attention} causal={causal}", [o] + [x.grad for x in ls],
+                            [ref] + [x.grad for x in leaves], dtype)
+    qs, ks = (t[:, 0] for t in (q, k))
+    vs = v[:, 0]
+    active = torch.rand(B, L, generator=g) < 0.7
+    for rel_pos in ("compressed", "original"):
+        for causal in (False, True):
+            leaves = [t.double().to(device).requires_grad_() for t in (qs, ks, vs, table)]
+            kw = dict(window=None, causal=causal, rel_pos=rel_pos)
+            ref = sparse_local_attention_ref(*leaves[:3], active.to(device), leaves[3], **kw)
+            go = torch.randn_like(ref)
+            ref.backward(go)
+            for dtype in (torch.float32, torch.bfloat16):
+                ls = [t.detach().to(dtype).requires_grad_() for t in leaves[:3]] + [
+                    leaves[3].detach().float().requires_grad_()]
+                o = sparse_local_attention(*ls[:3], active.to(device), ls[3], **kw)
+                o.backward(go.to(dtype))
+                ok &= check(f"seqboat-full {rel_pos} causal={causal}", [o] + [x.grad for x in ls],
+                            [ref] + [x.grad for x in leaves], dtype)
+    return ok
+
+
+def add(op: str, shape: str, path: str, what: str, ms: float) -> None:
+    ROWS.append(dict(op=op, shape=shape, path=path, what=what, ms=ms))
+    print(f"{op:12s} {shape:10s} {path:9s} {what:34s} {ms:8.3f} ms", flush=True)
+
+
+def mega(device, B: int, L: int) -> None:
+    from triton.testing import do_bench
+
+    g = torch.Generator().manual_seed(1)
+    K, V = 64, 256
+    q, k = (torch.randn(B, 1, L, K, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    v = torch.randn(B, 1, L, V, generator=g).to(device, torch.bfloat16)
+    table = (0.1 * torch.randn(1, 2 * L - 1, generator=g)).to(device)
+    kw = dict(attention="softmax", causal=False, chunk=L, scale=K ** -0.5)
+    shape = f"B{B} L{L}"
+    for path, fwd_cfg, bwd_cfg in (("split", SPLIT_FWD, SPLIT_BWD), ("one-pass", None, None)):
+        o, stat = local_kernel.local_attention_fwd(q, k, v, table, None, cfg=fwd_cfg, **kw)
+        do = torch.randn_like(o)
+        add("mega", shape, path, "forward",
+            do_bench(lambda c=fwd_cfg: local_kernel.local_attention_fwd(q, k, v, table, None, cfg=c, **kw)))
+        for bias_grad in (True, False):
+            add("mega", shape, path, f"backward, bias gradient {'on' if bias_grad else 'off'}",
+                do_bench(lambda c=bwd_cfg, bg=bias_grad: local_kernel.local_attention_bwd(
+                    q, k, v, o, stat, do, table, None, bias_grad=bg, cfg=c, **kw)))
+
+
+def seqboat_full(device, B: int, L: int) -> None:
+    from triton.testing import do_bench
+
+    g = torch.Generator().manual_seed(2)
+    K, V = 64, 256
+    q, k = (torch.randn(B, L, K, generator=g).to(device, torch.bfloat16).requires_grad_() for _ in range(2))
+    v = torch.randn(B, L, V, generator=g).to(device, torch.bfloat16).requires_grad_()
+    active = torch.ones(B, L, dtype=torch.bool, device=device)
+    bias = (0.1 * torch.randn(2 * L - 1, generator=g)).to(device).requires_grad_()
+
+    def fwd():
+        return sparse_local_attention(q, k, v, active, bias, window=None, rel_pos="compressed")
+
+    def step():
+        out = fwd()
+        out.backward(torch.ones_like(out))
+        for t in (q, k, v, bias):
+            t.grad = None
+    modes = set(sparse_kernel.FUSED_BWD_MODES)
+    try:
+        for path, fused in (("split", set()), ("one-pass", modes)):
+            sparse_kernel.FUSED_BWD_MODES.clear()
+            sparse_kernel.FUSED_BWD_MODES.update(fused)
+            with torch.no_grad():
+                add("seqboat-full", f"B{B} L{L}", path, "forward", do_bench(fwd))
+            add("seqboat-full", f"B{B} L{L}", path, "forward + backward", do_bench(step))
+    finally:
+        sparse_kernel.FUSED_BWD_MODES.clear()
+        sparse_kernel.FUSED_BWD_MODES.update(modes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--csv", default=None, help="write every timing row here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("long_span.py times GPU kernels: it needs a CUDA GPU (skipped)")
+        return 0
+    device = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
+    ok = parity(device)
+    for B, L in ((8, 4096), (2, 16384)):
+        mega(device, B, L)
+        seqboat_full(device, B, L)
+    print("\n| op | shape | what | split ms | one-pass ms | split / one-pass |\n|---|---|---|---|---|---|")
+    for r in ROWS:
+        if r["path"] != "one-pass":
+            continue
+        base = next(b for b in ROWS if b["path"] == "split" and (b["op"], b["shape"], b["what"]) ==
+                    (r["op"], r["shape"], r["what"]))
+        print(f"| {r['op']} | {r['shape']} | {r['what']} | {base['ms']:.3f} | {r['ms']:.3f} | "
+              f"{base['ms'] / r['ms']:.2f}x |")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(ROWS[0]))
+            w.writeheader()
+            w.writerows(ROWS)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
