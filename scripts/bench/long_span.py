@@ -5,8 +5,8 @@
    tokens active, compressed and original bias), float32 and bf16, o and every gradient.
 2. Times (bf16, `triton.testing.do_bench` medians) at B8 L4096 and B2 L16384:
    - MEGA: the forward and the backward launchers with the default tiles (one pass, dq by atomics, bias partials)
-     and with the split path they replaced (`--split-cfg`: a dq kernel and a dk/dv kernel per 128-wide value block,
-     the bias gradient by atomics), the bias gradient on and off;
+     and with the split path they replaced (`SPLIT_BWD` / `SPLIT_FWD`: a dq kernel and a dk/dv kernel per
+     128-wide value block, the bias gradient by atomics), the bias gradient on and off;
    - SeqBoat-full: forward and forward + backward of the op, one-pass path against the split path
      (`FUSED_BWD_MODES` emptied, which also restores the 64-wide forward).
 

@@ -4,7 +4,9 @@ written. MEGA, arXiv:2209.10655, sections 3.1 and 3.3.
 
 Backward: where a chunk fits one key tile (C <= the span of `_bwd_config`), one program per span of whole chunks
 does the span's entire backward (dq, dk, dv, rowsum(do o) and the bias gradient as a per-program partial) with
-no atomics; longer chunks use a dq kernel (which also writes rowsum(do o)) and a dk/dv kernel (bias by atomics).
+no atomics. Full-length attention longer than a span (MEGA) runs one pass per key span over the whole value row,
+dq by atomics and the bias gradient as per-tile partials (`fold_diagonal_partials`); other longer chunks use a dq
+kernel (which also writes rowsum(do o)) and a dk/dv kernel (bias by atomics).
 The bias gradient sums ds along diagonals after rotating each tile's columns (`_diag_sums`). The ops README
 describes the layout; docs/benchmarks.md (kernel measurement records) has the measurements behind the tile table.
 """
