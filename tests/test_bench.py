@@ -138,3 +138,27 @@ def test_after_forward_hook_runs_after_each_training_forward(monkeypatch):
     measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=2)
     assert calls[:3] == [True] * 3  # 1 warm-up + 2 timed training steps
     assert calls[3:] == [False] * 3  # the evaluation forwards (no_grad)
+
+
+def test_compiled_modes_warm_up_past_a_recompile(monkeypatch):
+    """A compiled model gets at least COMPILED_WARMUP untimed steps (a recompile after the first step, as LongVQ's
+    codebook init causes, and its CUDA-graph recording stay out of the timed window); eager keeps --warmup."""
+    from hydra.utils import instantiate as real_instantiate
+
+    from longmixer import bench
+
+    name, overrides = model_specs("text", quick=True)[1]
+    cfg = compose_model_config([*overrides, "data.seq_len=16"])
+    calls = []
+
+    def instantiate(config):
+        model = real_instantiate(config)
+        model.after_forward = lambda: calls.append(torch.is_grad_enabled())
+        return model
+
+    monkeypatch.setattr("hydra.utils.instantiate", instantiate)
+    monkeypatch.setattr(bench, "compile_model", lambda model, mode: model)  # no Inductor on the CPU
+    for mode, warm in (("default", bench.COMPILED_WARMUP), ("none", 1)):
+        calls.clear()
+        measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=2, compile_mode=mode)
+        assert calls.count(True) == warm + 2, mode
