@@ -48,3 +48,30 @@ def test_imports_flow_one_way(path):
         target = name.split(".")[1]
         allowed = {"utils", "runs"} if package in ENTRY_POINTS else ALLOWED[package]  # entry points build objects from _target_
         assert target in allowed, f"{rel} (package {package}) must not import {name}"
+
+
+def test_ops_layers_mixers_import_without_the_config_stack():
+    """The GPU machine has no omegaconf, hydra, wandb or datasets: every module of ops, layers, mixers and models
+    imports without them, also through indirect imports (a fresh interpreter with those packages blocked)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, importlib, pkgutil\n"
+        f"for m in {sorted(HEAVY)!r}: sys.modules[m] = None\n"
+        "bad = []\n"
+        "for pkg in ('longmixer.ops', 'longmixer.layers', 'longmixer.mixers', 'longmixer.models'):\n"
+        "    p = importlib.import_module(pkg)\n"
+        "    for info in pkgutil.walk_packages(p.__path__, pkg + '.'):\n"
+        "        try:\n"
+        "            importlib.import_module(info.name)\n"
+        "        except ImportError as exc:\n"
+        "            bad.append(f'{info.name}: {exc}')\n"
+        "print('\\n'.join(bad))\n"
+        "sys.exit(1 if bad else 0)\n")
+    env_path = str(SRC.parent)
+    import os
+
+    env = {**os.environ, "PYTHONPATH": env_path + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, f"modules that need a heavy package:\n{out.stdout}{out.stderr[-2000:]}"

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from longmixer.utils.config import BACKENDS
+from longmixer.utils.backends import BACKENDS
 
 log = logging.getLogger("longmixer.ops")
 

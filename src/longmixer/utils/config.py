@@ -12,12 +12,13 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from longmixer.utils.backends import BACKENDS
+
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 TOP_LEVEL = {"data", "model", "task", "optim", "scheduler", "trainer", "logger", "callbacks", "paths", "run_name", "tags",
              "seed", "deterministic", "resume", "ckpt_path", "train", "test", "run_tag", "run_dir", "ops",
              "optimized_metric", "hydra"}
 RESUME = ("auto", "never", "force")
-BACKENDS = ("auto", "torch", "triton")
 
 
 class ConfigError(ValueError):
