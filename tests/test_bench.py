@@ -123,18 +123,7 @@ def test_after_forward_hook_runs_after_each_training_forward(monkeypatch):
     """A model's callable `after_forward` (LongVQ's eager codebook statistics) runs once after every forward, as
     in the tasks: once per training step (gradients on), and after each evaluation forward, where it has nothing
     to do."""
-    from hydra.utils import instantiate as real_instantiate
-
-    name, overrides = model_specs("text", quick=True)[1]
-    cfg = compose_model_config([*overrides, "data.seq_len=16"])
-    calls = []
-
-    def instantiate(config):
-        model = real_instantiate(config)
-        model.after_forward = lambda: calls.append(torch.is_grad_enabled())
-        return model
-
-    monkeypatch.setattr("hydra.utils.instantiate", instantiate)
+    cfg, calls = _count_after_forward(monkeypatch)
     measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=2)
     assert calls[:3] == [True] * 3  # 1 warm-up + 2 timed training steps
     assert calls[3:] == [False] * 3  # the evaluation forwards (no_grad)
@@ -143,11 +132,22 @@ def test_after_forward_hook_runs_after_each_training_forward(monkeypatch):
 def test_compiled_modes_warm_up_past_a_recompile(monkeypatch):
     """A compiled model gets at least COMPILED_WARMUP untimed steps (a recompile after the first step, as LongVQ's
     codebook init causes, and its CUDA-graph recording stay out of the timed window); eager keeps --warmup."""
-    from hydra.utils import instantiate as real_instantiate
-
     from longmixer import bench
 
-    name, overrides = model_specs("text", quick=True)[1]
+    cfg, calls = _count_after_forward(monkeypatch)
+    monkeypatch.setattr(bench, "compile_model", lambda model, mode: model)  # no Inductor on the CPU
+    for mode, warm in (("default", bench.COMPILED_WARMUP), ("none", 1)):
+        calls.clear()
+        measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=2, compile_mode=mode)
+        assert calls.count(True) == warm + 2, mode
+
+
+def _count_after_forward(monkeypatch):
+    """A tiny Transformer config and a list that records, for each `after_forward` call of the model `measure`
+    instantiates, whether gradients were on."""
+    from hydra.utils import instantiate as real_instantiate
+
+    _, overrides = model_specs("text", quick=True)[1]
     cfg = compose_model_config([*overrides, "data.seq_len=16"])
     calls = []
 
@@ -157,8 +157,4 @@ def test_compiled_modes_warm_up_past_a_recompile(monkeypatch):
         return model
 
     monkeypatch.setattr("hydra.utils.instantiate", instantiate)
-    monkeypatch.setattr(bench, "compile_model", lambda model, mode: model)  # no Inductor on the CPU
-    for mode, warm in (("default", bench.COMPILED_WARMUP), ("none", 1)):
-        calls.clear()
-        measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=2, compile_mode=mode)
-        assert calls.count(True) == warm + 2, mode
+    return cfg, calls

@@ -26,6 +26,17 @@ def _case(B, H, L, K, V, C, seed=0, bias_heads=0, masked=True):
     return [t.requires_grad_() for t in (q, k, v, bias)], mask
 
 
+def _assert_matches_reference(q, k, v, bias, kw):
+    """The Triton path's output and every gradient within 1e-5 (relative) of the float64 reference."""
+    ref = local_attention_ref(q, k, v, **kw)
+    tri = local_attention(q, k, v, backend="triton", **kw)
+    do = torch.randn_like(ref)
+    assert rel_error(tri, ref) < 1e-5, "o"
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), torch.autograd.grad(tri, [q, k, v, bias], do),
+                          torch.autograd.grad(ref, [q, k, v, bias], do)):
+        assert rel_error(a, b) < 1e-5, name
+
+
 CASES = [
     pytest.param(2, 2, 50, 8, 20, 16, 0, True, id="B2-H2-L50-K8-V20-C16-mask"),
     pytest.param(1, 1, 70, 12, 130, 32, 0, False, id="B1-H1-L70-K12-V130-C32"),
@@ -69,13 +80,7 @@ def test_backward_tilings(monkeypatch, span, block_m, scratch, dq_atomic, block_
     C = 12 if span == 64 else 20
     (q, k, v, bias), mask = _case(2, 2, 45, 8, 20, C, bias_heads=2)
     kw = dict(chunk_size=C, attention=attention, causal=causal, bias=bias, mask=mask)
-    ref = local_attention_ref(q, k, v, **kw)
-    tri = local_attention(q, k, v, backend="triton", **kw)
-    do = torch.randn_like(ref)
-    assert rel_error(tri, ref) < 1e-5, "o"
-    for name, a, b in zip(("dq", "dk", "dv", "dbias"), torch.autograd.grad(tri, [q, k, v, bias], do),
-                          torch.autograd.grad(ref, [q, k, v, bias], do)):
-        assert rel_error(a, b) < 1e-5, name
+    _assert_matches_reference(q, k, v, bias, kw)
 
 
 @pytest.mark.parametrize("block_m", [16, 8], ids=["query-block=span", "query-block=span/2"])
@@ -90,13 +95,7 @@ def test_full_length_one_pass_backward(monkeypatch, block_m, attention, causal, 
                                                                      dq_atomic=True))
     (q, k, v, bias), mask = _case(2, 2, 45, 8, 20, None, bias_heads=bias_heads)
     kw = dict(chunk_size=None, attention=attention, causal=causal, bias=bias, mask=mask)
-    ref = local_attention_ref(q, k, v, **kw)
-    tri = local_attention(q, k, v, backend="triton", **kw)
-    do = torch.randn_like(ref)
-    assert rel_error(tri, ref) < 1e-5, "o"
-    for name, a, b in zip(("dq", "dk", "dv", "dbias"), torch.autograd.grad(tri, [q, k, v, bias], do),
-                          torch.autograd.grad(ref, [q, k, v, bias], do)):
-        assert rel_error(a, b) < 1e-5, name
+    _assert_matches_reference(q, k, v, bias, kw)
 
 
 @pytest.mark.parametrize("nb,ratio,W,center,n_taps", [(3, 1, 2, 40, 81), (4, 2, 3, 30, 61), (2, 1, 2, 50, 101)])

@@ -196,6 +196,21 @@ def _diag_sums(b_dsT, off, p_scratch, BLOCK_N: tl.constexpr, BLOCK_M: tl.constex
 
 
 @triton.jit
+def _store_diag_partials(p_part, row, i_n, m0, b_s0, b_s1, b_s2, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                         PART_W: tl.constexpr):
+    """Store one tile's `_diag_sums` (PART_W of the three) as the partial of (row, key block i_n, query block
+    m0 // BLOCK_M) in a [rows, key blocks, key blocks * BLOCK_N / BLOCK_M, PART_W, BLOCK_N] buffer: no atomics;
+    `fold_diagonal_partials` sums them. The grid's first axis is the key blocks."""
+    n_m = tl.num_programs(0) * (BLOCK_N // BLOCK_M)
+    p_part += ((row * tl.num_programs(0) + i_n) * n_m + m0 // BLOCK_M) * PART_W * BLOCK_N
+    o_jj = tl.arange(0, BLOCK_N)
+    tl.store(p_part + o_jj, b_s0)
+    tl.store(p_part + BLOCK_N + o_jj, b_s1)
+    if PART_W == 3:
+        tl.store(p_part + 2 * BLOCK_N + o_jj, b_s2)
+
+
+@triton.jit
 def _dvalues(v_ptr, do_ptr, o_ptr, o_m, o_n, i_bh, L, V, m_rows, m_keys, ATTN: tl.constexpr, FUSED: tl.constexpr,
              DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     """dP^T = v do^T [BN, BM] over every value block and (softmax, FUSED) delta = rowsum(do o) [BM]."""
@@ -303,14 +318,7 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                     b_db_hi += b_s0  # 0 <= m0 - n0 < BLOCK_N: k0 = 0, and w = 2 holds no valid pair
                     b_db_lo += b_s1
                 elif BIAS_PART:
-                    # one partial per (key span, query block), no atomics: `fold_diagonal_partials` sums them
-                    n_m = tl.num_programs(0) * (BLOCK_N // BLOCK_M)
-                    p_part = dbias_ptr + ((i_bh * tl.num_programs(0) + i_n) * n_m + m0 // BLOCK_M) * PART_W * BLOCK_N
-                    o_jj = tl.arange(0, BLOCK_N)
-                    tl.store(p_part + o_jj, b_s0)
-                    tl.store(p_part + BLOCK_N + o_jj, b_s1)
-                    if PART_W == 3:
-                        tl.store(p_part + 2 * BLOCK_N + o_jj, b_s2)
+                    _store_diag_partials(dbias_ptr, i_bh, i_n, m0, b_s0, b_s1, b_s2, BLOCK_N, BLOCK_M, PART_W)
                 else:
                     # one atomic per (diagonal, wrap count) into the zeroed [H or 1, 2C-1] gradient
                     p_db = dbias_ptr + (i_h * (2 * C - 1) if BIAS_PER_HEAD else 0)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from longmixer.ops.backend import triton_interpreter_on
-from longmixer.ops.local_attention.kernel import _diag_sums, fold_diagonal_partials
+from longmixer.ops.local_attention.kernel import _diag_sums, _store_diag_partials, fold_diagonal_partials
 from longmixer.ops.precision import work_dtype
 
 MODE_WINDOW, MODE_CHUNK, MODE_FULL = 0, 1, 2
@@ -330,15 +330,9 @@ def _sparse_local_attention_bwd_kernel(
             b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
         if HAS_BIAS:
             if BIAS_DIAG:
-                # packed distance j - i = n - m: sums along the tile's diagonals, one atomic per diagonal
+                # packed distance j - i = n - m: sums along the tile's diagonals, one partial per tile
                 b_s0, b_s1, b_s2, _ = _diag_sums(tl.trans(b_ds), m0 - start, dbias, BLOCK_N, BLOCK_M, False)
-                n_m = tl.num_programs(0) * (BLOCK_N // BLOCK_M)
-                p_part = dbias + ((i_b * tl.num_programs(0) + i_n) * n_m + m0 // BLOCK_M) * PART_W * BLOCK_N
-                o_jj = tl.arange(0, BLOCK_N)
-                tl.store(p_part + o_jj, b_s0)
-                tl.store(p_part + BLOCK_N + o_jj, b_s1)
-                if PART_W == 3:
-                    tl.store(p_part + 2 * BLOCK_N + o_jj, b_s2)
+                _store_diag_partials(dbias, i_b, i_n, m0, b_s0, b_s1, b_s2, BLOCK_N, BLOCK_M, PART_W)
             else:
                 tl.atomic_add(dbias + i_bias, b_ds, mask=m_s, sem="relaxed")
         b_dsq = (b_ds * b_scale[:, None]).to(b_q.dtype)
