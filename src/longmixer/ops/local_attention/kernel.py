@@ -238,8 +238,9 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                                 BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
                                 FUSED: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
                                 BIAS_GRAD: tl.constexpr, SCRATCH: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-                                BIAS_PART: tl.constexpr, PART_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                BLOCK_V: tl.constexpr, ONE_V: tl.constexpr):
+                                BIAS_PART: tl.constexpr, PART_W: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                                ONE_V: tl.constexpr):
     # one key span [n0, n0 + SPAN) and one value block, tiles kept transposed ([keys, queries]) so that
     # dv += p^T do and dk += ds^T q take their left operand from registers. Every program adds its value block of
     # dv; the value-block-0 program also does dk, the bias gradient and, FUSED (the span holds whole chunks, so
@@ -538,9 +539,11 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     BLOCK_V = min(cfg["BLOCK_V_MAX"], max(16, triton.next_power_of_2(V)))
     BLOCK_M = cfg["BLOCK_M"]
     n_spans = triton.cdiv(L, span)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     bias_grad = bias is not None and bias_grad
     dq_atomic = not fused and cfg.get("dq_atomic", False)
+    # dq_atomic: dq is summed in float32 by atomics, then cast
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else torch.empty_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     # partials per (key span, query block) where one chunk holds the whole sequence (every query block of a span
     # is visited) and query blocks tile key spans evenly
     bias_part = bias_grad and dq_atomic and chunk >= L and BLOCK_N == span and BLOCK_N % BLOCK_M == 0
@@ -562,11 +565,9 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     if bias_grad and cfg["scratch"]:
         scratch = torch.empty(B * H * n_spans * BLOCK_N * BLOCK_M, device=q.device, dtype=torch.float32)
     delta = stat
-    dq_arg = dq
     if not fused:
         delta = torch.empty_like(stat) if attention == "softmax" else stat
     if dq_atomic:
-        dq_arg = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
         if attention == "softmax":
             _delta_kernel[(triton.cdiv(B * H * L, 64),)](o, do, delta, B * H * L, V, BLOCK_R=64,
                                                         BLOCK_V=min(128, max(16, triton.next_power_of_2(V))))
@@ -576,12 +577,13 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
     _local_attention_bwd_kernel[(n_spans, B * H, triton.cdiv(V, BLOCK_V))](
-        q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq_arg, dk, dv, dbias if dbias is not None else stat,
+        q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, dk, dv, dbias if dbias is not None else stat,
         scratch, H, L, K, V, chunk, span, scale, seed, dropout, **flags, FUSED=fused, BIAS_GRAD=bias_grad,
-        SCRATCH=scratch is not stat, DQ_ATOMIC=dq_atomic, BIAS_PART=bias_part, PART_W=part_w, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SCRATCH=scratch is not stat, DQ_ATOMIC=dq_atomic, BIAS_PART=bias_part, PART_W=part_w, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     if dq_atomic:
-        dq = dq_arg.to(q.dtype)
+        dq = dq.to(q.dtype)
     if bias_part:
         part = dbias.sum(0) if bias.shape[0] > 1 else dbias.sum((0, 1)).unsqueeze(0)  # [H or 1, NB, NM, W, BN]
         dbias = fold_diagonal_partials(part, chunk - 1, 2 * chunk - 1, BLOCK_N // BLOCK_M)

@@ -421,25 +421,28 @@ def sparse_local_attention_bwd(q, k, v, o, do, idx, cnt, rel_bias, lse, *, windo
     cfg = _config(q, v, window, chunk, causal, attention, rel_pos, rel_bias)
     scalars = cfg.pop("scalars")
     delta = (do.float() * o.float()).sum(-1)  # [B, L] rowsum(dO * O) of FlashAttention-2
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dbias = torch.zeros(rel_bias.shape[0], dtype=torch.float32, device=q.device) if rel_bias is not None else None
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     bias = rel_bias if rel_bias is not None else lse
     args = (length, q.shape[-1], v.shape[-1], *scalars)
     plan = _bwd_plan(cfg, v.shape[-1], length, rel_bias)
+    diag = plan is not None and plan["BIAS_DIAG"]
+    dbias = (torch.zeros(rel_bias.shape[0], dtype=torch.float32, device=q.device)
+             if rel_bias is not None and not diag else None)
     if plan is not None:
         dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         n_blocks, ratio = triton.cdiv(length, plan["BLOCK_N"]), plan["BLOCK_N"] // plan["BLOCK_M"]
         part = dbias
-        if plan["BIAS_DIAG"]:  # one partial per (key block, query block); tiles never visited stay zero
+        if diag:  # one partial per (key block, query block); tiles never visited stay zero
             part = torch.zeros(bsz, n_blocks, n_blocks * ratio, plan["PART_W"], plan["BLOCK_N"], dtype=torch.float32,
                                device=q.device)
         _sparse_local_attention_bwd_kernel[(n_blocks, bsz)](
             q, k, v, do, idx, cnt, bias, lse, delta, dq32, dk, dv, part if part is not None else lse, *args,
             **{**cfg, **plan})
-        if plan["BIAS_DIAG"]:
+        if diag:
             m_bias = (rel_bias.shape[0] + 1) // 2
             dbias = fold_diagonal_partials(part.sum(0, keepdim=True), m_bias - 1, 2 * m_bias - 1, ratio)[0]
         return dq32.to(q_dtype), dk.to(k_dtype), dv, dbias.to(rel_bias.dtype) if dbias is not None else None
+    dq = torch.zeros_like(q)
     _sparse_local_attention_bwd_dq_kernel[(triton.cdiv(length, cfg["BLOCK_M"]), bsz)](
         q, k, v, do, idx, cnt, bias, lse, delta, dq, dbias if dbias is not None else lse, *args, **cfg,
         num_warps=4, num_stages=2)
