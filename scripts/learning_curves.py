@@ -16,6 +16,14 @@ Re-running the same command resumes each run from its last checkpoint (resume=au
 over several calls or sessions. `--minutes` is each run's total training time over all of them: Lightning's timer
 state travels in the checkpoint, so a resumed run stops at the same cumulative budget. `--no-test` skips the final
 test of a slice that a later call continues.
+
+A machine that is given back between calls takes the run dirs with it. `--state-out DIR` packs the `--logs` folder
+(checkpoints, metrics, logs; and the outputs when `--out` lies inside it) into parts of at most 15 MiB in DIR after
+the runs stop (`longmixer.runs.carry`); unpacking them where the next call runs resumes every run there:
+
+    python scripts/learning_curves.py ... --out logs/learning_curves/results --state-out $OUT/state   # GPU machine
+    python -m longmixer.runs.carry unpack <returned state folder> --into logs/learning_curves          # here
+    # the next call carries logs/learning_curves and runs the same command
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+from longmixer.runs.carry import CarryError, pack
 from longmixer.utils.gpu_monitor import GpuSampler, gpu_name, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +114,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--logs", default="logs/learning_curves", help="run dirs (carry them to resume)")
     parser.add_argument("--no-test", action="store_true",
                         help="skip each run's final test (test=false): for a slice of a budget that a later call resumes")
+    parser.add_argument("--state-out", default=None,
+                        help="after the runs stop, pack --logs into parts under this folder to carry to the next machine")
+    parser.add_argument("--state-max-parts", type=int, default=4,
+                        help="most 15-MiB parts the channel takes back (the device tool: 64 MB in all); over it, the "
+                             "best checkpoints are left out, then nothing is packed")
     parser.add_argument("--plot-only", action="store_true", help="only redraw <task>.png from the CSVs under --out")
     parser.add_argument("--title", default=None, help="the plot's title (with --plot-only)")
     parser.add_argument("extra", nargs="*", help="more overrides for every run, e.g. data.num_train=20000")
@@ -153,7 +167,24 @@ def main(argv: list[str] | None = None) -> dict:
             p.wait()
     summary = write_outputs(args, out, sampler.rows, start, procs, final=True)
     print(json.dumps(summary, indent=1))
+    if args.state_out:
+        carry_state(Path(args.logs), Path(args.state_out), args.state_max_parts)
     return summary
+
+
+def carry_state(logs: Path, dest: Path, max_parts: int) -> None:
+    """Pack the run dirs for the next machine; when the full pack exceeds the channel, leave out the best
+    checkpoints (a later slice still resumes from last.ckpt; the final test then needs a run that kept them)."""
+    try:
+        parts = pack(logs, dest, name="runs", max_parts=max_parts)
+    except CarryError as e:
+        print(f"state: {e}; retrying with last.ckpt only", file=sys.stderr)
+        try:
+            parts = pack(logs, dest, name="runs", max_parts=max_parts, last_only=True)
+        except CarryError as e2:
+            print(f"state: not packed: {e2}", file=sys.stderr)
+            return
+    print(f"state: {len(parts)} part(s), {sum(p.stat().st_size for p in parts) / 2**20:.1f} MiB in {dest}")
 
 
 def write_outputs(args, out: Path, samples: list, start: float, procs: dict, final: bool) -> dict:

@@ -9,6 +9,10 @@
 Every file is written to `<name>.tmp` and renamed over the target, so a run killed while saving keeps its previous
 checkpoint intact.
 
+A run dir that was moved (copied to another machine, unpacked by `longmixer.runs.carry`) resumes with its best-k
+bookkeeping: the paths in the stored state are rewritten from the old checkpoint dir to the new one, where
+Lightning's `ModelCheckpoint` would drop them and test whichever checkpoint improves next.
+
 SIGTERM (what SLURM sends before preemption) and SIGINT (Ctrl+C) do not kill the run mid-step: the handler only
 records the signal; at the end of the current training step (or of a mid-epoch validation; after an end-of-epoch
 validation, at the end of the next step) every rank agrees to stop, `last.ckpt` is written and `RunInterrupted` is
@@ -157,7 +161,7 @@ class AtomicModelCheckpoint(ModelCheckpoint):
         return {**super().state_dict(), "val_metrics": self.val_metrics}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
+        super().load_state_dict(_relocated_state(state_dict, self.dirpath))
         self.val_metrics = dict(state_dict.get("val_metrics", {}))
 
     # --- writing -----------------------------------------------------------------------------------------------
@@ -177,6 +181,27 @@ class AtomicModelCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+
+def _relocated_state(state: dict, dirpath: str | None) -> dict:
+    """`state` with paths inside its stored `dirpath` moved under `dirpath` (the checkpoint dir this run has now)."""
+    old = state.get("dirpath")
+    if not old or not dirpath or old == dirpath:
+        return state
+
+    def move(path):
+        if isinstance(path, str) and os.path.dirname(path) == old:
+            return os.path.join(dirpath, os.path.basename(path))
+        return path
+
+    moved = {**state, "dirpath": dirpath}
+    for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+        if key in state:
+            moved[key] = move(state[key])
+    if isinstance(state.get("best_k_models"), dict):
+        moved["best_k_models"] = {move(k): v for k, v in state["best_k_models"].items()}
+    log.info("checkpoint dir moved from %s to %s: best-k paths rewritten", old, dirpath)
+    return moved
 
 
 class ResumedLoggingStep(Callback):

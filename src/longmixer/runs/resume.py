@@ -104,9 +104,20 @@ def _ignored(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in DRIFT_IGNORED)
 
 
+def _relocated(flat: dict[str, object], old_dir: object, new_dir: object) -> dict[str, object]:
+    """`flat` with paths inside the run dir `old_dir` rewritten under `new_dir`: a run dir that was moved (copied to
+    another machine, unpacked by `longmixer.runs.carry`) is the same run, and keys derived from `paths.output_dir`
+    (`callbacks.checkpoint.dirpath`, `trainer.default_root_dir`) only say where it lies."""
+    if not isinstance(old_dir, str) or not isinstance(new_dir, str) or not old_dir or old_dir == new_dir:
+        return flat
+    return {k: new_dir + v[len(old_dir):] if isinstance(v, str) and (v == old_dir or v.startswith(old_dir + "/"))
+            else v for k, v in flat.items()}
+
+
 def config_drift(stored: dict, current: dict) -> dict[str, tuple]:
     """`{key: (stored, current)}` for every result-changing key whose normalized value differs."""
     old, new = _flatten(stored), _flatten(current)
+    old = _relocated(old, old.get("paths.output_dir"), new.get("paths.output_dir"))
     # a key present on one side only counts as null there (a key added with a null default changes nothing)
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
             if not _ignored(k) and old.get(k) != new.get(k)}
