@@ -18,6 +18,8 @@ shift || true
 if [[ $TABLE == all || $TABLE == lra ]]; then
   # Table 1 (LRA), LaS rows (full L x L attention: Text and Retrieval at 4K are the heavy ones).
   # 1 GPU each; ListOps ~2 h, Text ~0.5 h, Retrieval ~7 h, Image ~3 h, Pathfinder ~5 h. No Path-X (the paper has none).
+  # Those times are bf16 step times; the LaS LRA recipes train in float32, as the paper did (V100s), and a float32
+  # ListOps step measured about 3x the bf16 one on an H100 (docs/reproduction.md), so expect up to 3x longer.
   $PY -m longmixer.train -m experiment=las/listops seed=$SEEDS "$@"
   $PY -m longmixer.train -m experiment=las/text seed=$SEEDS "$@"
   $PY -m longmixer.train -m experiment=las/retrieval seed=$SEEDS "$@"

@@ -193,3 +193,15 @@ def test_run_name_tells_a_variant_from_its_family(compose):
     assert compose(["experiment=mega/listops"]).run_name == "mega/listops"
     assert compose(["experiment=mega/listops", "model=mega_chunk"]).run_name == "mega/listops-mega_chunk"
     assert compose(["~experiment", "model=mega", "data=listops_gen"]).run_name == "mega-listops_gen"
+
+
+@pytest.mark.parametrize("task, patience", [("listops", 5), ("text", 10), ("retrieval", 20), ("image", 10),
+                                            ("pathfinder", 10)])
+def test_las_lra_recipes_train_as_s4_v1_configs(compose, task, patience):
+    """LaS's Table 4 rows follow S4's v1 LRA configs (lra/old/s4-lra-*.yaml): ReduceLROnPlateau with their patience,
+    no warmup, float32 even on `trainer=gpu` (the paper's V100s)."""
+    cfg = compose([f"experiment=las/{task}", "trainer=gpu"])
+    assert cfg.scheduler._target_ == "longmixer.utils.optim.Plateau"
+    assert cfg.scheduler.patience == patience and cfg.scheduler.factor == 0.2 and cfg.scheduler.mode == "max"
+    assert "warmup_steps" not in cfg.scheduler
+    assert cfg.trainer.precision == "32-true" and cfg.trainer.gradient_clip_val is None

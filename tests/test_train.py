@@ -223,3 +223,29 @@ def test_stopped_by_time_budget_reads_the_timer():
     assert stopped_by_time_budget(SimpleNamespace(callbacks=[spent]))
     assert not stopped_by_time_budget(SimpleNamespace(callbacks=[fresh]))
     assert not stopped_by_time_budget(SimpleNamespace(callbacks=[]))
+
+
+def test_plateau_schedule_steps_once_per_epoch_on_the_monitor_and_travels_in_the_checkpoint(compose, tmp_path):
+    """`scheduler=plateau` (the LaS recipes): Lightning steps it at each epoch end with val/acc; 64 examples / 16 =
+    4 steps per epoch, so 12 steps are 3 epochs, each validated at its end."""
+    cfg = compose([*TINY_LISTOPS, *TINY_TRAINER, "scheduler=plateau", "~scheduler.warmup_steps", "scheduler.patience=0", "scheduler.factor=0.5",
+                   "trainer.max_steps=12", "trainer.val_check_interval=null", "trainer.limit_val_batches=2"])
+    train(cfg)
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    (state,) = ckpt["lr_schedulers"]
+    assert state["last_epoch"] == 3 and state["mode"] == "max"
+    with open(tmp_path / "run" / "csv" / "metrics.csv") as f:
+        import csv
+
+        val = [float(r["val/acc"]) for r in csv.DictReader(f) if r.get("val/acc")]
+    assert len(val) == 3 and state["best"] == pytest.approx(max(val))
+    # patience 0: every epoch that did not beat the best so far halved the lr
+    cuts = sum(1 for i, v in enumerate(val) if i > 0 and v <= max(val[:i]))
+    lr = ckpt["optimizer_states"][0]["param_groups"][0]["lr"]
+    assert lr == pytest.approx(cfg.optim.lr * 0.5 ** cuts)
+
+
+def test_a_plateau_mode_that_contradicts_the_task_names_both_keys(compose):
+    cfg = compose([*TINY_LISTOPS, *TINY_TRAINER, "scheduler=plateau", "~scheduler.warmup_steps", "scheduler.mode=min"])
+    with pytest.raises(ValueError, match=r"scheduler.mode='min' but task.mode='max'"):
+        train(cfg)

@@ -105,3 +105,22 @@ def test_same_command_again_is_locked_out_then_reported_finished(reference):
     log = (reference / "train.log").read_text()
     assert "already finished" in log and "test/acc" in log.split("already finished")[-1]
     assert (reference / "csv" / "metrics.csv").read_text() == rows
+
+
+PLATEAU = ["scheduler=plateau", "~scheduler.warmup_steps", "scheduler.patience=0", "scheduler.factor=0.5"]
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL:train:6", "SIGTERM:train:9"], ids=["after-epoch-end-checkpoint", "mid-epoch"])
+def test_plateau_schedule_resumes_to_the_uninterrupted_result(tmp_path, fault):
+    """The plateau step of an epoch is taken before the end-of-epoch checkpoint, so a run killed right after it
+    resumes with the same lr (a lost or repeated step would change the weights)."""
+    ref = run_train(tmp_path / "reference", PLATEAU)
+    assert ref.returncode == 0, describe(ref)
+    killed = run_train(tmp_path / "killed", PLATEAU, fault=fault)
+    assert killed.returncode != 0, describe(killed)
+    resumed = run_train(tmp_path / "killed", PLATEAU)
+    assert resumed.returncode == 0, describe(resumed)
+    ref_dir, run_dir = run_dir_of(tmp_path / "reference"), run_dir_of(tmp_path / "killed")
+    sched = [torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["lr_schedulers"][0] for d in (ref_dir, run_dir)]
+    assert sched[0]["last_epoch"] == 2 and sched[1] == sched[0]
+    assert_same_run(ref_dir, run_dir, mid_epoch=fault.startswith("SIGTERM"))

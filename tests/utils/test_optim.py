@@ -80,3 +80,27 @@ def test_optimizer_partial_gets_the_groups(cls):
 def test_optimizer_without_positive_lr_names_the_key():
     with pytest.raises(ValueError, match="optim.lr=0"):
         build_optimizer(Tiny(), functools.partial(torch.optim.AdamW, lr=0))
+
+
+def test_plateau_cuts_the_lr_after_patience_epochs_without_improvement():
+    """S4's `plateau` (the LaS recipes): no warmup, lr x factor once the metric has not improved for `patience`
+    epochs."""
+    from longmixer.utils.optim import Plateau
+
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched = Plateau(opt, total_steps=1000, mode="max", factor=0.2, patience=2)
+    assert sched.interval == "epoch" and opt.param_groups[0]["lr"] == pytest.approx(1e-3)
+    for acc in (0.30, 0.35, 0.35, 0.34):  # best 0.35 at epoch 2, then two epochs without improvement
+        sched.step(acc)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3)
+    sched.step(0.33)  # the third: past patience
+    assert opt.param_groups[0]["lr"] == pytest.approx(2e-4)
+
+
+@pytest.mark.parametrize("kw, match", [({"factor": 1.0}, "scheduler.factor=1.0"),
+                                       ({"patience": -1}, "scheduler.patience=-1")])
+def test_plateau_bad_values_name_the_key(kw, match):
+    from longmixer.utils.optim import Plateau
+
+    with pytest.raises(ValueError, match=match):
+        Plateau(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), **kw)

@@ -35,7 +35,8 @@ class SequenceTask(pl.LightningModule):
         model: the `SequenceModel` (instantiated from `model:`).
         optim: the `optim` group: a torch optimizer partial (`torch.optim.AdamW` with lr, weight_decay, betas, eps),
             called on the model's parameter groups.
-        scheduler: the `scheduler` group: a `WarmupSchedule` partial, called as `scheduler(optimizer, total_steps)`.
+        scheduler: the `scheduler` group: a `WarmupSchedule` or `Plateau` partial, called as
+            `scheduler(optimizer, total_steps)`; `Plateau` is stepped once per epoch on `monitor`.
         monitor: the metric that selects the best checkpoint, e.g. `val/acc` (declared once, interpolated by the
             checkpoint callback, early stopping and hparams_search).
         mode: "max" or "min" for `monitor`.
@@ -85,7 +86,41 @@ class SequenceTask(pl.LightningModule):
         # computed once here (it can walk the dataloaders), then reused by every training step
         self.total_steps = int(self.trainer.estimated_stepping_batches) if self.trainer is not None else 1
         scheduler = self.scheduler_factory(optimizer, total_steps=self.total_steps)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        # per-step schedules by default; an epoch-stepped one (`Plateau`) says so and follows the task's monitor
+        config = {"scheduler": scheduler, "interval": getattr(scheduler, "interval", "step")}
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            if scheduler.mode != self.mode:
+                raise ValueError(f"scheduler.mode={scheduler.mode!r} but task.mode={self.mode!r} for "
+                                 f"{self.monitor}: set scheduler.mode=${{task.mode}} (scheduler/plateau.yaml does)")
+            # Lightning wants a monitor for it; `step_epoch_scheduler` does the stepping (`lr_scheduler_step`)
+            config.update(monitor=self.monitor, strict=False)
+        return {"optimizer": optimizer, "lr_scheduler": config}
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            return  # stepped by `step_epoch_scheduler`, before the end-of-epoch checkpoint
+        super().lr_scheduler_step(scheduler, metric)
+
+    def step_epoch_scheduler(self) -> None:
+        """Step a plateau schedule once per completed training epoch, at the first validation of the fit after the
+        epoch boundary, with the monitored value (S4 validates at every epoch end and steps there).
+
+        Here and not in Lightning's epoch-end update, which runs after the end-of-epoch validation has written
+        `last.ckpt`: a run resumed from that checkpoint would lose the step. The count of epochs stepped is the
+        scheduler's own `last_epoch`, so it travels in the checkpoint; epochs that ended without a validation are
+        skipped, not stepped later."""
+        trainer = self.trainer
+        if trainer is None or trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        current = trainer.callback_metrics.get(self.monitor)
+        if current is None:
+            return
+        completed = trainer.current_epoch + int(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and completed > scheduler.last_epoch:
+                scheduler.step(float(current))
+                scheduler.last_epoch = completed
 
     def on_train_batch_start(self, batch, batch_idx):
         if hasattr(self.model, "set_progress"):
@@ -167,6 +202,7 @@ class SequenceTask(pl.LightningModule):
 
     def on_validation_epoch_end(self):
         self.track_best()
+        self.step_epoch_scheduler()
 
     # --- checkpoints: RNG states and the best score -------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

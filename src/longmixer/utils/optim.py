@@ -165,3 +165,24 @@ def count_parameters(module: nn.Module) -> dict[str, int]:
     total = sum(p.numel() for p in module.parameters())
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     return {"total": total, "trainable": trainable, "non_trainable": total - trainable}
+
+
+class Plateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
+    """The S4 pipeline's `plateau` scheduler: no warmup; the lr is multiplied by `factor` once the monitored
+    validation metric has not improved for `patience` epochs. S4's v1 LRA configs (`lra/old/s4-lra-*.yaml`), which
+    the LaS recipes follow (docs/reproduction.md), train with it.
+
+    The task steps it once per training epoch with its `monitor` value (`interval = "epoch"`); `mode` must be the
+    task's (`scheduler/plateau.yaml` interpolates `${task.mode}`). `total_steps` is accepted for the common
+    `scheduler(optimizer, total_steps)` call and unused.
+    """
+
+    interval = "epoch"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int = 0, mode: str = "max",
+                 factor: float = 0.2, patience: int = 10, min_lr: float = 0.0, threshold: float = 1e-4):
+        if not 0.0 < factor < 1.0:
+            raise ValueError(f"scheduler.factor={factor} must be in (0, 1)")
+        if patience < 0:
+            raise ValueError(f"scheduler.patience={patience} must be >= 0")
+        super().__init__(optimizer, mode=mode, factor=factor, patience=patience, min_lr=min_lr, threshold=threshold)
