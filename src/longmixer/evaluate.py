@@ -62,6 +62,9 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         best = json.loads(results.read_text()).get("best_ckpt") if results.is_file() else None
         if not best:
             raise FileNotFoundError(f"{results} records no best checkpoint; pass ckpt_path=<file.ckpt>")
+        moved = ckpt_dir / Path(best).name
+        if Path(best).resolve().parent != ckpt_dir.resolve() and moved.is_file():
+            best = str(moved)  # the run dir was moved (another machine or root) after results.json was written
         ckpt = Path(trusted_best_path(best, ckpt_dir))
     load_checkpoint(ckpt)  # refuse a corrupt or unsafe file before building anything
     out_dir = run_dir / "eval" / ckpt.stem

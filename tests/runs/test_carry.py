@@ -3,6 +3,7 @@ broken or foreign pack is refused before anything is written, and a run stopped 
 another root resumes to the result of a run that was never stopped."""
 
 import io
+import json
 import tarfile
 from pathlib import Path
 
@@ -167,3 +168,17 @@ def test_learning_curves_state_falls_back_to_last_only_then_to_nothing(runs, tmp
     assert [p.name for p in (tmp_path / "b").rglob("*.ckpt")] == ["last.ckpt"]
     lc.carry_state(runs, tmp_path / "none", max_parts=1)
     assert "not packed" in capsys.readouterr().err and not (tmp_path / "none").exists()
+
+
+def test_a_finished_run_moved_elsewhere_is_evaluated_from_its_own_checkpoints(reference, tmp_path):  # noqa: F811
+    """results.json names the best checkpoint by its path on the first machine; evaluate finds it in the moved run
+    dir's own checkpoints/ and scores it the same."""
+    pack(reference.parents[2], tmp_path / "state")  # <tmp>/logs/runs/<run_name>/<hash>_seed0 -> the whole logs/runs
+    unpack(tmp_path / "state", tmp_path / "moved")
+    (moved,) = [p.parent for p in (tmp_path / "moved").rglob("results.json") if "eval" not in p.parts]
+    proc = run_train(tmp_path, [f"run_dir={moved}"], entry="longmixer.evaluate", tiny=False)
+    assert proc.returncode == 0, describe(proc)
+    best = json.loads((moved / "results.json").read_text())["best_ckpt"]
+    assert not best.startswith(str(tmp_path))  # still the first machine's path
+    scored = json.loads((moved / "eval" / Path(best).stem / "results.json").read_text())["metrics"]
+    assert scored["test/acc"] == json.loads((moved / "results.json").read_text())["metrics"]["test/acc"]
