@@ -71,31 +71,9 @@ def curve(run_dir: Path) -> list[dict]:
 
 
 def plot(task: str, curves: dict[str, list[dict]], out: Path, title: str | None = None) -> None:
-    import matplotlib
+    from longmixer.report.evidence import plot_task
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import yaml
-
-    papers = yaml.safe_load((ROOT / "src/longmixer/paper_results.yaml").read_text())
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, (family, rows) in enumerate(curves.items()):
-        color = f"C{i}"
-        ax.plot([r["step"] for r in rows], [r["val_acc"] for r in rows], color=color, label=family, marker="o",
-                markersize=3)
-        claims = [row["values"][task] for table in papers.get("tables", []) if task in table.get("columns", [])
-                  and table.get("layout") == "lra" for row in table.get("rows", [])
-                  if row.get("model") == family and task in row.get("values", {})]
-        if claims:
-            ax.axhline(max(claims) / 100, color=color, linestyle=":", linewidth=1)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("validation accuracy")
-    ax.set_title(title or f"{task}: equal wall-clock budget per family (dotted: the papers' final test accuracy)",
-                 fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    plot_task(task, curves, out, title=title)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -214,14 +192,10 @@ def write_outputs(args, out: Path, samples: list, start: float, procs: dict, fin
 
 def plot_only(args) -> None:
     """Redraw `<task>.png` from the CSVs under --out (for curves measured where matplotlib is missing)."""
-    out = Path(args.out)
-    curves = {}
-    for family in args.families:
-        path = out / f"{args.task}_{family}.csv"
-        if path.exists():
-            with open(path) as f:
-                curves[family] = [{"step": int(r["step"]), "val_acc": float(r["val_acc"])} for r in csv.DictReader(f)]
-    plot(args.task, curves, out / f"{args.task}.png", title=args.title)
+    from longmixer.report.evidence import read_curves
+
+    plot(args.task, read_curves(args.out, args.task, args.families), Path(args.out) / f"{args.task}.png",
+         title=args.title)
 
 
 if __name__ == "__main__":

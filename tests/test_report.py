@@ -138,6 +138,7 @@ def test_notebook_runs_top_to_bottom_on_the_tiny_runs(tiny_runs, tmp_path):
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     text = "\n".join(str(o.get("text", "")) for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "runs: 4" in text and "activation rows:" in text
+    assert "evidence tasks: ['listops', 'pathfinder']" in text  # docs/results, drawn by longmixer.report.evidence
     assert (tmp_path / "report" / "tables.csv").exists()
 
 
@@ -237,3 +238,16 @@ def test_report_plots_every_task_and_the_bench_json_in_either_column_naming(tmp_
         bench_rows(bench)
     with pytest.raises(FileNotFoundError, match="--bench"):
         build_report(runs, tmp_path / "out2", bench=tmp_path / "missing.json")
+
+
+def test_evidence_curves_and_the_papers_finals(tmp_path):
+    from longmixer.report.evidence import paper_finals, plot_task, read_curves
+
+    (tmp_path / "listops_chela.csv").write_text("step,val_acc,val_loss\n249,0.164,2.26\n499,0.35,\n")
+    curves = read_curves(tmp_path, "listops", ["chela", "las"])
+    assert list(curves) == ["chela"] and curves["chela"][1] == {"step": 499, "val_acc": 0.35, "val_loss": None}
+    assert 0.6069 in [round(v, 4) for v in paper_finals("listops", "chela")]  # CHELA Table 1: 60.69
+    assert paper_finals("listops", "no_such_family") == []
+    pytest.importorskip("matplotlib")
+    plot_task("listops", curves, tmp_path / "listops.png")
+    assert (tmp_path / "listops.png").stat().st_size > 1000
