@@ -205,3 +205,14 @@ def test_las_lra_recipes_train_as_s4_v1_configs(compose, task, patience):
     assert cfg.scheduler.patience == patience and cfg.scheduler.factor == 0.2 and cfg.scheduler.mode == "max"
     assert "warmup_steps" not in cfg.scheduler
     assert cfg.trainer.precision == "32-true" and cfg.trainer.gradient_clip_val is None
+
+
+def test_las_listops_recipe_leaves_the_token_embedding_undecayed(compose):
+    """S4's parameter grouping, which LaS ran with: `nn.Embedding` gets no weight decay (recipe wd 0.01)."""
+    from longmixer.utils.optim import build_param_groups
+
+    cfg = compose(["experiment=las/listops", "data.vocab_size=20", "data.num_classes=10", "model.n_layers=1"])
+    model = instantiate(cfg.model)
+    (wd,) = [g["weight_decay"] for g in build_param_groups(model, lr=1e-3, weight_decay=cfg.optim.weight_decay)
+             if any(p is model.embedding.weight for p in g["params"])]
+    assert cfg.optim.weight_decay == 0.01 and wd == 0.0

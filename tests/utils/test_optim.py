@@ -104,3 +104,22 @@ def test_plateau_bad_values_name_the_key(kw, match):
 
     with pytest.raises(ValueError, match=match):
         Plateau(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), **kw)
+
+
+def test_embed_weight_decay_tags_the_token_embedding_only():
+    """S4's parameter grouping (the LaS ListOps recipe): the token embedding is not decayed; other weights are."""
+    from longmixer.mixers.transformer import Transformer as TransformerMixer
+    from longmixer.models import SequenceModel
+
+    def groups(**kw):
+        model = SequenceModel(mixer=functools.partial(TransformerMixer, n_heads=2), d_model=8, n_layers=1,
+                              vocab_size=11, num_classes=3, **kw)
+        emb = model.embedding.weight
+        (wd,) = [g["weight_decay"] for g in build_param_groups(model, lr=1.0, weight_decay=0.1)
+                 if any(p is emb for p in g["params"])]
+        return wd
+
+    assert groups() == 0.1 and groups(embed_weight_decay=0.0) == 0.0
+    with pytest.raises(ValueError, match="model.embed_weight_decay=0.0 applies to a token embedding"):
+        SequenceModel(mixer=functools.partial(TransformerMixer, n_heads=2), d_model=8, n_layers=1, d_input=1,
+                      num_classes=3, embed_weight_decay=0.0)

@@ -15,6 +15,7 @@ from longmixer.models.blocks import Block
 from longmixer.models.embeddings import (POS_ENCODINGS, LearnedPositions, RealEmbedding, SinusoidalPositions,
                                          TokenEmbedding)
 from longmixer.models.heads import ClassifierHead, LMHead, NLIHead
+from longmixer.utils.optim import set_optim_hparams
 
 POOLS = ("mean", "none")
 HEADS = ("classifier", "nli", "nli_concat", "lm", "lm_tied", "none")
@@ -43,6 +44,8 @@ class SequenceModel(nn.Module):
         d_classifier: hidden width of the classifier MLP (None: D).
         classifier_dropout: dropout between the classifier's hidden layer and its activation (MEGA's placement).
         embed_bias_std: init std of the real-valued embedding's bias (MEGA: 0.1; 0 = zeros).
+        embed_weight_decay: weight decay of a token embedding (`nn.Embedding`) in place of the optimizer's (None:
+            decayed like any weight; 0.0: S4's parameter grouping, which the LaS recipes follow).
         ffn_init_std: N(0, std) init of the FFN weights with zero biases (MEGA: 0.02; None = PyTorch's default).
         final_norm_affine: whether the pre-norm model's final norm has learned scale / shift (MEGA's LM recipes
             use `--no-affine-final-norm`: False).
@@ -56,7 +59,8 @@ class SequenceModel(nn.Module):
                  embed_std: float | None = None, pos_encoding: str = "none", max_len: int | None = None,
                  pool: str = "mean", head: str | Callable[..., nn.Module] = "classifier",
                  d_classifier: int | None = None, padding_idx: int = 0, classifier_dropout: float = 0.0,
-                 embed_bias_std: float = 0.0, ffn_init_std: float | None = None, final_norm_affine: bool = True):
+                 embed_bias_std: float = 0.0, ffn_init_std: float | None = None, final_norm_affine: bool = True,
+                 embed_weight_decay: float | None = None):
         super().__init__()
         if n_layers < 1 or d_model < 1:
             raise ValueError(f"model.n_layers={n_layers} and model.d_model={d_model} must be >= 1")
@@ -67,6 +71,12 @@ class SequenceModel(nn.Module):
         self.d_model, self.causal, self.pool, self.prenorm = d_model, causal, pool, prenorm
         self.embedding = self._build_embedding(embedding, vocab_size, d_input, d_model, embed_std, padding_idx,
                                                embed_bias_std)
+        if embed_weight_decay is not None:
+            if not isinstance(self.embedding, nn.Embedding):
+                raise ValueError(f"model.embed_weight_decay={embed_weight_decay} applies to a token embedding; this "
+                                 f"model's is {type(self.embedding).__name__}: drop the key (the weight is decayed "
+                                 "like any other) or set model.embedding=token")
+            set_optim_hparams(self.embedding.weight, weight_decay=embed_weight_decay)
         if pos_encoding == "learned" and max_len is None:
             raise ValueError("model.pos_encoding=learned needs model.max_len (e.g. ${data.seq_len})")
         self.positions = {"none": lambda: None, "sinusoidal": lambda: SinusoidalPositions(d_model),
