@@ -216,3 +216,30 @@ def test_las_listops_recipe_leaves_the_token_embedding_undecayed(compose):
     (wd,) = [g["weight_decay"] for g in build_param_groups(model, lr=1e-3, weight_decay=cfg.optim.weight_decay)
              if any(p is model.embedding.weight for p in g["params"])]
     assert cfg.optim.weight_decay == 0.01 and wd == 0.0
+
+
+@pytest.mark.parametrize("family", ["chela", "longvq"])
+def test_settings_taken_from_mega_are_megas(compose, family):
+    """Where CHELA and LongVQ are silent their recipes take MEGA's: Path-X warms up with power 2 over 25k steps, and
+    the classifier drops out at the model's dropout rate."""
+    mega, ours = compose(["experiment=mega/pathx"]), compose([f"experiment={family}/pathx"])
+    assert (ours.scheduler.warmup_steps, ours.scheduler.warmup_power) == (mega.scheduler.warmup_steps, 2.0)
+    text = compose([f"experiment={family}/text"])
+    assert text.model.dropout > 0 and text.model.classifier_dropout == text.model.dropout
+
+
+@pytest.mark.parametrize("task, width", [("listops", 160), ("text", 256), ("retrieval", 256), ("image", 320),
+                                         ("pathfinder", 256), ("pathx", 256)])
+def test_seqboat_lra_recipes_carry_the_official_architecture_defaults(compose, task, width):
+    """The official slag_lra_* architectures: classifier width 2D; embedding and classifier dropout = --dropout on
+    the text tasks; MEGA's real-valued embedding init on the pixel tasks; EMA truncation 1024 on Text / Retrieval;
+    Path-X warms up with power 2."""
+    cfg = compose([f"experiment=seqboat/{task}"])
+    assert cfg.model.d_classifier == width == 2 * cfg.model.d_model
+    if task in ("listops", "text", "retrieval"):
+        assert cfg.model.embed_dropout == cfg.model.classifier_dropout == cfg.model.mixer.dropout == 0.1
+    else:
+        assert (cfg.model.embed_std, cfg.model.embed_bias_std) == (1.0, 0.1)
+    if task in ("text", "retrieval"):
+        assert cfg.model.mixer.truncation == 1024
+    assert cfg.scheduler.warmup_power == (2.0 if task == "pathx" else 1.0)
