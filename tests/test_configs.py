@@ -240,6 +240,7 @@ def test_seqboat_lra_recipes_carry_the_official_architecture_defaults(compose, t
         assert cfg.model.embed_dropout == cfg.model.classifier_dropout == cfg.model.mixer.dropout == 0.1
     else:
         assert (cfg.model.embed_std, cfg.model.embed_bias_std) == (1.0, 0.1)
+        assert cfg.model.pos_encoding == "scaled_sinusoidal"
     if task in ("text", "retrieval"):
         assert cfg.model.mixer.truncation == 1024
     assert cfg.scheduler.warmup_power == (2.0 if task == "pathx" else 1.0)

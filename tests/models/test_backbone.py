@@ -96,3 +96,15 @@ def test_mega_initialisation_options():
     with pytest.raises(ValueError, match="only defined for layernorm"):
         SequenceModel(StatsMixer, d_model=8, n_layers=1, vocab_size=3, num_classes=2, norm="rmsnorm",
                       final_norm_affine=False)
+
+
+def test_scaled_sinusoidal_positions_learn_one_scale_from_d_to_the_minus_half():
+    """SeqBoat's --add-apos (pixel tasks): the sinusoid times one learned scalar initialised to D^-0.5."""
+    from longmixer.models.embeddings import SinusoidalPositions
+
+    fixed, scaled = SinusoidalPositions(16), SinusoidalPositions(16, learned_scale=True)
+    assert fixed.scale is None and [n for n, _ in scaled.named_parameters()] == ["scale"]
+    out = scaled(7, torch.device("cpu"), torch.float32)
+    assert torch.allclose(out, fixed(7, torch.device("cpu"), torch.float32) * 16 ** -0.5)
+    out.sum().backward()
+    assert scaled.scale.grad is not None and scaled.scale.grad.abs() > 0

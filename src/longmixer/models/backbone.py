@@ -36,7 +36,8 @@ class SequenceModel(nn.Module):
         embedding: "auto" (token when `vocab_size` is set, else real) | "token" | "real" | a factory called as
             `embedding(d_model=...)`.
         embed_std: init std of the embedding (None: D^-0.5, MEGA).
-        pos_encoding: "none" | "sinusoidal" | "learned" absolute positions (learned needs `max_len`).
+        pos_encoding: "none" | "sinusoidal" | "scaled_sinusoidal" (times a learned scalar, SeqBoat's) | "learned"
+            absolute positions (learned needs `max_len`).
         pool: "mean" over real tokens (classification) | "none" (per-token outputs).
         head: "classifier" | "nli" ([u, v, u*v, u-v]) | "nli_concat" ([u, v], MEGA's AAN head) | "lm" | "lm_tied" |
             "none" | a factory called as
@@ -80,6 +81,7 @@ class SequenceModel(nn.Module):
         if pos_encoding == "learned" and max_len is None:
             raise ValueError("model.pos_encoding=learned needs model.max_len (e.g. ${data.seq_len})")
         self.positions = {"none": lambda: None, "sinusoidal": lambda: SinusoidalPositions(d_model),
+                          "scaled_sinusoidal": lambda: SinusoidalPositions(d_model, learned_scale=True),
                           "learned": lambda: LearnedPositions(d_model, max_len)}[pos_encoding]()
         self.embed_dropout = nn.Dropout(embed_dropout)
         self.blocks = nn.ModuleList(

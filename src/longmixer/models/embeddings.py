@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-POS_ENCODINGS = ("none", "sinusoidal", "learned")
+POS_ENCODINGS = ("none", "sinusoidal", "scaled_sinusoidal", "learned")
 
 
 class TokenEmbedding(nn.Embedding):
@@ -41,11 +41,13 @@ class RealEmbedding(nn.Module):
 
 
 class SinusoidalPositions(nn.Module):
-    """Fixed sine/cosine positions (Vaswani et al. 2017), computed for any length."""
+    """Sine/cosine positions (Vaswani et al. 2017), computed for any length. `learned_scale`: times one learned scalar
+    initialised to D^-0.5, SeqBoat's `--add-apos` (the official ScaledSinuEmbedding) on the pixel tasks."""
 
-    def __init__(self, d_model: int):
+    def __init__(self, d_model: int, learned_scale: bool = False):
         super().__init__()
         self.d_model = d_model
+        self.scale = nn.Parameter(torch.tensor(d_model ** -0.5)) if learned_scale else None
 
     def forward(self, length: int, device, dtype):
         half = self.d_model // 2
@@ -54,6 +56,8 @@ class SinusoidalPositions(nn.Module):
         pe = torch.cat([angle.sin(), angle.cos()], dim=-1)
         if pe.shape[-1] < self.d_model:
             pe = nn.functional.pad(pe, (0, self.d_model - pe.shape[-1]))
+        if self.scale is not None:
+            pe = pe * self.scale
         return pe.to(dtype)  # [L, D]
 
 
