@@ -70,12 +70,6 @@ def curve(run_dir: Path) -> list[dict]:
     return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
 
 
-def plot(task: str, curves: dict[str, list[dict]], out: Path, title: str | None = None) -> None:
-    from longmixer.report.evidence import plot_task
-
-    plot_task(task, curves, out, title=title)
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", default="listops")
@@ -186,16 +180,18 @@ def write_outputs(args, out: Path, samples: list, start: float, procs: dict, fin
                "steps": {f: (rows[-1]["step"] if rows else 0) for f, rows in curves.items()}}
     (out / f"{args.task}_summary.json").write_text(json.dumps(summary, indent=1))
     if final and any(curves.values()) and importlib.util.find_spec("matplotlib"):
-        plot(args.task, curves, out / f"{args.task}.png")
+        from longmixer.report.evidence import plot_task
+
+        plot_task(args.task, curves, out / f"{args.task}.png")
     return summary
 
 
 def plot_only(args) -> None:
     """Redraw `<task>.png` from the CSVs under --out (for curves measured where matplotlib is missing)."""
-    from longmixer.report.evidence import read_curves
+    from longmixer.report.evidence import plot_task, read_curves
 
-    plot(args.task, read_curves(args.out, args.task, args.families), Path(args.out) / f"{args.task}.png",
-         title=args.title)
+    plot_task(args.task, read_curves(args.out, args.task, args.families), Path(args.out) / f"{args.task}.png",
+              title=args.title)
 
 
 if __name__ == "__main__":

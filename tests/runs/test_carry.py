@@ -2,6 +2,7 @@
 broken or foreign pack is refused before anything is written, and a run stopped on one machine and unpacked under
 another root resumes to the result of a run that was never stopped."""
 
+import hashlib
 import io
 import json
 import tarfile
@@ -97,8 +98,6 @@ def test_a_pack_that_escapes_its_destination_is_refused(tmp_path):
         info = tarfile.TarInfo("../escaped.txt")
         info.size = 3
         tar.addfile(info, io.BytesIO(b"bad"))
-    import hashlib
-
     data = buf.getvalue()
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / f"runs-{hashlib.sha256(data).hexdigest()[:16]}-1of1.tar-part").write_bytes(data)
