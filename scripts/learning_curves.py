@@ -6,10 +6,13 @@ their validation curves.
 
 Each family runs `python -m longmixer.train experiment=<recipe> data=<task>_gen trainer=gpu` (the generated data,
 so no download is needed) with `trainer.max_time`, validating every `--val-every` steps. Runs start together (the
-default: one GPU shared by all, equal wall time each) or one after another (`--sequential`). While they run,
-`nvidia-smi` is sampled once a second. Written under --out, and rewritten every 30 s while the runs go on:
+default: one GPU shared by all, equal wall time each) or one after another (`--sequential`); `--gpus 0 1` spreads
+them round-robin over those GPUs of the host (one `CUDA_VISIBLE_DEVICES` each). The runs are compared at equal
+GPU-minutes: a run's wall-clock minutes over the number of runs that share its GPU. `--gpu-minutes 8` sets that
+budget directly (a run sharing its GPU with another gets 16 wall-clock minutes, a run alone 8); `--minutes` gives
+every run the same wall-clock budget instead. The summary records both per run. While they run, `nvidia-smi` samples the GPUs in use once a second. Written under --out, and rewritten every 30 s while the runs go on:
 - `<task>_<family>.csv`: step, val_acc, val_loss, one row per validation;
-- `<task>_gpu_util.csv`: the utilization samples; `<task>_summary.json`: command, GPU, minutes, best val acc;
+- `<task>_gpu_util.csv`: the utilization samples (t_s, gpu, util_pct, mem_mib); `<task>_summary.json`: command, GPU, minutes, best val acc;
 - `<task>.png`: the curves with each paper's final test accuracy marked (paper_results.yaml), when matplotlib is
   installed (`--plot-only` redraws it from the CSVs elsewhere).
 Re-running the same command resumes each run from its last checkpoint (resume=auto), so a budget can be spread
@@ -75,13 +78,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--task", default="listops")
     parser.add_argument("--families", nargs="+", default=["chela", "longvq", "las", "seqboat", "mega_chunk",
                                                           "transformer"])
-    parser.add_argument("--minutes", type=float, default=9.0, help="wall-clock budget of each run")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--minutes", type=float, default=None, help="wall-clock budget of each run (default 9)")
+    budget.add_argument("--gpu-minutes", type=float, default=None,
+                        help="GPU-minute budget of each run: its wall-clock budget is this times the runs sharing "
+                             "its GPU")
     parser.add_argument("--val-every", type=int, default=250, help="validate every N training steps")
     parser.add_argument("--trainer", default="gpu", help="trainer config (cpu for a smoke test)")
     parser.add_argument("--compile", default="none",
                         help="task.compile of the runs (none: eager, as the recorded curves ran; auto picks CUDA "
                              "graphs where the batches come in few shapes)")
     parser.add_argument("--sequential", action="store_true", help="one run after another instead of together")
+    parser.add_argument("--gpus", nargs="+", type=int, default=None,
+                        help="GPU indices to spread the runs over, round-robin in --families order (default: all on "
+                             "the first visible GPU)")
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--logs", default="logs/learning_curves", help="run dirs (carry them to resume)")
     parser.add_argument("--no-test", action="store_true",
@@ -95,6 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--title", default=None, help="the plot's title (with --plot-only)")
     parser.add_argument("extra", nargs="*", help="more overrides for every run, e.g. data.num_train=20000")
     args = parser.parse_args(argv)
+    if args.minutes is None and args.gpu_minutes is None:
+        args.minutes = 9.0
     if args.plot_only:
         plot_only(args)
         return {}
@@ -116,16 +128,18 @@ def main(argv: list[str] | None = None) -> dict:
                 p.send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, stop_runs)
-    with GpuSampler(interval_s=1.0) as sampler:
+    placement, minutes = gpu_placement(args.families, args.gpus), wall_minutes(args)
+    with GpuSampler(interval_s=1.0, gpus=args.gpus) as sampler:
         for family in args.families:
             run_dir = Path(args.logs).resolve() / f"{args.task}_{family}"
             cmd = [sys.executable, "-m", "longmixer.train",
-                   *overrides(family, args.task, args.minutes, args.val_every, run_dir, args.trainer, args.compile,
+                   *overrides(family, args.task, minutes[family], args.val_every, run_dir, args.trainer, args.compile,
                               extra)]
             log_path = Path(args.logs) / f"{args.task}_{family}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
+            run_env = env if args.gpus is None else {**env, "CUDA_VISIBLE_DEVICES": str(placement[family])}
             with open(log_path, "a") as f:
-                procs[family] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                procs[family] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=run_env, cwd=ROOT)
             if args.sequential:
                 procs[family].wait()
         # the curves are rewritten every half minute, so a call cut short keeps what the runs have validated so far
@@ -133,15 +147,42 @@ def main(argv: list[str] | None = None) -> dict:
         while not all(p.poll() is not None for p in procs.values()):
             time.sleep(1)
             if time.time() - last_write >= 30:
-                write_outputs(args, out, sampler.rows, start, procs, final=False)
+                write_outputs(args, out, sampler.by_gpu, start, procs, final=False)
                 last_write = time.time()
         for p in procs.values():
             p.wait()
-    summary = write_outputs(args, out, sampler.rows, start, procs, final=True)
+    summary = write_outputs(args, out, sampler.by_gpu, start, procs, final=True)
     print(json.dumps(summary, indent=1))
     if args.state_out:
         carry_state(Path(args.logs), Path(args.state_out), args.state_max_parts)
     return summary
+
+
+def gpu_placement(families: list[str], gpus: list[int] | None) -> dict[str, int]:
+    """Which GPU index each run trains on: round-robin over `gpus`, or all on the first GPU."""
+    if gpus is not None and (not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0):
+        raise SystemExit(f"--gpus {gpus}: give distinct non-negative GPU indices, e.g. --gpus 0 1")
+    return {f: (gpus[i % len(gpus)] if gpus else 0) for i, f in enumerate(families)}
+
+
+def sharing(args) -> dict[str, int]:
+    """How many runs train on each run's GPU at the same time (1 for every run with --sequential)."""
+    placement = gpu_placement(args.families, args.gpus)
+    if args.sequential:
+        return {f: 1 for f in placement}
+    return {f: list(placement.values()).count(g) for f, g in placement.items()}
+
+
+def wall_minutes(args) -> dict[str, float]:
+    """Each run's wall-clock budget (its trainer.max_time): --minutes, or --gpu-minutes times its GPU's sharing."""
+    if args.gpu_minutes is not None:
+        return {f: args.gpu_minutes * n for f, n in sharing(args).items()}
+    return {f: args.minutes for f in args.families}
+
+
+def gpu_minutes(args) -> dict[str, float]:
+    """Each run's budget in GPU-minutes: its wall-clock budget over the runs that share its GPU."""
+    return {f: round(wall_minutes(args)[f] / n, 2) for f, n in sharing(args).items()}
 
 
 def carry_state(logs: Path, dest: Path, max_parts: int) -> None:
@@ -159,7 +200,7 @@ def carry_state(logs: Path, dest: Path, max_parts: int) -> None:
     print(f"state: {len(parts)} part(s), {sum(p.stat().st_size for p in parts) / 2**20:.1f} MiB in {dest}")
 
 
-def write_outputs(args, out: Path, samples: list, start: float, procs: dict, final: bool) -> dict:
+def write_outputs(args, out: Path, samples: dict[int, list], start: float, procs: dict, final: bool) -> dict:
     """The per-family CSVs, the utilization CSV and the summary (and, at the end, the plot when matplotlib is
     installed: the GPU machine may lack it; `--plot-only` redraws it from the CSVs)."""
     curves = {}
@@ -170,12 +211,14 @@ def write_outputs(args, out: Path, samples: list, start: float, procs: dict, fin
             writer.writeheader()
             writer.writerows(rows)
     with open(out / f"{args.task}_gpu_util.csv", "w", newline="") as f:
-        csv.writer(f).writerows([("t_s", "util_pct", "mem_mib"), *samples])
+        csv.writer(f).writerows([("t_s", "gpu", "util_pct", "mem_mib"),
+                                 *[(t, g, u, m) for g, rows in samples.items() for t, u, m in rows]])
     summary = {"command": " ".join(sys.argv), "gpu": gpu_name(), "host_cpus": os.cpu_count(),
-               "wall_min_this_call": round((time.time() - start) / 60, 2), "minutes_per_run_total": args.minutes,
+               "wall_min_this_call": round((time.time() - start) / 60, 2), "wall_minute_budget_per_run": wall_minutes(args),
                "parallel": not args.sequential, "finished": final,
+               "gpu_of_family": gpu_placement(args.families, args.gpus), "gpu_minute_budget_per_run": gpu_minutes(args),
                "exit_codes": {f: p.poll() for f, p in procs.items()},
-               "gpu_util": summarize(samples),
+               "gpu_util": {str(g): summarize(rows) for g, rows in samples.items()},
                "best_val_acc": {f: max((r["val_acc"] for r in rows), default=None) for f, rows in curves.items()},
                "steps": {f: (rows[-1]["step"] if rows else 0) for f, rows in curves.items()}}
     (out / f"{args.task}_summary.json").write_text(json.dumps(summary, indent=1))

@@ -91,3 +91,40 @@ def test_fixed_length_data_has_few_shapes():
     from longmixer.data.pathfinder import Pathfinder
 
     assert not Pathfinder.variable_length and Pathfinder.few_shapes.fget(Pathfinder.__new__(Pathfinder))
+
+
+def _worker_survives_sigterm(worker_init_fn) -> bool:
+    """Start a 1-worker loader with SIGTERM at its default action, SIGTERM the worker, and report whether the
+    loader still delivers every batch."""
+    import signal
+    import time
+
+    from torch.utils.data import DataLoader
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # what a worker forked before any handler inherits
+    try:
+        loader = DataLoader(list(range(64)), batch_size=4, num_workers=1, worker_init_fn=worker_init_fn)
+        it = iter(loader)
+        first = next(it)
+        os.kill(it._workers[0].pid, signal.SIGTERM)
+        time.sleep(0.5)
+        try:
+            rest = list(it)
+        except RuntimeError:
+            return False
+        return torch.cat([first, *rest]).tolist() == list(range(64))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_loader_workers_leave_stop_signals_to_the_training_process():
+    """A scheduler's SIGTERM reaches the workers too (scancel, timeout and Ctrl+C signal the process group): with the
+    loaders' worker_init_fn they survive it and the run checkpoints; without it the next batch fails."""
+    from longmixer.data.base import ignore_stop_signals
+
+    assert not _worker_survives_sigterm(None)
+    assert _worker_survives_sigterm(ignore_stop_signals)
+    dm = ListOps(num_workers=2)
+    dm.datasets = {"train": list(range(8)), "val": list(range(4))}
+    assert dm.train_dataloader().worker_init_fn is ignore_stop_signals
+    assert dm.val_dataloader().worker_init_fn is ignore_stop_signals

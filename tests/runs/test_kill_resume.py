@@ -65,6 +65,20 @@ def test_killed_run_resumes_to_the_uninterrupted_result(reference, tmp_path, fau
     assert_same_run(reference, run_dir, mid_epoch=fault != "SIGKILL:train:6")
 
 
+def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resumes(reference, tmp_path):
+    """SLURM's scancel, coreutils' `timeout` and Ctrl+C signal the whole process group, DataLoader workers
+    included. The workers must leave the signal to the training process, which checkpoints and exits 143; a worker
+    killed by it would make the step fail ("DataLoader worker ... killed by signal") and the run exit 1."""
+    workers = ["data.num_workers=2", "trainer.num_sanity_val_steps=1"]  # the sanity check forks the val workers first
+    killed = run_train(tmp_path, workers, fault="SIGTERM:train:9:group")
+    assert killed.returncode == 143, describe(killed)
+    run_dir = run_dir_of(tmp_path)
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 10
+    resumed = run_train(tmp_path, workers)
+    assert resumed.returncode == 0, describe(resumed)
+    assert_same_run(reference, run_dir, mid_epoch=True)
+
+
 @pytest.mark.timeout(600)
 def test_ddp_run_stopped_by_sigterm_resumes_to_the_uninterrupted_result(tmp_path):
     ddp = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]

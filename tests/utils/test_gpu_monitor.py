@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from longmixer.utils import gpu_monitor
-from longmixer.utils.gpu_monitor import GpuSampler, parse_sample, summarize
+from longmixer.utils.gpu_monitor import GpuSampler, parse_sample, parse_samples, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,6 +21,12 @@ def test_parse_sample_reads_the_first_gpu_and_rejects_the_rest():
     assert parse_sample("[N/A], 1234") is None
     assert parse_sample("NVIDIA-SMI has failed because it couldn't communicate with the driver") is None
     assert parse_sample("") is None
+
+
+def test_parse_samples_reads_every_gpu_or_drops_the_whole_answer():
+    assert parse_samples("87, 1234\n12, 99\n") == [(87, 1234), (12, 99)]
+    assert parse_samples("87, 1234\n[N/A], 99\n") is None  # the GPUs' rows stay aligned in time
+    assert parse_samples("") is None
 
 
 def test_summarize_leaves_out_start_up_and_tear_down():

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,17 @@ def default_num_workers(gpu: bool) -> int:
     """DataLoader workers when the config leaves `num_workers` null: min(8, CPUs) when a GPU consumes the batches
     (decoding must not starve it), 0 on CPU (workers would compete with the model for the same cores)."""
     return min(8, os.cpu_count() or 1) if gpu else 0
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: the workers leave SIGTERM and SIGINT to the training process.
+
+    SLURM's `scancel`, coreutils' `timeout` and Ctrl+C in a terminal signal the whole process group. A worker that
+    died of the signal made the training process fail mid-step ("DataLoader worker ... is killed by signal:
+    Terminated", seen on a GPU run) instead of checkpointing and exiting 143 / 130. The workers still end with
+    the run: the loader shuts them down, and torch ends a worker whose parent is gone."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def default_data_dir() -> Path:
@@ -365,7 +377,7 @@ class SequenceDataModule(pl.LightningDataModule):
         sampler = EpochSampler(len(dataset), self.seed, shuffle=train, rank=rank, world_size=world)
         kwargs = dict(batch_size=self.batch_size if train else self.eval_batch_size, collate_fn=self.collate,
                       num_workers=self.num_workers, pin_memory=self.pin_memory, drop_last=False,
-                      persistent_workers=self.persistent_workers,
+                      persistent_workers=self.persistent_workers, worker_init_fn=ignore_stop_signals,
                       # a private generator: creating an iterator must not draw from the global RNG, or a resumed
                       # run's dropout masks would drift from the uninterrupted run's
                       generator=torch.Generator().manual_seed(self.seed))

@@ -131,7 +131,7 @@ class GeneratedListOps(ListOps):
         out = self.root / "tsv"
         total = self.spec.num_train + self.spec.num_val + self.spec.num_test
         # LRA sizes take minutes on one core: draw the generator's shards on every core (same output)
-        workers = min(16, os.cpu_count() or 1) if total > 20_000 else 1
+        workers = (os.cpu_count() or 1) if total > 20_000 else 1
         with progress("generating ListOps", total, unit="examples") as advance:
             write_tsv_splits(out, self.spec, self.generator_seed, progress=advance, workers=workers)
         return out

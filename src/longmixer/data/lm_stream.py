@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from longmixer.data.base import SequenceDataModule
+from longmixer.data.base import SequenceDataModule, ignore_stop_signals
 
 IGNORE_INDEX = -100
 
@@ -295,7 +295,7 @@ class LMDataModule(SequenceDataModule):
     def _loader(self, split: str, train: bool) -> DataLoader:
         if split not in self.datasets:
             raise KeyError(f"{self.name} has no {split!r} split (has {sorted(self.datasets)})")
-        kwargs = dict(num_workers=self.num_workers, pin_memory=self.pin_memory)
+        kwargs = dict(num_workers=self.num_workers, pin_memory=self.pin_memory, worker_init_fn=ignore_stop_signals)
         if train:  # workers are re-created each epoch so that they receive the stream's new epoch and skip
             return LMStreamLoader(self.datasets[split], **kwargs)
         return DataLoader(self.datasets[split], batch_size=None, persistent_workers=self.persistent_workers, **kwargs)

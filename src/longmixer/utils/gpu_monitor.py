@@ -40,25 +40,48 @@ def parse_sample(text: str) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
-class GpuSampler:
-    """Samples the first GPU every `interval_s` in a background thread while the `with` block runs.
+def parse_samples(text: str) -> list[tuple[int, int]] | None:
+    """(util %, memory MiB) of every GPU in one `nvidia-smi` query answer, one line each; None when any line is
+    not a sample (the answer is then dropped whole, so the GPUs' rows stay aligned in time)."""
+    lines = text.strip().splitlines()
+    samples = [parse_sample(line) for line in lines]
+    return samples if samples and all(s is not None for s in samples) else None
 
-    `rows` holds (seconds since start, util %, memory MiB). Without `nvidia-smi` it records nothing.
+
+class GpuSampler:
+    """Samples GPUs every `interval_s` in a background thread while the `with` block runs.
+
+    `gpus=None` samples the first GPU; a list of indices samples those (`nvidia-smi -i`), for runs spread over
+    several GPUs of one host. `by_gpu[index]` holds (seconds since start, util %, memory MiB) rows of each sampled
+    GPU, and `rows` those of the first one. Without `nvidia-smi` it records nothing.
     """
 
-    def __init__(self, interval_s: float = 0.5):
+    def __init__(self, interval_s: float = 0.5, gpus: list[int] | None = None):
         self.interval_s = interval_s
-        self.rows: list[tuple[float, int, int]] = []
+        self.gpus = list(gpus) if gpus else None
+        self.by_gpu: dict[int, list[tuple[float, int, int]]] = {g: [] for g in (self.gpus or [0])}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.start_time = time.time()
 
+    @property
+    def rows(self) -> list[tuple[float, int, int]]:
+        return self.by_gpu[next(iter(self.by_gpu))]
+
     def _loop(self) -> None:
+        query = QUERY + (["-i", ",".join(map(str, self.gpus))] if self.gpus else [])
         while not self._stop.is_set():
-            out = subprocess.run(QUERY, capture_output=True, text=True)
-            sample = parse_sample(out.stdout) if out.returncode == 0 else None
-            if sample is not None:
-                self.rows.append((round(time.time() - self.start_time, 2), *sample))
+            out = subprocess.run(query, capture_output=True, text=True)
+            t = round(time.time() - self.start_time, 2)
+            if self.gpus is None:
+                sample = parse_sample(out.stdout) if out.returncode == 0 else None
+                if sample is not None:
+                    self.by_gpu[0].append((t, *sample))
+            else:
+                samples = parse_samples(out.stdout) if out.returncode == 0 else None
+                if samples is not None and len(samples) == len(self.gpus):
+                    for g, sample in zip(self.gpus, samples):
+                        self.by_gpu[g].append((t, *sample))
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> GpuSampler:

@@ -1,0 +1,100 @@
+"""scripts/learning_curves.py without training: where each run goes, the budget it gets, what the summary says."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("learning_curves", ROOT / "scripts" / "learning_curves.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _FinishedRun:
+    def __init__(self, cmd, env):
+        self.cmd, self.env = cmd, env
+
+    def poll(self):
+        return 0
+
+    def wait(self):
+        return 0
+
+
+@pytest.fixture
+def launched(tmp_path, monkeypatch):
+    """Run main() with the data preparation and the training runs replaced by records of their commands, and an
+    `nvidia-smi` that reports two GPUs."""
+    lc = _load()
+    runs = {}
+
+    def popen(cmd, stdout, stderr, env, cwd):
+        family = next(a for a in cmd if a.startswith("hydra.run.dir=")).rsplit("_", 1)[-1]
+        runs[family] = _FinishedRun(cmd, env)
+        return runs[family]
+
+    # only the script's own subprocess calls are replaced; the GPU sampler still runs the fake nvidia-smi
+    monkeypatch.setattr(lc, "subprocess", SimpleNamespace(run=lambda *a, **k: None, Popen=popen,
+                                                          STDOUT=subprocess.STDOUT))
+    tool = tmp_path / "bin" / "nvidia-smi"
+    tool.parent.mkdir()
+    tool.write_text('#!/bin/sh\ncase "$*" in *name*) echo "Fake GPU";; *"-i 2,3"*) printf "40, 100\\n90, 200\\n";; '
+                    '*) echo "bad";; esac\n')
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tool.parent}{os.pathsep}{os.environ['PATH']}")
+    return lc, runs
+
+
+def _max_time(cmd) -> str:
+    return next(a for a in cmd if a.startswith("+trainer.max_time=")).split("=", 1)[1]
+
+
+def test_gpu_minutes_spread_runs_round_robin_and_scale_each_wall_budget(launched, tmp_path):
+    lc, runs = launched
+    out = tmp_path / "out"
+    summary = lc.main(["--task", "listops", "--families", "a", "b", "c", "--gpus", "2", "3", "--gpu-minutes", "8",
+                       "--no-test", "--out", str(out), "--logs", str(tmp_path / "logs")])
+    assert {f: r.env["CUDA_VISIBLE_DEVICES"] for f, r in runs.items()} == {"a": "2", "b": "3", "c": "2"}
+    # a and c share GPU 2: 16 wall-clock minutes each; b has GPU 3 alone: 8
+    assert {f: _max_time(r.cmd) for f, r in runs.items()} == {"a": "00:00:16:00", "b": "00:00:08:00",
+                                                               "c": "00:00:16:00"}
+    assert summary["gpu_minute_budget_per_run"] == {"a": 8.0, "b": 8.0, "c": 8.0}
+    assert summary["wall_minute_budget_per_run"] == {"a": 16.0, "b": 8.0, "c": 16.0}
+    assert summary["gpu_of_family"] == {"a": 2, "b": 3, "c": 2}
+    assert set(summary["gpu_util"]) == {"2", "3"}
+    written = json.loads((out / "listops_summary.json").read_text())
+    assert written["gpu_of_family"] == summary["gpu_of_family"]
+    with open(out / "listops_gpu_util.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["t_s", "gpu", "util_pct", "mem_mib"]
+    assert {r["gpu"] for r in rows} == {"2", "3"}  # nvidia-smi asked for those two, one line each
+
+
+def test_minutes_keep_one_wall_budget_and_the_first_gpu(launched, tmp_path):
+    lc, runs = launched
+    summary = lc.main(["--task", "listops", "--families", "a", "b", "--minutes", "6", "--out", str(tmp_path / "o"),
+                       "--logs", str(tmp_path / "logs")])
+    assert all(r.env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES") for r in runs.values())
+    assert {_max_time(r.cmd) for r in runs.values()} == {"00:00:06:00"}
+    assert summary["gpu_minute_budget_per_run"] == {"a": 3.0, "b": 3.0}  # one GPU, two runs
+
+
+def test_bad_gpu_lists_and_two_budgets_are_refused(launched, tmp_path):
+    lc, _ = launched
+    with pytest.raises(SystemExit, match="distinct non-negative"):
+        lc.main(["--families", "a", "b", "--gpus", "1", "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        lc.main(["--minutes", "5", "--gpu-minutes", "5", "--out", str(tmp_path)])
