@@ -58,7 +58,7 @@ def plot_task(task: str, curves: dict[str, list[dict]], out: str | Path | None =
             ax.axhline(max(claims), color=color, linestyle=":", linewidth=1)
     ax.set_xlabel("training step")
     ax.set_ylabel("validation accuracy")
-    ax.set_title(title or f"{task}: equal wall-clock budget per family (dotted: the papers' final test accuracy)",
+    ax.set_title(title or f"{task}: equal GPU-minute budget per family (dotted: the papers' final test accuracy)",
                  fontsize=9)
     ax.legend()
     if fig is not None and out is not None:
