@@ -108,3 +108,16 @@ def test_scaled_sinusoidal_positions_learn_one_scale_from_d_to_the_minus_half():
     assert torch.allclose(out, fixed(7, torch.device("cpu"), torch.float32) * 16 ** -0.5)
     out.sum().backward()
     assert scaled.scale.grad is not None and scaled.scale.grad.abs() > 0
+
+
+def test_classifier_activation_relu_for_the_lra_head_and_bad_names_refused():
+    torch.manual_seed(0)
+    gelu = SequenceModel(StatsMixer, d_model=8, n_layers=1, d_input=1, num_classes=3)
+    torch.manual_seed(0)
+    relu = SequenceModel(StatsMixer, d_model=8, n_layers=1, d_input=1, num_classes=3, classifier_activation="relu")
+    x = torch.randn(2, 5, 1)
+    hidden = relu.head.hidden(torch.randn(4, 8))
+    assert torch.equal(relu.head.out(relu.head.activation(hidden)), relu.head.out(hidden.clamp_min(0)))
+    assert not torch.allclose(gelu(x)[0], relu(x)[0])  # same weights, different activation
+    with pytest.raises(ValueError, match="model.classifier_activation='tanh'"):
+        SequenceModel(StatsMixer, d_model=8, n_layers=1, d_input=1, num_classes=3, classifier_activation="tanh")

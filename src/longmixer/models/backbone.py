@@ -44,6 +44,7 @@ class SequenceModel(nn.Module):
             `head(d_model=..., embedding=<embedding module>)`.
         d_classifier: hidden width of the classifier MLP (None: D).
         classifier_dropout: dropout between the classifier's hidden layer and its activation (MEGA's placement).
+        classifier_activation: the classifier's hidden activation, "gelu" (MEGA's) or "relu" (the LRA paper's).
         embed_bias_std: init std of the real-valued embedding's bias (MEGA: 0.1; 0 = zeros).
         embed_weight_decay: weight decay of a token embedding (`nn.Embedding`) in place of the optimizer's (None:
             decayed like any weight; 0.0: S4's parameter grouping, which the LaS recipes follow).
@@ -61,7 +62,7 @@ class SequenceModel(nn.Module):
                  pool: str = "mean", head: str | Callable[..., nn.Module] = "classifier",
                  d_classifier: int | None = None, padding_idx: int = 0, classifier_dropout: float = 0.0,
                  embed_bias_std: float = 0.0, ffn_init_std: float | None = None, final_norm_affine: bool = True,
-                 embed_weight_decay: float | None = None):
+                 embed_weight_decay: float | None = None, classifier_activation: str = "gelu"):
         super().__init__()
         if n_layers < 1 or d_model < 1:
             raise ValueError(f"model.n_layers={n_layers} and model.d_model={d_model} must be >= 1")
@@ -88,7 +89,8 @@ class SequenceModel(nn.Module):
             Block(mixer(d_model=d_model, causal=causal), d_model, norm, prenorm, d_ffn, ffn_activation, dropout,
                   ffn_hidden_dropout, ffn_init_std) for _ in range(n_layers))
         self.final_norm = build_norm(norm, d_model, affine=final_norm_affine) if prenorm else None
-        self.head = self._build_head(head, d_model, num_classes, vocab_size, d_classifier, classifier_dropout)
+        self.head = self._build_head(head, d_model, num_classes, vocab_size, d_classifier, classifier_dropout,
+                                     classifier_activation)
 
     @staticmethod
     def _build_embedding(embedding, vocab_size, d_input, d_model, std, padding_idx, bias_std):
@@ -111,7 +113,7 @@ class SequenceModel(nn.Module):
         raise ValueError(f"model.embedding={embedding!r} is not one of ['auto', 'token', 'real'] or a _partial_ "
                          "factory")
 
-    def _build_head(self, head, d_model, num_classes, vocab_size, d_classifier, dropout):
+    def _build_head(self, head, d_model, num_classes, vocab_size, d_classifier, dropout, activation):
         if callable(head):
             return head(d_model=d_model, embedding=self.embedding)
         if head not in HEADS:
@@ -119,10 +121,10 @@ class SequenceModel(nn.Module):
         if head in ("classifier", "nli", "nli_concat") and num_classes is None:
             raise ValueError(f"model.head={head} needs model.num_classes (e.g. ${{data.num_classes}})")
         if head == "classifier":
-            return ClassifierHead(d_model, num_classes, d_classifier, dropout)
+            return ClassifierHead(d_model, num_classes, d_classifier, dropout, activation)
         if head in ("nli", "nli_concat"):
             return NLIHead(d_model, num_classes, d_classifier, fusion="nli" if head == "nli" else "concat",
-                           dropout=dropout)
+                           dropout=dropout, activation=activation)
         if head in ("lm", "lm_tied"):
             if vocab_size is None:
                 raise ValueError(f"model.head={head} needs model.vocab_size")
