@@ -173,3 +173,54 @@ def test_progress_is_reported_per_image_also_from_workers(tmp_path):
     calls = []  # batches already on disk count at once
     gen.generate_pathfinder(tmp_path / "one", 32, "baseline", 4, images_per_batch=4, on_progress=calls.append)
     assert calls == [4]
+
+
+def _blank_window(p):
+    W, b = p.window_size, p.padding
+    blank = np.zeros((W, W))
+    blank[:b], blank[W - b:], blank[:, :b], blank[:, W - b:] = 1, 1, 1, 1
+    return blank
+
+
+@pytest.mark.parametrize("resolution", [32, 128])
+def test_cached_blank_window_steps_equal_the_general_ones(resolution):
+    """The first seed and the first extension of every two-snake attempt are cached per orientation (and pivot):
+    the cached values must be what the general functions give on the empty window."""
+    p = gen.snakes_params(resolution, "14")
+    margin, border, blank = p.paddle_margin_list[0], 2 * p.seed_distance, _blank_window(p)
+    for degrees in (-180, -91, -3, 0, 45, 179):
+        theta = degrees * math.pi / 180
+        for got, want in zip(gen._blank_seed_tails(degrees, p, margin, border),
+                             gen._seed_tails(blank, theta, p, margin, border)):
+            np.testing.assert_array_equal(got, want)
+        for center in [(resolution // 2, resolution // 2), (3, resolution - 4), (0, 7)]:
+            got = gen._blank_candidates(center, theta, p, margin)
+            want = gen._candidates(center, theta, p.paddle_length + margin, blank, margin, p.continuity)
+            assert (got is None) == (want is None)
+            for a, b in zip(got or (), want or ()):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_blank_steps_are_taken_only_on_the_empty_window(monkeypatch):
+    """The cached steps assume the occupancy is still the empty window when they run; check it on real images."""
+    p = gen.snakes_params(32, "14")
+    seen = {"seed": 0, "extend": 0}
+    place_seed, extend = gen._place_seed, gen._extend
+
+    def checked_place_seed(rng, mask, *args, blank=False, **kwargs):
+        if blank:
+            seen["seed"] += 1
+            np.testing.assert_array_equal(mask, _blank_window(p))
+        return place_seed(rng, mask, *args, blank=blank, **kwargs)
+
+    def checked_extend(rng, pivot, theta, mask, *args, blank=False, **kwargs):
+        if blank:
+            seen["extend"] += 1
+            np.testing.assert_array_equal(mask, _blank_window(p))
+        return extend(rng, pivot, theta, mask, *args, blank=blank, **kwargs)
+
+    monkeypatch.setattr(gen, "_place_seed", checked_place_seed)
+    monkeypatch.setattr(gen, "_extend", checked_extend)
+    for i in range(3):
+        gen.generate_image(p, gen._image_rng(p, 4, i))
+    assert seen["seed"] > 0 and seen["extend"] > 0
