@@ -10,7 +10,8 @@ default: one GPU shared by all, equal wall time each) or one after another (`--s
 them round-robin over those GPUs of the host (one `CUDA_VISIBLE_DEVICES` each). The runs are compared at equal
 GPU-minutes: a run's wall-clock minutes over the number of runs that share its GPU. `--gpu-minutes 8` sets that
 budget directly (a run sharing its GPU with another gets 16 wall-clock minutes, a run alone 8); `--minutes` gives
-every run the same wall-clock budget instead. The summary records both per run. While they run, `nvidia-smi` samples the GPUs in use once a second. Written under --out, and rewritten every 30 s while the runs go on:
+every run the same wall-clock budget instead. The summary records both per run, and what this call gave each
+(`run_minutes_this_call`, process time including start-up, and `gpu_minutes_this_call`). While they run, `nvidia-smi` samples the GPUs in use once a second. Written under --out, and rewritten every 30 s while the runs go on:
 - `<task>_<family>.csv`: step, val_acc, val_loss, one row per validation;
 - `<task>_gpu_util.csv`: the utilization samples (t_s, gpu, util_pct, mem_mib); `<task>_summary.json`: command, GPU, minutes, best val acc;
 - `<task>.png`: the curves with each paper's final test accuracy marked (paper_results.yaml), when matplotlib is
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     subprocess.run(prep, check=True, env=env, cwd=ROOT)  # once, before the runs, so they do not race to generate it
     extra = [*args.extra, *(["test=false"] if args.no_test else [])]
     procs, start = {}, time.time()
+    started, ended = {}, {}  # per run: when its process started / ended
 
     def stop_runs(signum, frame):
         # a SIGTERM (a `timeout`, a scheduler) reaches the runs: each writes last.ckpt and exits 143, and the curves
@@ -139,23 +141,33 @@ def main(argv: list[str] | None = None) -> dict:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             run_env = env if args.gpus is None else {**env, "CUDA_VISIBLE_DEVICES": str(placement[family])}
             with open(log_path, "a") as f:
+                started[family] = time.time()
                 procs[family] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=run_env, cwd=ROOT)
             if args.sequential:
                 procs[family].wait()
+                ended[family] = time.time()
         # the curves are rewritten every half minute, so a call cut short keeps what the runs have validated so far
         last_write = time.time()
         while not all(p.poll() is not None for p in procs.values()):
             time.sleep(1)
+            ended.update({f: time.time() for f, p in procs.items() if p.poll() is not None and f not in ended})
             if time.time() - last_write >= 30:
-                write_outputs(args, out, sampler.by_gpu, start, procs, final=False)
+                write_outputs(args, out, sampler.by_gpu, start, procs, (started, ended), final=False)
                 last_write = time.time()
-        for p in procs.values():
+        for f, p in procs.items():
             p.wait()
-    summary = write_outputs(args, out, sampler.by_gpu, start, procs, final=True)
+            ended.setdefault(f, time.time())
+    summary = write_outputs(args, out, sampler.by_gpu, start, procs, (started, ended), final=True)
     print(json.dumps(summary, indent=1))
     if args.state_out:
         carry_state(Path(args.logs), Path(args.state_out), args.state_max_parts)
     return summary
+
+
+def run_minutes(started: dict[str, float], ended: dict[str, float], now: float) -> dict[str, float]:
+    """Minutes each run's process has run in this call (start-up included, about half a minute): with the
+    budget's sharing, what a call that was cut short actually gave each run."""
+    return {f: round((ended.get(f, now) - t0) / 60, 2) for f, t0 in started.items()}
 
 
 def gpu_placement(families: list[str], gpus: list[int] | None) -> dict[str, int]:
@@ -200,7 +212,8 @@ def carry_state(logs: Path, dest: Path, max_parts: int) -> None:
     print(f"state: {len(parts)} part(s), {sum(p.stat().st_size for p in parts) / 2**20:.1f} MiB in {dest}")
 
 
-def write_outputs(args, out: Path, samples: dict[int, list], start: float, procs: dict, final: bool) -> dict:
+def write_outputs(args, out: Path, samples: dict[int, list], start: float, procs: dict,
+                  times: tuple[dict, dict], final: bool) -> dict:
     """The per-family CSVs, the utilization CSV and the summary (and, at the end, the plot when matplotlib is
     installed: the GPU machine may lack it; `--plot-only` redraws it from the CSVs)."""
     curves = {}
@@ -217,6 +230,8 @@ def write_outputs(args, out: Path, samples: dict[int, list], start: float, procs
                "wall_min_this_call": round((time.time() - start) / 60, 2), "wall_minute_budget_per_run": wall_minutes(args),
                "parallel": not args.sequential, "finished": final,
                "gpu_of_family": gpu_placement(args.families, args.gpus), "gpu_minute_budget_per_run": gpu_minutes(args),
+               "run_minutes_this_call": (ran := run_minutes(*times, time.time())),
+               "gpu_minutes_this_call": {f: round(m / sharing(args)[f], 2) for f, m in ran.items()},
                "exit_codes": {f: p.poll() for f, p in procs.items()},
                "gpu_util": {str(g): summarize(rows) for g, rows in samples.items()},
                "best_val_acc": {f: max((r["val_acc"] for r in rows), default=None) for f, rows in curves.items()},

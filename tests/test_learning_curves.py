@@ -74,6 +74,9 @@ def test_gpu_minutes_spread_runs_round_robin_and_scale_each_wall_budget(launched
     assert summary["gpu_minute_budget_per_run"] == {"a": 8.0, "b": 8.0, "c": 8.0}
     assert summary["wall_minute_budget_per_run"] == {"a": 16.0, "b": 8.0, "c": 16.0}
     assert summary["gpu_of_family"] == {"a": 2, "b": 3, "c": 2}
+    # the fake runs end at once: this call gave each almost nothing, whatever the budget
+    assert set(summary["gpu_minutes_this_call"]) == {"a", "b", "c"}
+    assert all(0 <= m < 0.5 for m in summary["gpu_minutes_this_call"].values())
     assert set(summary["gpu_util"]) == {"2", "3"}
     written = json.loads((out / "listops_summary.json").read_text())
     assert written["gpu_of_family"] == summary["gpu_of_family"]
