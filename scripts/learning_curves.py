@@ -1,4 +1,4 @@
-"""Learning evidence: train several families on one task's paper recipe for the same wall-clock budget and keep
+"""Learning evidence: train several families on one task's paper recipe for the same GPU-minute budget and keep
 their validation curves.
 
     python scripts/learning_curves.py --task listops --families chela longvq las seqboat mega_chunk transformer \
@@ -11,9 +11,12 @@ them round-robin over those GPUs of the host (one `CUDA_VISIBLE_DEVICES` each). 
 GPU-minutes: a run's wall-clock minutes over the number of runs that share its GPU. `--gpu-minutes 8` sets that
 budget directly (a run sharing its GPU with another gets 16 wall-clock minutes, a run alone 8); `--minutes` gives
 every run the same wall-clock budget instead. The summary records both per run, and what this call gave each
-(`run_minutes_this_call`, process time including start-up, and `gpu_minutes_this_call`). While they run, `nvidia-smi` samples the GPUs in use once a second. Written under --out, and rewritten every 30 s while the runs go on:
+(`run_minutes_this_call`, process time including start-up, and `gpu_minutes_this_call`). While they run,
+`nvidia-smi` samples the GPUs in use once a second. Written under --out, and rewritten every 30 s while the runs go
+on:
 - `<task>_<family>.csv`: step, val_acc, val_loss, one row per validation;
-- `<task>_gpu_util.csv`: the utilization samples (t_s, gpu, util_pct, mem_mib); `<task>_summary.json`: command, GPU, minutes, best val acc;
+- `<task>_gpu_util.csv`: the utilization samples (t_s, gpu, util_pct, mem_mib);
+- `<task>_summary.json`: command, GPUs, budgets and minutes given, best val acc;
 - `<task>.png`: the curves with each paper's final test accuracy marked (paper_results.yaml), when matplotlib is
   installed (`--plot-only` redraws it from the CSVs elsewhere).
 Re-running the same command resumes each run from its last checkpoint (resume=auto), so a budget can be spread
