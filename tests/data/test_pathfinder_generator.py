@@ -175,19 +175,12 @@ def test_progress_is_reported_per_image_also_from_workers(tmp_path):
     assert calls == [4]
 
 
-def _blank_window(p):
-    W, b = p.window_size, p.padding
-    blank = np.zeros((W, W))
-    blank[:b], blank[W - b:], blank[:, :b], blank[:, W - b:] = 1, 1, 1, 1
-    return blank
-
-
 @pytest.mark.parametrize("resolution", [32, 128])
 def test_cached_blank_window_steps_equal_the_general_ones(resolution):
     """The first seed and the first extension of every two-snake attempt are cached per orientation (and pivot):
     the cached values must be what the general functions give on the empty window."""
     p = gen.snakes_params(resolution, "14")
-    margin, border, blank = p.paddle_margin_list[0], 2 * p.seed_distance, _blank_window(p)
+    margin, border, blank = p.paddle_margin_list[0], 2 * p.seed_distance, gen._blank_window(p)
     for degrees in (-180, -91, -3, 0, 45, 179):
         theta = degrees * math.pi / 180
         for got, want in zip(gen._blank_seed_tails(degrees, p, margin, border),
@@ -210,13 +203,13 @@ def test_blank_steps_are_taken_only_on_the_empty_window(monkeypatch):
     def checked_place_seed(rng, mask, *args, blank=False, **kwargs):
         if blank:
             seen["seed"] += 1
-            np.testing.assert_array_equal(mask, _blank_window(p))
+            np.testing.assert_array_equal(mask, gen._blank_window(p))
         return place_seed(rng, mask, *args, blank=blank, **kwargs)
 
     def checked_extend(rng, pivot, theta, mask, *args, blank=False, **kwargs):
         if blank:
             seen["extend"] += 1
-            np.testing.assert_array_equal(mask, _blank_window(p))
+            np.testing.assert_array_equal(mask, gen._blank_window(p))
         return extend(rng, pivot, theta, mask, *args, blank=blank, **kwargs)
 
     monkeypatch.setattr(gen, "_place_seed", checked_place_seed)

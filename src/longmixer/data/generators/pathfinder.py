@@ -123,6 +123,14 @@ def _seed_struct(theta: float, p: SnakesParams, margin: int) -> np.ndarray:
     return struct.astype(np.uint8).astype(bool)  # [n, n]
 
 
+def _blank_window(p: SnakesParams) -> np.ndarray:
+    """A new empty occupancy canvas: zeros with the padding frame set ([W, W])."""
+    W, b = p.window_size, p.padding
+    mask = np.zeros((W, W))
+    mask[:b], mask[W - b:], mask[:, :b], mask[:, W - b:] = 1, 1, 1, 1
+    return mask
+
+
 def _seed_tails(mask: np.ndarray, theta: float, p: SnakesParams, margin: int, border: int):
     """Tails where a seed paddle of orientation `theta` fits: free pixels of the occupancy, with a `border`-wide
     frame set, dilated by the paddle's footprint."""
@@ -137,10 +145,7 @@ def _blank_seed_tails(degrees: int, p: SnakesParams, margin: int, border: int):
     """`_seed_tails` on the empty window (only the padding frame occupied), where the first seed of every
     `_two_snakes` attempt is placed: it depends on the orientation alone, so it is computed once per degree instead
     of once per attempt (about 280 attempts an image at 32x32, difficulty 14). The same tails, so the same images."""
-    W, b = p.window_size, p.padding
-    blank = np.zeros((W, W))
-    blank[:b], blank[W - b:], blank[:, :b], blank[:, W - b:] = 1, 1, 1, 1
-    free_y, free_x = _seed_tails(blank, degrees * math.pi / 180, p, margin, border)
+    free_y, free_x = _seed_tails(_blank_window(p), degrees * math.pi / 180, p, margin, border)
     free_y.flags.writeable = False
     free_x.flags.writeable = False
     return free_y, free_x
@@ -215,10 +220,7 @@ def _blank_candidates(center: tuple[int, int], theta: float, p: SnakesParams, ma
     """`_candidates` on the empty window (only the padding frame occupied), where the first extension of every
     `_two_snakes` attempt is drawn: most attempts end there, and on the empty window the candidates depend on the
     pivot and the orientation alone. The same candidates, so the same images."""
-    W, b = p.window_size, p.padding
-    blank = np.zeros((W, W))
-    blank[:b], blank[W - b:], blank[:, :b], blank[:, W - b:] = 1, 1, 1, 1
-    cand = _candidates(center, theta, p.paddle_length + margin, blank, margin, p.continuity)
+    cand = _candidates(center, theta, p.paddle_length + margin, _blank_window(p), margin, p.continuity)
     if cand is not None:
         for arr in cand:
             arr.flags.writeable = False
@@ -272,9 +274,7 @@ def _two_snakes(rng: np.random.Generator, p: SnakesParams, margin: int):
     """The two target contours (`snakes2.two_snakes`): (image, mask, origin tips, terminal tips) or None."""
     W = p.window_size
     mus = rng.permutation(np.asarray(list(p.snake_contrast_list) * 2, dtype=np.float64))[:2]
-    mask = np.zeros((W, W))
-    b = p.padding
-    mask[:b], mask[W - b:], mask[:, :b], mask[:, W - b:] = 1, 1, 1, 1
+    mask = _blank_window(p)
     first = _place_seed(rng, mask, p, margin, _pick(rng, p.paddle_contrast_list, False) * mus[0],
                         border=2 * p.seed_distance, stop_with_availability=None, blank=True)
     if first is None:
