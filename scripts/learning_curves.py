@@ -7,7 +7,8 @@ their validation curves.
 Each family runs `python -m longmixer.train experiment=<recipe> data=<task>_gen trainer=gpu` (the generated data,
 so no download is needed) with `trainer.max_time`, validating every `--val-every` steps. Runs start together (the
 default: one GPU shared by all, equal wall time each) or one after another (`--sequential`); `--gpus 0 1` spreads
-them round-robin over those GPUs of the host (one `CUDA_VISIBLE_DEVICES` each). The runs are compared at equal
+them round-robin over those GPUs (indices as this process sees them, so within a scheduler's
+`CUDA_VISIBLE_DEVICES`; each run gets its one device). The runs are compared at equal
 GPU-minutes: a run's wall-clock minutes over the number of runs that share its GPU. `--gpu-minutes 8` sets that
 budget directly (a run sharing its GPU with another gets 16 wall-clock minutes, a run alone 8); `--minutes` gives
 every run the same wall-clock budget instead. The summary records both per run, and what this call gave each
@@ -47,7 +48,7 @@ import time
 from pathlib import Path
 
 from longmixer.runs.carry import CarryError, pack
-from longmixer.utils.gpu_monitor import GpuSampler, gpu_name, summarize
+from longmixer.utils.gpu_monitor import GpuSampler, device_ids, gpu_name, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 # Which recipe a family trains on: the variants are model swaps on their paper family's recipe.
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
                               extra)]
             log_path = Path(args.logs) / f"{args.task}_{family}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            run_env = env if args.gpus is None else {**env, "CUDA_VISIBLE_DEVICES": str(placement[family])}
+            run_env = env if args.gpus is None else {**env, "CUDA_VISIBLE_DEVICES": device_ids([placement[family]])[0]}
             with open(log_path, "a") as f:
                 started[family] = time.time()
                 procs[family] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=run_env, cwd=ROOT)
@@ -177,6 +178,11 @@ def gpu_placement(families: list[str], gpus: list[int] | None) -> dict[str, int]
     """Which GPU index each run trains on: round-robin over `gpus`, or all on the first GPU."""
     if gpus is not None and (not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0):
         raise SystemExit(f"--gpus {gpus}: give distinct non-negative GPU indices, e.g. --gpus 0 1")
+    if gpus is not None:
+        try:
+            device_ids(gpus)
+        except ValueError as e:
+            raise SystemExit(f"--gpus {' '.join(map(str, gpus))}: {e}") from None
     return {f: (gpus[i % len(gpus)] if gpus else 0) for i, f in enumerate(families)}
 
 

@@ -51,10 +51,11 @@ def launched(tmp_path, monkeypatch):
                                                           STDOUT=subprocess.STDOUT))
     tool = tmp_path / "bin" / "nvidia-smi"
     tool.parent.mkdir()
-    tool.write_text('#!/bin/sh\ncase "$*" in *name*) echo "Fake GPU";; *"-i 2,3"*) printf "40, 100\\n90, 200\\n";; '
+    tool.write_text('#!/bin/sh\ncase "$*" in *name*) echo "Fake GPU";; *"-i 2,3"*|*"-i 6,7"*) printf "40, 100\\n90, 200\\n";; '
                     '*) echo "bad";; esac\n')
     tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tool.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return lc, runs
 
 
@@ -101,3 +102,16 @@ def test_bad_gpu_lists_and_two_budgets_are_refused(launched, tmp_path):
         lc.main(["--families", "a", "b", "--gpus", "1", "1", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         lc.main(["--minutes", "5", "--gpu-minutes", "5", "--out", str(tmp_path)])
+
+
+def test_gpu_indices_go_through_the_schedulers_visible_devices(launched, tmp_path, monkeypatch):
+    """Under CUDA_VISIBLE_DEVICES=4,5,6,7 (a scheduler's share of the host), --gpus 2 3 means GPUs 6 and 7: each run
+    gets that one device and nvidia-smi is asked about those two; an index past the share is refused."""
+    lc, runs = launched
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    summary = lc.main(["--task", "listops", "--families", "a", "b", "--gpus", "2", "3", "--gpu-minutes", "1",
+                       "--out", str(tmp_path / "o"), "--logs", str(tmp_path / "logs")])
+    assert {f: r.env["CUDA_VISIBLE_DEVICES"] for f, r in runs.items()} == {"a": "6", "b": "7"}
+    assert summary["gpu_util"]["2"]["samples"] > 0  # the fake nvidia-smi answers only `-i 6,7`
+    with pytest.raises(SystemExit, match="past the 4 visible"):
+        lc.main(["--families", "a", "--gpus", "4", "--out", str(tmp_path / "o")])

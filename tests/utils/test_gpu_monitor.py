@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from longmixer.utils import gpu_monitor
-from longmixer.utils.gpu_monitor import GpuSampler, parse_sample, parse_samples, summarize
+from longmixer.utils.gpu_monitor import GpuSampler, device_ids, parse_sample, parse_samples, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,3 +96,14 @@ def test_train_util_runs_the_training_command_and_writes_its_figures(fake_nvidia
     written = json.loads((tmp_path / "out" / "train_util_quickstart.json").read_text())
     assert written["command"].startswith("python -m longmixer.train experiment=quickstart")
     assert (tmp_path / "out" / "train_util_quickstart.csv").read_text().startswith("t_s,util_pct,mem_mib")
+
+
+def test_device_ids_follow_cuda_visible_devices(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert device_ids([0, 2]) == ["0", "2"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, GPU-abc")
+    assert device_ids([1, 0]) == ["GPU-abc", "4"]
+    with pytest.raises(ValueError, match="GPU index 2 is past the 2 visible device"):
+        device_ids([2])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert device_ids([0]) == ["0"]

@@ -9,6 +9,7 @@ validation and everything else a real run does between steps.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import threading
@@ -19,6 +20,24 @@ QUERY = ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,
 
 def available() -> bool:
     return shutil.which("nvidia-smi") is not None
+
+
+def device_ids(indices: list[int]) -> list[str]:
+    """The ids `nvidia-smi -i` and `CUDA_VISIBLE_DEVICES` take for CUDA device indices as this process sees them:
+    through `CUDA_VISIBLE_DEVICES` when it is set (a scheduler that handed out GPUs 4 and 5 makes index 0 mean GPU
+    4), else the indices themselves.
+
+    Raises:
+        ValueError: an index past the visible devices, naming both.
+    """
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if "CUDA_VISIBLE_DEVICES" not in os.environ or not visible:
+        return [str(i) for i in indices]
+    bad = [i for i in indices if not 0 <= i < len(visible)]
+    if bad:
+        raise ValueError(f"GPU index {bad[0]} is past the {len(visible)} visible device(s) "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}): use indices 0..{len(visible) - 1}")
+    return [visible[i] for i in indices]
 
 
 def gpu_name() -> str:
@@ -51,9 +70,10 @@ def parse_samples(text: str) -> list[tuple[int, int]] | None:
 class GpuSampler:
     """Samples GPUs every `interval_s` in a background thread while the `with` block runs.
 
-    `gpus=None` samples the first GPU; a list of indices samples those (`nvidia-smi -i`), for runs spread over
-    several GPUs of one host. `by_gpu[index]` holds (seconds since start, util %, memory MiB) rows of each sampled
-    GPU, and `rows` those of the first one. Without `nvidia-smi` it records nothing.
+    `gpus=None` samples the first GPU this process sees; a list of device indices samples those (`nvidia-smi -i`,
+    through `CUDA_VISIBLE_DEVICES`: `device_ids`), for runs spread over several GPUs of one host. `by_gpu[index]`
+    holds (seconds since start, util %, memory MiB) rows of each sampled GPU, and `rows` those of the first one.
+    Without `nvidia-smi` it records nothing.
     """
 
     def __init__(self, interval_s: float = 0.5, gpus: list[int] | None = None):
@@ -69,7 +89,7 @@ class GpuSampler:
         return self.by_gpu[next(iter(self.by_gpu))]
 
     def _loop(self) -> None:
-        query = QUERY + (["-i", ",".join(map(str, self.gpus))] if self.gpus else [])
+        query = QUERY + ["-i", ",".join(device_ids(self.gpus or [0]))]
         while not self._stop.is_set():
             out = subprocess.run(query, capture_output=True, text=True)
             t = round(time.time() - self.start_time, 2)
