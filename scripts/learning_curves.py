@@ -235,12 +235,13 @@ def write_outputs(args, out: Path, samples: dict[int, list], start: float, procs
     with open(out / f"{args.task}_gpu_util.csv", "w", newline="") as f:
         csv.writer(f).writerows([("t_s", "gpu", "util_pct", "mem_mib"),
                                  *[(t, g, u, m) for g, rows in samples.items() for t, u, m in rows]])
+    shared = sharing(args)
     summary = {"command": " ".join(sys.argv), "gpu": gpu_name(), "host_cpus": os.cpu_count(),
                "wall_min_this_call": round((time.time() - start) / 60, 2), "wall_minute_budget_per_run": wall_minutes(args),
                "parallel": not args.sequential, "finished": final,
                "gpu_of_family": gpu_placement(args.families, args.gpus), "gpu_minute_budget_per_run": gpu_minutes(args),
                "run_minutes_this_call": (ran := run_minutes(*times, time.time())),
-               "gpu_minutes_this_call": {f: round(m / sharing(args)[f], 2) for f, m in ran.items()},
+               "gpu_minutes_this_call": {f: round(m / shared[f], 2) for f, m in ran.items()},
                "exit_codes": {f: p.poll() for f, p in procs.items()},
                "gpu_util": {str(g): summarize(rows) for g, rows in samples.items()},
                "best_val_acc": {f: max((r["val_acc"] for r in rows), default=None) for f, rows in curves.items()},

@@ -78,30 +78,25 @@ class GpuSampler:
 
     def __init__(self, interval_s: float = 0.5, gpus: list[int] | None = None):
         self.interval_s = interval_s
-        self.gpus = list(gpus) if gpus else None
-        self.by_gpu: dict[int, list[tuple[float, int, int]]] = {g: [] for g in (self.gpus or [0])}
+        self.gpus = list(gpus) if gpus else [0]
+        self.by_gpu: dict[int, list[tuple[float, int, int]]] = {g: [] for g in self.gpus}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.start_time = time.time()
 
     @property
     def rows(self) -> list[tuple[float, int, int]]:
-        return self.by_gpu[next(iter(self.by_gpu))]
+        return self.by_gpu[self.gpus[0]]
 
     def _loop(self) -> None:
-        query = QUERY + ["-i", ",".join(device_ids(self.gpus or [0]))]
+        query = QUERY + ["-i", ",".join(device_ids(self.gpus))]
         while not self._stop.is_set():
             out = subprocess.run(query, capture_output=True, text=True)
             t = round(time.time() - self.start_time, 2)
-            if self.gpus is None:
-                sample = parse_sample(out.stdout) if out.returncode == 0 else None
-                if sample is not None:
-                    self.by_gpu[0].append((t, *sample))
-            else:
-                samples = parse_samples(out.stdout) if out.returncode == 0 else None
-                if samples is not None and len(samples) == len(self.gpus):
-                    for g, sample in zip(self.gpus, samples):
-                        self.by_gpu[g].append((t, *sample))
+            samples = parse_samples(out.stdout) if out.returncode == 0 else None
+            if samples is not None and len(samples) == len(self.gpus):
+                for g, sample in zip(self.gpus, samples):
+                    self.by_gpu[g].append((t, *sample))
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> GpuSampler:
