@@ -16,14 +16,18 @@ every run the same wall-clock budget instead. The summary records both per run, 
 `nvidia-smi` samples the GPUs in use once a second. Written under --out, and rewritten every 30 s while the runs go
 on:
 - `<task>_<family>.csv`: step, val_acc, val_loss, one row per validation;
-- `<task>_gpu_util.csv`: the utilization samples (t_s, gpu, util_pct, mem_mib);
-- `<task>_summary.json`: command, GPUs, budgets and minutes given, best val acc;
+- `<task>_gpu_util.csv`: the utilization samples (call, t_s, gpu, util_pct, mem_mib; t_s from the call's start);
+- `<task>_summary.json`: command, GPUs, budgets and minutes given, best val acc; `calls` holds one record per call
+  of the same runs and `gpu_minutes_total` sums them;
 - `<task>.png`: the curves with each paper's final test accuracy marked (paper_results.yaml), when matplotlib is
   installed (`--plot-only` redraws it from the CSVs elsewhere).
 Re-running the same command resumes each run from its last checkpoint (resume=auto), so a budget can be spread
 over several calls or sessions. `--minutes` is each run's total training time over all of them: Lightning's timer
 state travels in the checkpoint, so a resumed run stops at the same cumulative budget. `--no-test` skips the final
-test of a slice that a later call continues.
+test of a slice that a later call continues. A call that resumes runs (a `last.ckpt` under --logs) keeps the earlier
+calls' records and utilization samples in its outputs; a call that starts them afresh first renames the earlier
+summary and utilization CSV with their call's start time (`<task>_summary.<UTC time>.json`), so no history is
+overwritten.
 
 A machine that is given back between calls takes the run dirs with it. `--state-out DIR` packs the `--logs` folder
 (checkpoints, metrics, logs; and the outputs when `--out` lies inside it) into parts of at most 15 MiB in DIR after
@@ -123,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
             *[o for o in args.extra if o.startswith(("data.", "paths."))]]
     subprocess.run(prep, check=True, env=env, cwd=ROOT)  # once, before the runs, so they do not race to generate it
     extra = [*args.extra, *(["test=false"] if args.no_test else [])]
+    history = earlier_calls(args, out)
     procs, start = {}, time.time()
     started, ended = {}, {}  # per run: when its process started / ended
 
@@ -156,12 +161,12 @@ def main(argv: list[str] | None = None) -> dict:
             time.sleep(1)
             ended.update({f: time.time() for f, p in procs.items() if p.poll() is not None and f not in ended})
             if time.time() - last_write >= 30:
-                write_outputs(args, out, sampler.by_gpu, start, procs, (started, ended), final=False)
+                write_outputs(args, out, sampler.by_gpu, start, procs, (started, ended), history, final=False)
                 last_write = time.time()
         for f, p in procs.items():
             p.wait()
             ended.setdefault(f, time.time())
-    summary = write_outputs(args, out, sampler.by_gpu, start, procs, (started, ended), final=True)
+    summary = write_outputs(args, out, sampler.by_gpu, start, procs, (started, ended), history, final=True)
     print(json.dumps(summary, indent=1))
     if args.state_out:
         carry_state(Path(args.logs), Path(args.state_out), args.state_max_parts)
@@ -221,8 +226,39 @@ def carry_state(logs: Path, dest: Path, max_parts: int) -> None:
     print(f"state: {len(parts)} part(s), {sum(p.stat().st_size for p in parts) / 2**20:.1f} MiB in {dest}")
 
 
+UTIL_COLUMNS = ("call", "t_s", "gpu", "util_pct", "mem_mib")
+CALL_KEYS = ("command", "gpu", "host_cpus", "started_utc", "wall_min_this_call", "gpu_of_family",
+             "run_minutes_this_call", "gpu_minutes_this_call", "exit_codes", "gpu_util", "steps")
+
+
+def earlier_calls(args, out: Path) -> dict:
+    """What the earlier calls of these runs left under --out: `{"calls": [records], "util": [rows]}`. When no run
+    resumes (no last.ckpt under --logs for these families), the runs start afresh: the earlier summary and
+    utilization CSV are renamed with their call's start time, not overwritten, and the history starts empty."""
+    summary_path, util_path = out / f"{args.task}_summary.json", out / f"{args.task}_gpu_util.csv"
+    previous = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    resuming = any(any((Path(args.logs).resolve() / f"{args.task}_{f}").rglob("last.ckpt")) for f in args.families)
+    if previous is None or not resuming:
+        if previous is not None:
+            started = previous.get("started_utc") or time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                   time.gmtime(summary_path.stat().st_mtime))
+            stamp = started.replace("-", "").replace(":", "")
+            for path in (summary_path, util_path):
+                if path.exists():
+                    path.rename(path.with_name(f"{path.stem}.{stamp}{path.suffix}"))
+        return {"calls": [], "util": []}
+    # a summary written before calls were recorded is the record of one call
+    calls = previous.get("calls") or [{"call": 1, **{k: previous.get(k) for k in CALL_KEYS}}]
+    util = []
+    if util_path.exists():
+        with open(util_path, newline="") as f:
+            util = [(int(r.get("call") or calls[-1]["call"]), r["t_s"], r["gpu"], r["util_pct"], r["mem_mib"])
+                    for r in csv.DictReader(f)]
+    return {"calls": calls, "util": util}
+
+
 def write_outputs(args, out: Path, samples: dict[int, list], start: float, procs: dict,
-                  times: tuple[dict, dict], final: bool) -> dict:
+                  times: tuple[dict, dict], history: dict, final: bool) -> dict:
     """The per-family CSVs, the utilization CSV and the summary (and, at the end, the plot when matplotlib is
     installed: the GPU machine may lack it; `--plot-only` redraws it from the CSVs)."""
     curves = {}
@@ -232,11 +268,13 @@ def write_outputs(args, out: Path, samples: dict[int, list], start: float, procs
             writer = csv.DictWriter(f, fieldnames=["step", "val_acc", "val_loss"])
             writer.writeheader()
             writer.writerows(rows)
+    call = len(history["calls"]) + 1
     with open(out / f"{args.task}_gpu_util.csv", "w", newline="") as f:
-        csv.writer(f).writerows([("t_s", "gpu", "util_pct", "mem_mib"),
-                                 *[(t, g, u, m) for g, rows in samples.items() for t, u, m in rows]])
+        csv.writer(f).writerows([UTIL_COLUMNS, *history["util"],
+                                 *[(call, t, g, u, m) for g, rows in samples.items() for t, u, m in rows]])
     shared = sharing(args)
-    summary = {"command": " ".join(sys.argv), "gpu": gpu_name(), "host_cpus": os.cpu_count(),
+    summary = {"command": " ".join(sys.argv), "gpu": gpu_name(), "host_cpus": os.cpu_count(), "call": call,
+               "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start)),
                "wall_min_this_call": round((time.time() - start) / 60, 2), "wall_minute_budget_per_run": wall_minutes(args),
                "parallel": not args.sequential, "finished": final,
                "gpu_of_family": gpu_placement(args.families, args.gpus), "gpu_minute_budget_per_run": gpu_minutes(args),
@@ -246,6 +284,10 @@ def write_outputs(args, out: Path, samples: dict[int, list], start: float, procs
                "gpu_util": {str(g): summarize(rows) for g, rows in samples.items()},
                "best_val_acc": {f: max((r["val_acc"] for r in rows), default=None) for f, rows in curves.items()},
                "steps": {f: (rows[-1]["step"] if rows else 0) for f, rows in curves.items()}}
+    calls = [*history["calls"], {"call": call, **{k: summary[k] for k in CALL_KEYS}}]
+    summary["gpu_minutes_total"] = {f: round(sum((c.get("gpu_minutes_this_call") or {}).get(f, 0) for c in calls), 2)
+                                    for f in args.families}
+    summary["calls"] = calls
     (out / f"{args.task}_summary.json").write_text(json.dumps(summary, indent=1))
     if final and any(curves.values()) and importlib.util.find_spec("matplotlib"):
         from longmixer.report.evidence import plot_task

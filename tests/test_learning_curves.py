@@ -83,7 +83,8 @@ def test_gpu_minutes_spread_runs_round_robin_and_scale_each_wall_budget(launched
     assert written["gpu_of_family"] == summary["gpu_of_family"]
     with open(out / "listops_gpu_util.csv") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == ["t_s", "gpu", "util_pct", "mem_mib"]
+    assert list(rows[0]) == ["call", "t_s", "gpu", "util_pct", "mem_mib"]
+    assert {r["call"] for r in rows} == {"1"}
     assert {r["gpu"] for r in rows} == {"2", "3"}  # nvidia-smi asked for those two, one line each
 
 
@@ -115,3 +116,65 @@ def test_gpu_indices_go_through_the_schedulers_visible_devices(launched, tmp_pat
     assert summary["gpu_util"]["2"]["samples"] > 0  # the fake nvidia-smi answers only `-i 6,7`
     with pytest.raises(SystemExit, match="past the 4 visible"):
         lc.main(["--families", "a", "--gpus", "4", "--out", str(tmp_path / "o")])
+
+
+def _util_calls(out: Path) -> list[str]:
+    with open(out / "listops_gpu_util.csv") as f:
+        return [r["call"] for r in csv.DictReader(f)]
+
+
+def test_a_resuming_call_keeps_the_earlier_calls(launched, tmp_path):
+    """The second call of runs that resume (a last.ckpt under --logs) appends its record and its utilization samples
+    to the first call's instead of overwriting them, and sums the GPU-minutes of both."""
+    lc, _ = launched
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    argv = ["--task", "listops", "--families", "a", "b", "--gpus", "2", "3", "--gpu-minutes", "8", "--no-test",
+            "--out", str(out), "--logs", str(logs)]
+    first = lc.main(argv)
+    first_samples = len(_util_calls(out))
+    assert first["call"] == 1 and [c["call"] for c in first["calls"]] == [1]
+    ckpt = logs / "listops_a" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"")
+    second = lc.main(argv)
+    assert second["call"] == 2 and [c["call"] for c in second["calls"]] == [1, 2]
+    assert second["calls"][0] == first["calls"][0]
+    calls = _util_calls(out)
+    assert calls[:first_samples] == ["1"] * first_samples and set(calls[first_samples:]) == {"2"}
+    totals = {f: round(first["gpu_minutes_this_call"][f] + second["gpu_minutes_this_call"][f], 2) for f in "ab"}
+    assert second["gpu_minutes_total"] == totals
+    assert json.loads((out / "listops_summary.json").read_text())["calls"] == second["calls"]
+
+
+def test_a_fresh_start_renames_the_earlier_outputs(launched, tmp_path):
+    """Runs that start afresh (no checkpoint under --logs) begin a new history; the earlier summary and utilization
+    CSV stay beside it under their call's start time."""
+    lc, _ = launched
+    out = tmp_path / "out"
+    argv = ["--task", "listops", "--families", "a", "--minutes", "1", "--no-test", "--out", str(out),
+            "--logs", str(tmp_path / "logs")]
+    first = lc.main(argv)
+    second = lc.main(argv)
+    assert second["call"] == 1
+    stamp = first["started_utc"].replace("-", "").replace(":", "")
+    kept = json.loads((out / f"listops_summary.{stamp}.json").read_text())
+    assert kept["calls"] == first["calls"]
+    assert (out / f"listops_gpu_util.{stamp}.csv").exists()
+
+
+def test_a_summary_from_before_call_records_becomes_call_one(launched, tmp_path):
+    """Outputs written before the script recorded calls (no `calls`, a utilization CSV without a call column) are
+    read as the first call when the runs resume."""
+    lc, _ = launched
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    (out / "listops_summary.json").write_text(json.dumps({"command": "old", "gpu_minutes_this_call": {"a": 4.0},
+                                                          "steps": {"a": 100}}))
+    (out / "listops_gpu_util.csv").write_text("t_s,gpu,util_pct,mem_mib\n0.5,0,97,1000\n")
+    (logs / "listops_a").mkdir(parents=True)
+    (logs / "listops_a" / "last.ckpt").write_bytes(b"")
+    summary = lc.main(["--task", "listops", "--families", "a", "--minutes", "1", "--no-test", "--out", str(out),
+                       "--logs", str(logs)])
+    assert summary["call"] == 2 and summary["calls"][0]["command"] == "old"
+    assert summary["gpu_minutes_total"]["a"] == round(4.0 + summary["gpu_minutes_this_call"]["a"], 2)
+    assert _util_calls(out)[0] == "1"
