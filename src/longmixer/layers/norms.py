@@ -60,16 +60,13 @@ class MaskedBatchNorm(nn.Module):
         if self.training:
             xf = x.float()
             w = torch.ones_like(xf[..., :1]) if mask is None else mask.unsqueeze(-1).to(xf.dtype)  # [B, L, 1]
-            stats = torch.cat([(xf * w).sum((0, 1)), (xf.pow(2) * w).sum((0, 1)), w.sum((0, 1))])  # [2D + 1]
-            if self.sync and dist.is_available() and dist.is_initialized():
-                # the differentiable all-reduce: its backward all-reduces the gradient of the moments, so each
-                # rank's inputs also get the other ranks' loss terms through the shared mean and variance (with
-                # an in-place dist.all_reduce they do not, and the DDP gradient is not the full-batch one)
-                stats = dist_nn.all_reduce(stats)
-            d = x.shape[-1]
-            count = stats[-1].clamp_min(1.0)
-            mean = stats[:d] / count
-            var = (stats[d:2 * d] / count - mean.pow(2)).clamp_min(0.0)
+            # two passes: the mean, then the variance about it. The one-pass E[x^2] - E[x]^2 cancels in float32
+            # once |mean| / std reaches about 1,000 (the variance comes out 0 and the output is scaled by
+            # eps^-1/2), or earlier for a channel whose variance is near eps
+            first = self._reduce(torch.cat([(xf * w).sum((0, 1)), w.sum((0, 1))]))  # [D + 1]
+            count = first[-1].clamp_min(1.0)
+            mean = first[:-1] / count
+            var = self._reduce(((xf - mean).pow(2) * w).sum((0, 1))) / count
             with torch.no_grad():
                 unbiased = var * count / (count - 1).clamp_min(1.0)
                 self.running_mean.lerp_(mean, self.momentum)
@@ -78,6 +75,15 @@ class MaskedBatchNorm(nn.Module):
             mean, var = self.running_mean, self.running_var
         y = (x.float() - mean) * torch.rsqrt(var + self.eps)
         return (y * self.weight + self.bias).type_as(x)
+
+    def _reduce(self, moments: torch.Tensor) -> torch.Tensor:
+        """Sums over the DDP ranks for syncbatchnorm, through the differentiable all-reduce: its backward
+        all-reduces the gradient of the moments, so each rank's inputs also get the other ranks' loss terms through
+        the shared mean and variance (with an in-place dist.all_reduce they do not, and the DDP gradient is not the
+        full-batch one)."""
+        if self.sync and dist.is_available() and dist.is_initialized():
+            return dist_nn.all_reduce(moments)
+        return moments
 
 
 def build_norm(kind: str, d_model: int, affine: bool = True) -> nn.Module:
