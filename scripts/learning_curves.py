@@ -41,6 +41,7 @@ the runs stop (`longmixer.runs.carry`); unpacking them where the next call runs 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import importlib.util
 import json
@@ -226,6 +227,16 @@ def carry_state(logs: Path, dest: Path, max_parts: int) -> None:
     print(f"state: {len(parts)} part(s), {sum(p.stat().st_size for p in parts) / 2**20:.1f} MiB in {dest}")
 
 
+@contextlib.contextmanager
+def replacing(path: Path):
+    """A text file written beside `path` and moved over it when complete: the outputs are rewritten every 30 s,
+    and a call killed mid-write must leave the previous version, which the next call reads back, not half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        yield f
+    os.replace(tmp, path)
+
+
 UTIL_COLUMNS = ("call", "t_s", "gpu", "util_pct", "mem_mib")
 CALL_KEYS = ("command", "gpu", "host_cpus", "started_utc", "wall_min_this_call", "gpu_of_family",
              "run_minutes_this_call", "gpu_minutes_this_call", "exit_codes", "gpu_util", "steps")
@@ -236,16 +247,24 @@ def earlier_calls(args, out: Path) -> dict:
     resumes (no last.ckpt under --logs for these families), the runs start afresh: the earlier summary and
     utilization CSV are renamed with their call's start time, not overwritten, and the history starts empty."""
     summary_path, util_path = out / f"{args.task}_summary.json", out / f"{args.task}_gpu_util.csv"
-    previous = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    previous = None
+    if summary_path.exists():
+        try:
+            previous = json.loads(summary_path.read_text())
+        except json.JSONDecodeError as e:
+            aside = summary_path.with_name(f"{summary_path.stem}.unreadable{summary_path.suffix}")
+            summary_path.rename(aside)
+            print(f"{summary_path}: not valid JSON ({e}); moved to {aside.name}, this call starts a new history",
+                  file=sys.stderr)
     resuming = any(any((Path(args.logs).resolve() / f"{args.task}_{f}").rglob("last.ckpt")) for f in args.families)
     if previous is None or not resuming:
-        if previous is not None:
-            started = previous.get("started_utc") or time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                   time.gmtime(summary_path.stat().st_mtime))
+        kept = [path for path in (summary_path, util_path) if path.exists()]
+        if kept:
+            started = (previous or {}).get("started_utc") or time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                           time.gmtime(kept[0].stat().st_mtime))
             stamp = started.replace("-", "").replace(":", "")
-            for path in (summary_path, util_path):
-                if path.exists():
-                    path.rename(path.with_name(f"{path.stem}.{stamp}{path.suffix}"))
+            for path in kept:
+                path.rename(path.with_name(f"{path.stem}.{stamp}{path.suffix}"))
         return {"calls": [], "util": []}
     # a summary written before calls were recorded is the record of one call
     calls = previous.get("calls") or [{"call": 1, **{k: previous.get(k) for k in CALL_KEYS}}]
@@ -264,12 +283,12 @@ def write_outputs(args, out: Path, samples: dict[int, list], start: float, procs
     curves = {}
     for family in args.families:
         rows = curves[family] = curve(Path(args.logs).resolve() / f"{args.task}_{family}")
-        with open(out / f"{args.task}_{family}.csv", "w", newline="") as f:
+        with replacing(out / f"{args.task}_{family}.csv") as f:
             writer = csv.DictWriter(f, fieldnames=["step", "val_acc", "val_loss"])
             writer.writeheader()
             writer.writerows(rows)
     call = len(history["calls"]) + 1
-    with open(out / f"{args.task}_gpu_util.csv", "w", newline="") as f:
+    with replacing(out / f"{args.task}_gpu_util.csv") as f:
         csv.writer(f).writerows([UTIL_COLUMNS, *history["util"],
                                  *[(call, t, g, u, m) for g, rows in samples.items() for t, u, m in rows]])
     shared = sharing(args)
@@ -288,7 +307,8 @@ def write_outputs(args, out: Path, samples: dict[int, list], start: float, procs
     summary["gpu_minutes_total"] = {f: round(sum((c.get("gpu_minutes_this_call") or {}).get(f, 0) for c in calls), 2)
                                     for f in args.families}
     summary["calls"] = calls
-    (out / f"{args.task}_summary.json").write_text(json.dumps(summary, indent=1))
+    with replacing(out / f"{args.task}_summary.json") as f:
+        f.write(json.dumps(summary, indent=1))
     if final and any(curves.values()) and importlib.util.find_spec("matplotlib"):
         from longmixer.report.evidence import plot_task
 

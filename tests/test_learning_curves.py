@@ -178,3 +178,21 @@ def test_a_summary_from_before_call_records_becomes_call_one(launched, tmp_path)
     assert summary["call"] == 2 and summary["calls"][0]["command"] == "old"
     assert summary["gpu_minutes_total"]["a"] == round(4.0 + summary["gpu_minutes_this_call"]["a"], 2)
     assert _util_calls(out)[0] == "1"
+
+
+def test_an_unreadable_summary_is_moved_aside_not_fatal(launched, tmp_path, capsys):
+    """A summary that is not JSON (written by hand, or cut off) is kept under another name with a message that
+    says so, and the call goes on with a new history."""
+    lc, _ = launched
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "listops_summary.json").write_text('{"calls": [')
+    (out / "listops_gpu_util.csv").write_text("call,t_s,gpu,util_pct,mem_mib\n1,0.5,0,97,1000\n")
+    summary = lc.main(["--task", "listops", "--families", "a", "--minutes", "1", "--no-test", "--out", str(out),
+                       "--logs", str(tmp_path / "logs")])
+    assert summary["call"] == 1
+    assert (out / "listops_summary.unreadable.json").read_text() == '{"calls": ['
+    assert "not valid JSON" in capsys.readouterr().err
+    kept = list(out.glob("listops_gpu_util.*.csv"))  # the samples of that history are kept beside the new ones
+    assert len(kept) == 1 and kept[0].read_text().endswith("1,0.5,0,97,1000\n")
+    assert not list(out.glob(".*.tmp"))  # every output was moved into place
