@@ -70,6 +70,11 @@ def overrides(family: str, task: str, minutes: float, val_every: int, run_dir: P
             f"task.compile={compile_mode}", *extra]
 
 
+def run_dir_of(args, family: str) -> Path:
+    """Where a family's run lives under --logs: the same dir on every call, so that a call resumes it."""
+    return Path(args.logs).resolve() / f"{args.task}_{family}"
+
+
 def curve(run_dir: Path) -> list[dict]:
     """(step, val_acc, val_loss) rows of the run's CSV logger files."""
     files = sorted(run_dir.glob("**/metrics.csv"))
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     placement, minutes = gpu_placement(args.families, args.gpus), wall_minutes(args)
     with GpuSampler(interval_s=1.0, gpus=args.gpus) as sampler:
         for family in args.families:
-            run_dir = Path(args.logs).resolve() / f"{args.task}_{family}"
+            run_dir = run_dir_of(args, family)
             cmd = [sys.executable, "-m", "longmixer.train",
                    *overrides(family, args.task, minutes[family], args.val_every, run_dir, args.trainer, args.compile,
                               extra)]
@@ -256,7 +261,7 @@ def earlier_calls(args, out: Path) -> dict:
             summary_path.rename(aside)
             print(f"{summary_path}: not valid JSON ({e}); moved to {aside.name}, this call starts a new history",
                   file=sys.stderr)
-    resuming = any(any((Path(args.logs).resolve() / f"{args.task}_{f}").rglob("last.ckpt")) for f in args.families)
+    resuming = any(any(run_dir_of(args, f).rglob("last.ckpt")) for f in args.families)
     if previous is None or not resuming:
         kept = [path for path in (summary_path, util_path) if path.exists()]
         if kept:
@@ -282,7 +287,7 @@ def write_outputs(args, out: Path, samples: dict[int, list], start: float, procs
     installed: the GPU machine may lack it; `--plot-only` redraws it from the CSVs)."""
     curves = {}
     for family in args.families:
-        rows = curves[family] = curve(Path(args.logs).resolve() / f"{args.task}_{family}")
+        rows = curves[family] = curve(run_dir_of(args, family))
         with replacing(out / f"{args.task}_{family}.csv") as f:
             writer = csv.DictWriter(f, fieldnames=["step", "val_acc", "val_loss"])
             writer.writeheader()
