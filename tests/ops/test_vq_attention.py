@@ -106,6 +106,40 @@ def test_search_kernel_parity(N, E, S, masked):
     assert_close("sums", ref[2], got[2], atol=1e-5)
 
 
+@pytest.mark.parametrize("C", [16, 64])
+def test_window_bias_gradient_is_the_gather_gradient(C):
+    """window_bias's diagonal-sum backward against autograd of the plain gather it replaces."""
+    g = torch.Generator().manual_seed(2)
+    table = torch.randn(4 * C - 1, generator=g, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(C, 3 * C, generator=g, dtype=torch.float64)
+    i, c = torch.arange(C), torch.arange(3 * C)
+    plain = table[(c[None, :] - C - i[:, None]) + 2 * C - 1]
+    ours = window_bias(table, C)
+    assert torch.equal(plain, ours)
+    expected, = torch.autograd.grad(plain, table, grad)
+    got, = torch.autograd.grad(ours, table, grad)
+    assert_close("dtable", expected, got, atol=1e-12)
+
+
+@pytest.mark.parametrize("B,L,H,S,C", [pytest.param(2, 64, 12, 10, 16, id="4-slices"),
+                                         pytest.param(3, 32, 70, 130, 16, id="1-slice")])
+def test_code_value_sums_kernel(B, L, H, S, C):
+    """The one-hot product kernel (whole-row statistics of bidirectional attention) against index_add, with padded
+    keys and the row cut into slices whose partial sums are added."""
+    from longmixer.ops.vq_attention.kernel import code_value_sums
+    from longmixer.ops.vq_attention.reference import code_block_stats
+
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(B, L, H, generator=g)
+    codes = torch.randint(0, S, (B, L), generator=g)
+    mask = torch.rand(B, L, generator=g) > 0.2
+    ref_n, ref_u = code_block_stats(codes, v.double(), mask, S, L)
+    n, u = code_value_sums(v, codes, mask, S, C)
+    assert n.shape == (B, 1, S) and u.shape == (B, 1, S, H)
+    assert_close("counts", ref_n, n, atol=0.0)
+    assert_close("sums", ref_u, u, atol=1e-5)
+
+
 @pytest.mark.parametrize("causal,attention", MODES)
 @pytest.mark.parametrize("B,L,E,H,S,C,bias", [
     pytest.param(2, 50, 8, 12, 10, 16, True, id="B2-L50-E8-H12-S10-C16-bias"),

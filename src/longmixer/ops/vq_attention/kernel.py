@@ -83,13 +83,26 @@ def vq_search_fwd(k: torch.Tensor, codebook: torch.Tensor, mask: torch.Tensor | 
 
 
 @triton.jit
-def _vq_attention_fwd_kernel(q, k, v, codebook, n_out, u_out, bias, mask, o, lse, L, S, E, H,
+def _code_scores(b_q, codebook, codes, rows, o_e, m_e, E, IP: tl.constexpr):
+    """q . c_{z_j} for the keys at `rows` (flat [B L] indices): their codewords gathered from the codebook."""
+    b_z = tl.load(codes + rows)
+    b_c = tl.load(codebook + b_z[:, None] * E + o_e[None, :], mask=m_e[None, :], other=0.0)
+    return tl.dot(b_q, tl.trans(b_c), input_precision=IP)
+
+
+@triton.jit
+def _vq_attention_fwd_kernel(q, k, v, codebook, codes, n_out, u_out, bias, mask, o, lse, L, S, E, H,
                              C: tl.constexpr, CAUSAL: tl.constexpr, LAPLACE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr,
-                             BH: tl.constexpr, IP: tl.constexpr):
+                             GLOBAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
+                             BE: tl.constexpr, BH: tl.constexpr, IP: tl.constexpr):
     """One program: BM queries of one block, BH value columns. Scores against the local window tile by tile,
-    then against the codebook with the outside-window counts and value sums (LongVQ eq. 18; one online softmax
-    over both parts for softmax, plain sums for laplace). L here is the padded length, a multiple of C."""
+    then against the codebook with the code counts and value sums (LongVQ eq. 18; one online softmax over both
+    parts for softmax, plain sums for laplace). L here is the padded length, a multiple of C.
+
+    GLOBAL (bidirectional): the statistics are the whole row's, [B, 1, S(, H)], so each window key is counted
+    twice, once as itself and once in its code's sums; the window tile removes the second by weighting key j with
+    phi(q.k_j + bias) - phi(q.c_{z_j}) (`_window_weights`). Otherwise the statistics are per block, of the keys
+    outside that block's window (causal: Transformer-VQ's cache)."""
     i_m, i_b, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB = L // C
     blk = (i_m * BM) // C
@@ -118,19 +131,29 @@ def _vq_attention_fwd_kernel(q, k, v, codebook, n_out, u_out, bias, mask, o, lse
         m_s = m_i[:, None] & m_j[None, :]
         if CAUSAL:
             m_s = m_s & (o_j[None, :] <= o_i[:, None])
+        b_sc = b_s
+        if GLOBAL:
+            b_sc = _code_scores(b_q, codebook, codes, i_b * L + o_j, o_e, m_e, E, IP)
         if LAPLACE:
             b_w = tl.where(m_s, _laplace(b_s), 0.0)
+            if GLOBAL:
+                b_w -= tl.where(m_s, _laplace(b_sc), 0.0)
             b_acc += tl.dot(b_w.to(b_v.dtype), b_v, input_precision=IP)
         else:
             b_s = tl.where(m_s, b_s, float("-inf"))
             b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
+            if GLOBAL:
+                b_sc = tl.where(m_s, b_sc, float("-inf"))
+                b_mn = tl.maximum(b_mn, tl.max(b_sc, axis=1))
             b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
             b_p = tl.exp(b_s - b_ms[:, None])
+            if GLOBAL:
+                b_p -= tl.exp(b_sc - b_ms[:, None])
             b_alpha = tl.exp(b_m - b_ms)
             b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
             b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=IP)
             b_m = b_mn
-    p_stat = (i_b * NB + blk) * S
+    p_stat = i_b * S if GLOBAL else (i_b * NB + blk) * S
     for s0 in range(0, S, BS):
         o_s = s0 + tl.arange(0, BS)
         m_sc = o_s < S
@@ -167,28 +190,114 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
-def attention_tiles(block_size: int, E: int, H: int) -> dict[str, int]:
-    """Tile sizes shared by the forward and backward launchers (BM and BN divide the block size C)."""
+# Per-kernel tile overrides of `attention_tiles` (each value is capped by the block size, the key width and the
+# value width). Chosen on an H100 at the LongVQ Text shape (E 64, H 256, S 256, C 128; docs/benchmarks.md).
+# Forward: 32 queries with the whole value row (H <= 256) computes each score tile once (fwd + bwd 0.869 vs 0.936
+# ms for 64 queries x 64 values at B8 L4096), codebook tiles of 32 (0.719 vs 0.799 ms for 64 at B2 L16384); 128
+# value columns for the dU and statistics kernels. The backward kernels' defaults won every alternative tried.
+TILES: dict[str, dict[str, int]] = {"fwd": dict(BM=32, BH=256, BS=32), "dq": {}, "dkv": {}, "du": dict(BH=128),
+                                    "sums": dict(BH=128)}
+
+
+def attention_tiles(block_size: int, E: int, H: int, kernel: str = "fwd") -> dict[str, int]:
+    """Tiles and warps of one kernel ("fwd", "dq", "dkv", "du", "sums"): BM queries and BN keys per tile (powers
+    of two dividing the block size C), BS codes, BE key columns, BH value columns, num_warps."""
     BE = max(16, triton.next_power_of_2(E))
-    return dict(BM=min(64, block_size), BN=min(64, block_size), BS=64, BE=BE,
-                BH=min(64, max(16, triton.next_power_of_2(H))))
+    HP = max(16, triton.next_power_of_2(H))
+    t = dict(BM=64, BN=64, BS=64, BE=BE, BH=64, num_warps=4)
+    t.update(TILES[kernel])
+    t["BM"], t["BN"], t["BH"] = min(t["BM"], block_size), min(t["BN"], block_size), min(t["BH"], HP)
+    return t
 
 
-def vq_attention_fwd(q, k, v, codebook, n_out, u_out, bias, mask, block_size: int, causal: bool, laplace: bool):
-    """Launcher. q, k [B, L, E]; v [B, L, H]; codebook [S, E]; n_out [B, NB, S] float32; u_out [B, NB, S, H]
-    float32; bias [C, 3C] float32 or None; mask [B, L] bool; L a multiple of block_size.
+@triton.jit
+def _code_value_sums_kernel(v, codes, mask, u, n, L, S, H, R, BS: tl.constexpr, BN: tl.constexpr,
+                            BH: tl.constexpr, IP: tl.constexpr):
+    """One program: BS codes x BH value columns of one row's R-key slice g: u[b, g, s] = sum of the real keys' values
+    with code s, n[b, g, s] their count. The sum is a product with the [BS, BN] one-hot tile of the keys' codes
+    (exact in any dtype), so it runs on tensor cores with float32 accumulation and needs no atomics."""
+    i_s, i_h, i_bg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NG = L // R
+    i_b, g = i_bg // NG, i_bg % NG
+    o_s = i_s * BS + tl.arange(0, BS)
+    o_h = i_h * BH + tl.arange(0, BH)
+    m_s, m_h = o_s < S, o_h < H
+    b_u = tl.zeros([BS, BH], tl.float32)
+    b_n = tl.zeros([BS], tl.float32)
+    for j0 in range(g * R, g * R + R, BN):
+        o_j = j0 + tl.arange(0, BN)
+        b_z = tl.load(codes + i_b * L + o_j)
+        m_j = tl.load(mask + i_b * L + o_j) != 0
+        b_v = tl.load(v + (i_b * L + o_j[:, None]) * H + o_h[None, :], mask=m_h[None, :], other=0.0)
+        hot = (b_z[None, :] == o_s[:, None]) & m_j[None, :]  # [BS, BN]
+        b_u += tl.dot(hot.to(b_v.dtype), b_v, input_precision=IP)
+        b_n += tl.sum(hot.to(tl.float32), axis=1)
+    p_out = (i_b * NG + g) * S + o_s
+    tl.store(u + p_out[:, None] * H + o_h[None, :], b_u, mask=m_s[:, None] & m_h[None, :])
+    if i_h == 0:
+        tl.store(n + p_out, b_n, mask=m_s)
 
-    Returns o [B, L, H] (v's dtype) and lse [B, L] float32 (softmax only; zeros for laplace)."""
+
+def row_slices(B: int, L: int, block_size: int, tiles: int, device: torch.device) -> int:
+    """Rows per slice when one program per (tile, batch row) would leave SMs idle: slices of whole blocks that
+    divide L, enough for about two programs per SM (decided from sizes alone)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    NB = L // block_size
+    slices = max(1, min(NB, triton.cdiv(2 * sms, tiles * B)))
+    rows = triton.cdiv(NB, slices) * block_size
+    while L % rows:
+        rows += block_size
+    return rows
+
+
+def code_value_sums(v: torch.Tensor, codes: torch.Tensor, mask: torch.Tensor, S: int, block_size: int):
+    """The whole row's code statistics: n [B, 1, S] and u [B, 1, S, H] float32 (real keys only)."""
+    B, L, H = v.shape
+    t = attention_tiles(block_size, 16, H, "sums")
+    tiles = triton.cdiv(S, t["BS"]) * triton.cdiv(H, t["BH"])
+    rows = row_slices(B, L, block_size, tiles, v.device)
+    u = torch.empty(B, L // rows, S, H, dtype=torch.float32, device=v.device)
+    n = torch.empty(B, L // rows, S, dtype=torch.float32, device=v.device)
+    _code_value_sums_kernel[(triton.cdiv(S, t["BS"]), triton.cdiv(H, t["BH"]), B * (L // rows))](
+        v, codes, mask, u, n, L, S, H, rows, BS=t["BS"], BN=t["BN"], BH=t["BH"], IP=dot_precision(v.dtype),
+        num_warps=t["num_warps"])
+    if L // rows == 1:
+        return n, u
+    return n.sum(1, keepdim=True), u.sum(1, keepdim=True)
+
+
+def vq_attention_fwd(q, k, v, codebook, codes, n_out, u_out, bias, mask, block_size: int, causal: bool,
+                     laplace: bool):
+    """Launcher. q, k [B, L, E]; v [B, L, H]; codebook [S, E]; codes [B, L] int64; n_out [B, NB, S] float32 and
+    u_out [B, NB, S, H] float32, the per-block statistics of the keys outside each block's window (causal), or the
+    whole row's [B, 1, S(, H)] (bidirectional; None: summed here, `code_value_sums`); bias [C, 3C] float32 or None;
+    mask [B, L] bool; L a multiple of block_size.
+
+    Returns o [B, L, H] (v's dtype), lse [B, L] float32 (softmax only; zeros for laplace) and the whole row's
+    statistics n [B, 1, S], u [B, 1, S, H] for the backward (empty tensors when causal)."""
     B, L, E = q.shape
     H, S = v.shape[-1], codebook.shape[0]
+    glob = global_stats(n_out, causal)
+    if glob and n_out is None:
+        n_out, u_out = code_value_sums(v, codes, mask, S, block_size)
     work = work_dtype(v, q, k)
     q, k = q.to(work), k.to(work)
     t = attention_tiles(block_size, E, H)
     o = torch.empty_like(v)
     lse = torch.zeros(B, L, dtype=torch.float32, device=q.device)
     grid = (L // t["BM"], B, triton.cdiv(H, t["BH"]))
-    _vq_attention_fwd_kernel[grid](q, k, v, codebook.to(q.dtype).contiguous(), n_out, u_out,
+    _vq_attention_fwd_kernel[grid](q, k, v, codebook.to(q.dtype).contiguous(), codes, n_out, u_out,
                                    bias if bias is not None else lse, mask, o, lse, L, S, E, H,
                                    C=block_size, CAUSAL=causal, LAPLACE=laplace, HAS_BIAS=bias is not None,
-                                   IP=dot_precision(q.dtype), **t)
-    return o, lse
+                                   GLOBAL=glob, IP=dot_precision(q.dtype), **t)
+    if not glob:
+        n_out, u_out = lse.new_empty(0), lse.new_empty(0)
+    return o, lse, n_out, u_out
+
+
+def global_stats(n_out: torch.Tensor | None, causal: bool) -> bool:
+    """Bidirectional attention reads the whole row's statistics (summed by `code_value_sums` when not given),
+    causal attention per-block ones, which it cannot build itself."""
+    if causal and n_out is None:
+        raise ValueError("causal VQ attention needs the per-block code statistics (`outside_window_stats`)")
+    return not causal
