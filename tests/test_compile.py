@@ -258,7 +258,7 @@ def _custom_op_cases():
     cb = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
     codes = vq_search_op(_leaf(16, 16).detach(), cb, None)[0].view(1, 16)
     v = _leaf(1, 16, 16, seed=3)
-    n_out, u_out = outside_window_stats(*code_block_stats(codes, v.detach(), mask, 16, 16), False)
+    n_out, u_out = outside_window_stats(*code_block_stats(codes, v.detach(), mask, 16, 8), True)
     return [
         ("ema_kernel", ema_kernel_fwd_op, (_leaf(4, 2), _leaf(4, 2, low=0.1, high=0.9), 8)),
         ("ema_chunk", ema_chunk_fwd_op, (_leaf(1, 40, 4), _leaf(8, 2), _leaf(8, 2, low=0.1, high=0.9), True)),
@@ -277,14 +277,17 @@ def _custom_op_cases():
          (_leaf(1, 16, 16), _leaf(1, 16, 16, seed=1), _leaf(1, 16, 16, seed=2), idx, cnt, _leaf(31), 4, None,
           False, "softmax", "original")),
         ("vq_search", vq_search_op, (_leaf(16, 16).detach(), cb, mask[0])),
-        ("vq_attention", vq_attention_fwd_op,
-         (_leaf(1, 16, 16), cb[codes].requires_grad_(), v, cb, n_out, u_out, _leaf(16, 48), mask, 16, False,
+        ("vq_attention", vq_attention_fwd_op,  # bidirectional: the op sums the row's statistics itself
+         (_leaf(1, 16, 16), cb[codes].requires_grad_(), v, cb, codes, None, None, _leaf(8, 24), mask, 8, False,
           False)),
+        ("vq_attention_causal", vq_attention_fwd_op,  # per-block statistics given, their gradient returned
+         (_leaf(1, 16, 16), cb[codes].requires_grad_(), v, cb, codes, n_out, u_out.requires_grad_(), _leaf(8, 24),
+          mask, 8, True, False)),
     ]
 
 
 OP_CASES = ["ema_kernel", "ema_chunk", "local_attention", "linear_attention", "las_prep", "las_smooth_values",
-            "las_attention", "sparse_local_attention", "vq_search", "vq_attention"]
+            "las_attention", "sparse_local_attention", "vq_search", "vq_attention", "vq_attention_causal"]
 
 
 @pytest.mark.parametrize("case", OP_CASES)

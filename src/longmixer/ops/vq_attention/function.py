@@ -64,7 +64,7 @@ def vq_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, codes
 @vq_attention_fwd_op.register_fake
 def _(q, k, v, codebook, codes, n_out, u_out, bias, mask, block_size, causal, laplace):
     B, L, H, S = *v.shape, codebook.shape[0]
-    stats = [q.new_empty(0, dtype=torch.float32)] * 2 if causal else \
+    stats = [q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)] if causal else \
         [q.new_empty(B, 1, S, dtype=torch.float32), q.new_empty(B, 1, S, H, dtype=torch.float32)]
     return [torch.empty_like(v, memory_format=torch.contiguous_format), q.new_empty(B, L, dtype=torch.float32),
             *stats]
