@@ -248,7 +248,6 @@ def _custom_op_cases():
     from longmixer.ops.local_attention.function import local_attention_fwd_op
     from longmixer.ops.sparse_local_attention.function import packed_index, sparse_local_attention_fwd_op
     from longmixer.ops.vq_attention.function import vq_attention_fwd_op, vq_search_op
-    from longmixer.ops.vq_attention.reference import code_block_stats, outside_window_stats
 
     mask = torch.ones(1, 16, dtype=torch.bool)
     mask[0, 12:] = False
@@ -258,7 +257,6 @@ def _custom_op_cases():
     cb = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
     codes = vq_search_op(_leaf(16, 16).detach(), cb, None)[0].view(1, 16)
     v = _leaf(1, 16, 16, seed=3)
-    n_out, u_out = outside_window_stats(*code_block_stats(codes, v.detach(), mask, 16, 8), True)
     return [
         ("ema_kernel", ema_kernel_fwd_op, (_leaf(4, 2), _leaf(4, 2, low=0.1, high=0.9), 8)),
         ("ema_chunk", ema_chunk_fwd_op, (_leaf(1, 40, 4), _leaf(8, 2), _leaf(8, 2, low=0.1, high=0.9), True)),
@@ -277,12 +275,10 @@ def _custom_op_cases():
          (_leaf(1, 16, 16), _leaf(1, 16, 16, seed=1), _leaf(1, 16, 16, seed=2), idx, cnt, _leaf(31), 4, None,
           False, "softmax", "original")),
         ("vq_search", vq_search_op, (_leaf(16, 16).detach(), cb, mask[0])),
-        ("vq_attention", vq_attention_fwd_op,  # bidirectional: the op sums the row's statistics itself
-         (_leaf(1, 16, 16), cb[codes].requires_grad_(), v, cb, codes, None, None, _leaf(8, 24), mask, 8, False,
-          False)),
-        ("vq_attention_causal", vq_attention_fwd_op,  # per-block statistics given, their gradient returned
-         (_leaf(1, 16, 16), cb[codes].requires_grad_(), v, cb, codes, n_out, u_out.requires_grad_(), _leaf(8, 24),
-          mask, 8, True, False)),
+        ("vq_attention", vq_attention_fwd_op,  # bidirectional: the whole row's code statistics
+         (_leaf(1, 16, 16), cb[codes].requires_grad_(), v, cb, codes, _leaf(8, 24), mask, 8, False, False)),
+        ("vq_attention_causal", vq_attention_fwd_op,  # causal: per-block caches
+         (_leaf(1, 16, 16), cb[codes].requires_grad_(), v, cb, codes, _leaf(8, 24), mask, 8, True, False)),
     ]
 
 

@@ -140,6 +140,23 @@ def test_code_value_sums_kernel(B, L, H, S, C):
     assert_close("sums", ref_u, u, atol=1e-5)
 
 
+def test_code_value_prefix_kernel():
+    """The causal caches (keys of blocks 0..b-2 per block, walked in one program per row) against the reference's
+    per-block sums and shifted prefix, with padded keys."""
+    from longmixer.ops.vq_attention.kernel import code_value_prefix
+    from longmixer.ops.vq_attention.reference import code_block_stats, outside_window_stats
+
+    g = torch.Generator().manual_seed(4)
+    B, L, H, S, C = 2, 80, 20, 40, 16
+    v = torch.randn(B, L, H, generator=g)
+    codes = torch.randint(0, S, (B, L), generator=g)
+    mask = torch.rand(B, L, generator=g) > 0.2
+    ref_n, ref_u = outside_window_stats(*code_block_stats(codes, v.double(), mask, S, C), True)
+    n, u = code_value_prefix(v, codes, mask, S, C)
+    assert_close("counts", ref_n, n, atol=0.0)
+    assert_close("sums", ref_u, u, atol=1e-5)
+
+
 @pytest.mark.parametrize("causal,attention", MODES)
 @pytest.mark.parametrize("B,L,E,H,S,C,bias", [
     pytest.param(2, 50, 8, 12, 10, 16, True, id="B2-L50-E8-H12-S10-C16-bias"),

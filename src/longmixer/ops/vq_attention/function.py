@@ -9,8 +9,7 @@ from torch.nn import functional as F
 
 from longmixer.ops.backend import resolve_backend
 from longmixer.ops.custom import backward_call, call, define, no_gradient_for, register_autograd
-from longmixer.ops.vq_attention.reference import (ATTENTIONS, code_block_stats, outside_window_stats,
-                                                  vq_attention_ref, vq_search_ref)
+from longmixer.ops.vq_attention.reference import ATTENTIONS, vq_attention_ref, vq_search_ref
 
 
 def vq_search(k: torch.Tensor, codebook: torch.Tensor, mask: torch.Tensor | None = None, *,
@@ -50,47 +49,44 @@ def _(k, codebook, mask):
 
 
 @define("longmixer::vq_attention_fwd")
-def vq_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, codes: Tensor, n_out: Tensor | None,
-                        u_out: Tensor | None, bias: Tensor | None, mask: Tensor, block_size: int, causal: bool,
-                        laplace: bool) -> list[Tensor]:
-    """The blockwise forward kernel: [o [B, L, H] in v's dtype, lse [B, L] float32, the whole row's statistics
-    n [B, 1, S] and u [B, 1, S, H] float32 (bidirectional; kept for the backward, empty when causal)]."""
+def vq_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, codes: Tensor, bias: Tensor | None,
+                        mask: Tensor, block_size: int, causal: bool, laplace: bool) -> list[Tensor]:
+    """The kernels' forward: [o [B, L, H] in v's dtype, lse [B, L] float32, the code statistics n [B, NS, S] and
+    u [B, NS, S, H] float32 it summed (kept for the backward; NS = 1 bidirectional, NB causal)]."""
     from longmixer.ops.vq_attention.kernel import vq_attention_fwd
 
-    return list(vq_attention_fwd(*_kernel_args(q, k, v, codebook, codes, n_out, u_out, bias, mask),
-                                 block_size, causal, laplace))
+    return list(vq_attention_fwd(*_kernel_args(q, k, v, codebook, codes, bias, mask), block_size, causal, laplace))
 
 
 @vq_attention_fwd_op.register_fake
-def _(q, k, v, codebook, codes, n_out, u_out, bias, mask, block_size, causal, laplace):
+def _(q, k, v, codebook, codes, bias, mask, block_size, causal, laplace):
     B, L, H, S = *v.shape, codebook.shape[0]
-    stats = [q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)] if causal else \
-        [q.new_empty(B, 1, S, dtype=torch.float32), q.new_empty(B, 1, S, H, dtype=torch.float32)]
+    NS = L // block_size if causal else 1
     return [torch.empty_like(v, memory_format=torch.contiguous_format), q.new_empty(B, L, dtype=torch.float32),
-            *stats]
+            q.new_empty(B, NS, S, dtype=torch.float32), q.new_empty(B, NS, S, H, dtype=torch.float32)]
 
 
-def _kernel_args(q, k, v, codebook, codes, n_out, u_out, bias, mask):
+def _kernel_args(q, k, v, codebook, codes, bias, mask):
     return (q.contiguous(), k.contiguous(), v.contiguous(), codebook.contiguous(), codes.contiguous(),
-            None if n_out is None else n_out.contiguous(), None if u_out is None else u_out.contiguous(),
             None if bias is None else bias.float().contiguous(), mask.contiguous())
 
 
 @define("longmixer::vq_attention_bwd")
-def vq_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, codes: Tensor, n_out: Tensor | None,
-                        u_out: Tensor | None, bias: Tensor | None, mask: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+def vq_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, codes: Tensor, n_out: Tensor,
+                        u_out: Tensor, bias: Tensor | None, mask: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                         block_size: int, causal: bool, laplace: bool) -> list[Tensor]:
-    """[dq, dk, dv], du (only with per-block statistics) and, with a bias, dbias in the bias's dtype."""
+    """[dq, dk, dv] and, with a bias, dbias in the bias's dtype."""
     from longmixer.ops.vq_attention.kernel_bwd import vq_attention_bwd
 
-    dq, dk, dv, du, dbias = vq_attention_bwd(*_kernel_args(q, k, v, codebook, codes, n_out, u_out, bias, mask), o,
-                                             lse, do, block_size, causal, laplace)
-    return [dq, dk, dv] + ([du] if causal else []) + ([] if bias is None else [dbias.to(bias.dtype)])
+    q, k, v, codebook, codes, bias, mask = _kernel_args(q, k, v, codebook, codes, bias, mask)
+    dq, dk, dv, dbias = vq_attention_bwd(q, k, v, codebook, codes, n_out, u_out, bias, mask, o, lse, do, block_size,
+                                         causal, laplace)
+    return [dq, dk, dv] + ([] if bias is None else [dbias.to(bias.dtype)])
 
 
 @vq_attention_bwd_op.register_fake
 def _(q, k, v, codebook, codes, n_out, u_out, bias, mask, o, lse, do, block_size, causal, laplace):
-    grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v) + ((u_out,) if causal else ())]
+    grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
     return grads + ([] if bias is None else [torch.empty_like(bias, memory_format=torch.contiguous_format)])
 
 
@@ -102,16 +98,11 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grads):
-    q, k, v, codebook, codes, n_out, u_out, bias, mask, o, lse, n_row, u_row = ctx.saved_tensors
-    causal = ctx.cfg[1]
-    if not causal:  # the whole row's statistics of the forward
-        n_out, u_out = n_row, u_row
+    q, k, v, codebook, codes, bias, mask, o, lse, n_out, u_out = ctx.saved_tensors
     out = backward_call(ctx, vq_attention_bwd_op, q, k, v, codebook, codes, n_out, u_out, bias, mask, o, lse,
                         grads[0], *ctx.cfg)
-    du = out[3] if causal else None
-    dbias = out[-1] if bias is not None else None
-    # q, k, v, codebook, codes, n_out, u_out, bias, mask, block_size, causal, laplace
-    return (*out[:3], None, None, None, du, dbias, None, None, None, None)
+    # q, k, v, codebook, codes, bias, mask, block_size, causal, laplace
+    return (*out[:3], None, None, out[3] if bias is not None else None, None, None, None, None)
 
 
 register_autograd(vq_attention_fwd_op, _backward, _setup_context)
@@ -131,16 +122,6 @@ def _check(q, k, v, codebook, codes, mask, bias, block_size, attention):
     if bias is not None and bias.shape != (block_size, 3 * block_size):
         raise ValueError(f"vq_attention bias must be [C, 3C] = {(block_size, 3 * block_size)}; "
                          f"got {tuple(bias.shape)}")
-
-
-def _kernel_stats(codes, v, mask, n_codes: int, block_size: int, causal: bool):
-    """The code statistics the kernels read. Causal: per block, of the keys before its window ([B, NB, S(, H)],
-    Transformer-VQ's cache), built here and differentiable in v. Bidirectional: none; the kernels sum the whole
-    row's ([B, S, H], `kernel.code_value_sums`) and take the window's own keys back out of them, which avoids the
-    per-block tables (B NB S H floats, 67 MB at B8 L4096 S256 H256) and the traffic of building them."""
-    if causal:
-        return outside_window_stats(*code_block_stats(codes, v, mask, n_codes, block_size), causal)
-    return None, None
 
 
 def vq_attention(q, k, v, codebook, codes, mask=None, bias=None, *, block_size: int, causal: bool = False,
@@ -180,7 +161,6 @@ def vq_attention(q, k, v, codebook, codes, mask=None, bias=None, *, block_size: 
         o = vq_attention_ref(q, k, v, codebook, codes, mask, bias, block_size=block_size, causal=causal,
                              attention=attention)
     else:
-        n_stat, u_stat = _kernel_stats(codes, v, mask, codebook.shape[0], block_size, causal)
-        o = call(vq_attention_fwd_op, q, k, v, codebook.detach(), codes, n_stat, u_stat, bias, mask, block_size,
-                 causal, attention == "laplace")[0]
+        o = call(vq_attention_fwd_op, q, k, v, codebook.detach(), codes, bias, mask, block_size, causal,
+                 attention == "laplace")[0]
     return o[:, :L] if pad else o

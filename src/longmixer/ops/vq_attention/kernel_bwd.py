@@ -13,8 +13,7 @@ import triton.language as tl
 from longmixer.ops import common
 from longmixer.ops.precision import work_dtype
 
-from longmixer.ops.vq_attention.kernel import (_laplace, attention_tiles, code_value_sums, dot_precision, global_stats,
-                                               row_slices)
+from longmixer.ops.vq_attention.kernel import _laplace, attention_tiles, dot_precision, row_slices, row_walk_tiles
 
 # d/dx of MEGA's laplace: exp(-(x - mu)^2 / (2 sigma^2)) / (sigma sqrt(2 pi)), sigma^2 = 1 / (4 pi).
 LAPLACE_MU = tl.constexpr(common.LAPLACE_MU)
@@ -126,11 +125,11 @@ def _vq_attention_bwd_dq_kernel(q, k, v, codebook, codes, n_out, u_out, bias, ma
 
 @triton.jit
 def _vq_attention_bwd_du_kernel(q, codebook, n_out, mask, lse, do, du, L, S, E, H, R,
-                                LAPLACE: tl.constexpr, GLOBAL: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
+                                LAPLACE: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
                                 BE: tl.constexpr, BH: tl.constexpr, IP: tl.constexpr):
-    """One program: BS codes x BH value columns of the value-sum gradient dU = sum_i phi'_is do_i over the R query
-    rows of group g, written to du[b, g]. The groups are the blocks (per-block statistics) or R-row slices of the
-    row (GLOBAL; the launcher sums the slices). No atomics: each program owns its output tile."""
+    """Bidirectional: one program is BS codes x BH value columns of the row's value-sum gradient
+    dU = sum_i phi'_is do_i over the R query rows of slice g, written to du[b, g] (the launcher sums the slices).
+    No atomics: each program owns its output tile."""
     i_s, i_h, i_bg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NG = L // R
     i_b, g = i_bg // NG, i_bg % NG
@@ -139,8 +138,7 @@ def _vq_attention_bwd_du_kernel(q, codebook, n_out, mask, lse, do, du, L, S, E, 
     o_e = tl.arange(0, BE)
     m_s, m_h, m_e = o_s < S, o_h < H, o_e < E
     b_c = tl.load(codebook + o_s[:, None] * E + o_e[None, :], mask=m_s[:, None] & m_e[None, :], other=0.0)
-    p_stat = i_b * S if GLOBAL else (i_b * NG + g) * S
-    b_n = tl.load(n_out + p_stat + o_s, mask=m_s, other=0.0)
+    b_n = tl.load(n_out + i_b * S + o_s, mask=m_s, other=0.0)
     b_du = tl.zeros([BS, BH], tl.float32)
     for i0 in range(g * R, g * R + R, BM):
         o_i = i0 + tl.arange(0, BM)
@@ -160,6 +158,41 @@ def _vq_attention_bwd_du_kernel(q, codebook, n_out, mask, lse, do, du, L, S, E, 
 
 
 @triton.jit
+def _vq_attention_bwd_du_suffix_kernel(q, codebook, n_out, mask, lse, do, du, L, S, E, H, C: tl.constexpr,
+                                       LAPLACE: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr,
+                                       BH: tl.constexpr, IP: tl.constexpr):
+    """Causal: du[b, blk] = sum over query blocks b' >= blk of dU_{b'} (the gradient of block b''s cache), so that a
+    key of block c, which is in the caches of blocks c+2.., takes its value gradient from du[b, c + 2, z_j]. One
+    program per (code tile, value tile, row) walks the blocks from the last."""
+    i_s, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NB = L // C
+    o_s = i_s * BS + tl.arange(0, BS)
+    o_h = i_h * BH + tl.arange(0, BH)
+    o_e = tl.arange(0, BE)
+    m_s, m_h, m_e = o_s < S, o_h < H, o_e < E
+    b_c = tl.load(codebook + o_s[:, None] * E + o_e[None, :], mask=m_s[:, None] & m_e[None, :], other=0.0)
+    b_du = tl.zeros([BS, BH], tl.float32)
+    for r in range(0, NB):
+        blk = NB - 1 - r
+        b_n = tl.load(n_out + (i_b * NB + blk) * S + o_s, mask=m_s, other=0.0)
+        for i0 in range(blk * C, blk * C + C, BM):
+            o_i = i0 + tl.arange(0, BM)
+            m_i = tl.load(mask + i_b * L + o_i) != 0
+            b_q = tl.load(q + (i_b * L + o_i[:, None]) * E + o_e[None, :], mask=m_e[None, :], other=0.0)
+            b_sT = tl.dot(b_c, tl.trans(b_q), input_precision=IP)  # [BS, BM]
+            m_sT = (b_n > 0)[:, None] & m_i[None, :]
+            if LAPLACE:
+                b_pT = tl.where(m_sT, _laplace(b_sT), 0.0)
+            else:
+                b_pT = tl.where(m_sT, tl.exp(b_sT - tl.load(lse + i_b * L + o_i)[None, :]), 0.0)
+            b_do = tl.load(do + (i_b * L + o_i[:, None]) * H + o_h[None, :], mask=m_i[:, None] & m_h[None, :],
+                           other=0.0)
+            b_du += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=IP)
+        tl.store(du + ((i_b * NB + blk) * S + o_s[:, None]) * H + o_h[None, :], b_du,
+                 mask=m_s[:, None] & m_h[None, :])
+
+
+@triton.jit
 def _vq_attention_bwd_dkv_kernel(q, k, v, codebook, codes, du, bias, mask, lse, delta, do, dk, dv, L, S, E, H,
                                  C: tl.constexpr, CAUSAL: tl.constexpr, LAPLACE: tl.constexpr,
                                  HAS_BIAS: tl.constexpr, GLOBAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -167,8 +200,9 @@ def _vq_attention_bwd_dkv_kernel(q, k, v, codebook, codes, du, bias, mask, lse, 
     """One program: BN keys and BH value columns. Loops over the query tiles whose window holds the keys (blocks
     b-1..b+1, or b..b+1 causal). dv of its columns stays in registers; dp needs all H columns, so it is recomputed
     per value tile, and the first value tile also accumulates dk. GLOBAL: dv takes the window weight
-    phi(q.k_j + bias) - phi(q.c_{z_j}) (see the forward) plus dU[b, z_j], the gradient that reaches a real key's
-    value through its code's sum; dk only the first part (the codebook is a buffer)."""
+    phi(q.k_j + bias) - phi(q.c_{z_j}) (see the forward). Every real key's dv also takes the gradient that reaches
+    its value through its code's sums: dU[b, z_j] (GLOBAL) or the suffix sum du[b, blk + 2, z_j] (causal); dk only
+    the first part (the codebook is a buffer)."""
     i_n, i_b, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB = L // C
     blk = (i_n * BN) // C
@@ -224,10 +258,13 @@ def _vq_attention_bwd_dkv_kernel(q, k, v, codebook, codes, du, bias, mask, lse, 
                 b_dp += tl.dot(b_doh, tl.trans(b_v), input_precision=IP)
             b_p, b_ds = _scores_grad(b_s, m_s, b_lse, b_dp, b_delta, LAPLACE)
             b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, input_precision=IP)
-    if GLOBAL:
-        b_z = tl.load(codes + i_b * L + o_j)
+    b_z = tl.load(codes + i_b * L + o_j)
+    if GLOBAL:  # the row's sums hold every real key
         b_dv += tl.load(du + (i_b * S + b_z[:, None]) * H + o_hv[None, :], mask=m_j[:, None] & m_hv[None, :],
                         other=0.0)
+    elif blk + 2 < NB:  # the caches of blocks blk+2.. hold this block's keys
+        b_dv += tl.load(du + ((i_b * NB + blk + 2) * S + b_z[:, None]) * H + o_hv[None, :],
+                        mask=m_j[:, None] & m_hv[None, :], other=0.0)
     tl.store(dv + (i_b * L + o_j[:, None]) * H + o_hv[None, :], b_dv.to(dv.dtype.element_ty), mask=m_hv[None, :])
     if i_h == 0:
         tl.store(dk + (i_b * L + o_j[:, None]) * E + o_e[None, :], b_dk.to(dk.dtype.element_ty),
@@ -236,17 +273,14 @@ def _vq_attention_bwd_dkv_kernel(q, k, v, codebook, codes, du, bias, mask, lse, 
 
 def vq_attention_bwd(q, k, v, codebook, codes, n_out, u_out, bias, mask, o, lse, do, block_size: int, causal: bool,
                      laplace: bool):
-    """Launcher. Same inputs as `vq_attention_fwd` plus o, lse and do [B, L, H].
+    """Launcher. Same inputs as `vq_attention_fwd` plus its statistics n_out, u_out, and o, lse, do [B, L, H].
 
-    Returns dq, dk [B, L, E] (q's dtype), dv [B, L, H] (v's dtype), du [B, NB, S, H] float32 (the per-block
-    statistics' gradient; None when the kernels summed the statistics themselves, whose gradient is in dv),
+    Returns dq, dk [B, L, E] (q's dtype), dv [B, L, H] (v's dtype, with the gradient through the statistics) and
     dbias [C, 3C] float32 or None."""
     B, L, E = q.shape
     H, S = v.shape[-1], codebook.shape[0]
     q_dtype, k_dtype = q.dtype, k.dtype
-    glob = global_stats(n_out, causal)
-    if glob and n_out is None:
-        n_out, u_out = code_value_sums(v, codes, mask, S, block_size)
+    glob = not causal
     work = work_dtype(v, q, k)
     q, k = q.to(work), k.to(work)
     do = do.contiguous()
@@ -270,20 +304,27 @@ def vq_attention_bwd(q, k, v, codebook, codes, n_out, u_out, bias, mask, o, lse,
     grid_kv = (L // t["BN"], B, triton.cdiv(H, t["BH"]))
     _vq_attention_bwd_dkv_kernel[grid_kv](q, k, v, codebook, codes, du, bias if bias is not None else lse, mask, lse,
                                           delta, do, dk, dv, L, S, E, H, **flags, **t)
-    return (dq.to(q_dtype), dk.to(k_dtype), dv, None if glob else du, None if dbias is None else dbias.sum(0))
+    return dq.to(q_dtype), dk.to(k_dtype), dv, None if dbias is None else dbias.sum(0)
 
 
 def _value_sums_grad(q, codebook, n_out, mask, lse, do, block_size, laplace, glob):
-    """dU [B, NS, S, H] float32: one group of query rows per block (per-block statistics), or the whole row's
-    (glob), cut into slices of whole blocks (`row_slices`) whose partial sums are added here."""
+    """The statistics' gradient as the dk/dv kernel reads it, float32: the whole row's dU [B, 1, S, H] (glob; the
+    row cut into slices of whole blocks, `row_slices`, whose partial sums are added here), or the causal caches'
+    suffix sums [B, NB, S, H]."""
     B, L, E = q.shape
     H, S = do.shape[-1], codebook.shape[0]
+    if not glob:
+        t = row_walk_tiles(block_size, E, H, "du_suffix", B, S, q.device)
+        t.pop("BN")
+        du = torch.empty(B, L // block_size, S, H, dtype=torch.float32, device=q.device)
+        _vq_attention_bwd_du_suffix_kernel[(triton.cdiv(S, t["BS"]), triton.cdiv(H, t["BH"]), B)](
+            q, codebook, n_out, mask, lse, do, du, L, S, E, H, C=block_size, LAPLACE=laplace,
+            IP=dot_precision(q.dtype), **t)
+        return du
     t = attention_tiles(block_size, E, H, "du")
     t.pop("BN")
-    tiles = triton.cdiv(S, t["BS"]) * triton.cdiv(H, t["BH"])
-    rows = row_slices(B, L, block_size, tiles, q.device) if glob else block_size
+    rows = row_slices(B, L, block_size, triton.cdiv(S, t["BS"]) * triton.cdiv(H, t["BH"]), q.device)
     du = torch.empty(B, L // rows, S, H, dtype=torch.float32, device=q.device)
     _vq_attention_bwd_du_kernel[(triton.cdiv(S, t["BS"]), triton.cdiv(H, t["BH"]), B * (L // rows))](
-        q, codebook, n_out, mask, lse, do, du, L, S, E, H, rows, LAPLACE=laplace, GLOBAL=glob,
-        IP=dot_precision(q.dtype), **t)
-    return du.sum(1, keepdim=True) if glob and L // rows > 1 else du
+        q, codebook, n_out, mask, lse, do, du, L, S, E, H, rows, LAPLACE=laplace, IP=dot_precision(q.dtype), **t)
+    return du.sum(1, keepdim=True) if L // rows > 1 else du
