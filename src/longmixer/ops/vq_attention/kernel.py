@@ -211,6 +211,17 @@ def attention_tiles(block_size: int, E: int, H: int, kernel: str = "fwd") -> dic
 
 
 @triton.jit
+def _onehot_sums(v, codes, mask, row0, o_j, o_s, o_h, m_h, H, IP: tl.constexpr):
+    """Value sums [BS, BH] and counts [BS] of the real keys o_j (row offset row0) per code o_s: the product of the
+    keys' one-hot code tile with their values, exact in any dtype, accumulated in float32."""
+    b_z = tl.load(codes + row0 + o_j)
+    m_j = tl.load(mask + row0 + o_j) != 0
+    b_v = tl.load(v + (row0 + o_j[:, None]) * H + o_h[None, :], mask=m_h[None, :], other=0.0)
+    hot = (b_z[None, :] == o_s[:, None]) & m_j[None, :]  # [BS, BN]
+    return tl.dot(hot.to(b_v.dtype), b_v, input_precision=IP), tl.sum(hot.to(tl.float32), axis=1)
+
+
+@triton.jit
 def _code_value_sums_kernel(v, codes, mask, u, n, L, S, H, R, BS: tl.constexpr, BN: tl.constexpr,
                             BH: tl.constexpr, IP: tl.constexpr):
     """One program: BS codes x BH value columns of one row's R-key slice g: u[b, g, s] = sum of the real keys' values
@@ -225,13 +236,9 @@ def _code_value_sums_kernel(v, codes, mask, u, n, L, S, H, R, BS: tl.constexpr, 
     b_u = tl.zeros([BS, BH], tl.float32)
     b_n = tl.zeros([BS], tl.float32)
     for j0 in range(g * R, g * R + R, BN):
-        o_j = j0 + tl.arange(0, BN)
-        b_z = tl.load(codes + i_b * L + o_j)
-        m_j = tl.load(mask + i_b * L + o_j) != 0
-        b_v = tl.load(v + (i_b * L + o_j[:, None]) * H + o_h[None, :], mask=m_h[None, :], other=0.0)
-        hot = (b_z[None, :] == o_s[:, None]) & m_j[None, :]  # [BS, BN]
-        b_u += tl.dot(hot.to(b_v.dtype), b_v, input_precision=IP)
-        b_n += tl.sum(hot.to(tl.float32), axis=1)
+        b_du, b_dn = _onehot_sums(v, codes, mask, i_b * L, j0 + tl.arange(0, BN), o_s, o_h, m_h, H, IP)
+        b_u += b_du
+        b_n += b_dn
     p_out = (i_b * NG + g) * S + o_s
     tl.store(u + p_out[:, None] * H + o_h[None, :], b_u, mask=m_s[:, None] & m_h[None, :])
     if i_h == 0:
@@ -286,13 +293,9 @@ def _code_value_prefix_kernel(v, codes, mask, u, n, L, S, H, C: tl.constexpr, BS
             tl.store(n + p_out, b_n_lag, mask=m_s)
         b_u_lag, b_n_lag = b_u, b_n
         for j0 in range(blk * C, blk * C + C, BN):
-            o_j = j0 + tl.arange(0, BN)
-            b_z = tl.load(codes + i_b * L + o_j)
-            m_j = tl.load(mask + i_b * L + o_j) != 0
-            b_v = tl.load(v + (i_b * L + o_j[:, None]) * H + o_h[None, :], mask=m_h[None, :], other=0.0)
-            hot = (b_z[None, :] == o_s[:, None]) & m_j[None, :]  # [BS, BN]
-            b_u += tl.dot(hot.to(b_v.dtype), b_v, input_precision=IP)
-            b_n += tl.sum(hot.to(tl.float32), axis=1)
+            b_du, b_dn = _onehot_sums(v, codes, mask, i_b * L, j0 + tl.arange(0, BN), o_s, o_h, m_h, H, IP)
+            b_u += b_du
+            b_n += b_dn
 
 
 def row_walk_tiles(block_size: int, E: int, H: int, kernel: str, B: int, S: int, device: torch.device) -> dict:

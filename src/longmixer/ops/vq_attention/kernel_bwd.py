@@ -124,6 +124,23 @@ def _vq_attention_bwd_dq_kernel(q, k, v, codebook, codes, n_out, u_out, bias, ma
 
 
 @triton.jit
+def _code_grad_tile(q, mask, lse, do, b_c, b_n, row0, o_i, o_e, m_e, o_h, m_h, E, H, LAPLACE: tl.constexpr,
+                    IP: tl.constexpr):
+    """sum over the real queries o_i (row offset row0) of phi'(q_i . c_s) do_i for the codes of b_c [BS, BE] that
+    have keys (b_n > 0): a [BS, BH] term of the value-sum gradient."""
+    m_i = tl.load(mask + row0 + o_i) != 0
+    b_q = tl.load(q + (row0 + o_i[:, None]) * E + o_e[None, :], mask=m_e[None, :], other=0.0)
+    b_sT = tl.dot(b_c, tl.trans(b_q), input_precision=IP)  # [BS, BM]
+    m_sT = (b_n > 0)[:, None] & m_i[None, :]
+    if LAPLACE:
+        b_pT = tl.where(m_sT, _laplace(b_sT), 0.0)
+    else:
+        b_pT = tl.where(m_sT, tl.exp(b_sT - tl.load(lse + row0 + o_i)[None, :]), 0.0)
+    b_do = tl.load(do + (row0 + o_i[:, None]) * H + o_h[None, :], mask=m_i[:, None] & m_h[None, :], other=0.0)
+    return tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=IP)
+
+
+@triton.jit
 def _vq_attention_bwd_du_kernel(q, codebook, n_out, mask, lse, do, du, L, S, E, H, R,
                                 LAPLACE: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
                                 BE: tl.constexpr, BH: tl.constexpr, IP: tl.constexpr):
@@ -141,19 +158,8 @@ def _vq_attention_bwd_du_kernel(q, codebook, n_out, mask, lse, do, du, L, S, E, 
     b_n = tl.load(n_out + i_b * S + o_s, mask=m_s, other=0.0)
     b_du = tl.zeros([BS, BH], tl.float32)
     for i0 in range(g * R, g * R + R, BM):
-        o_i = i0 + tl.arange(0, BM)
-        m_i = tl.load(mask + i_b * L + o_i) != 0
-        b_q = tl.load(q + (i_b * L + o_i[:, None]) * E + o_e[None, :], mask=m_e[None, :], other=0.0)
-        b_sT = tl.dot(b_c, tl.trans(b_q), input_precision=IP)  # [BS, BM]
-        m_sT = (b_n > 0)[:, None] & m_i[None, :]
-        if LAPLACE:
-            b_pT = tl.where(m_sT, _laplace(b_sT), 0.0)
-        else:
-            b_lse = tl.load(lse + i_b * L + o_i)
-            b_pT = tl.where(m_sT, tl.exp(b_sT - b_lse[None, :]), 0.0)
-        b_do = tl.load(do + (i_b * L + o_i[:, None]) * H + o_h[None, :], mask=m_i[:, None] & m_h[None, :],
-                       other=0.0)
-        b_du += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=IP)
+        b_du += _code_grad_tile(q, mask, lse, do, b_c, b_n, i_b * L, i0 + tl.arange(0, BM), o_e, m_e, o_h, m_h, E, H,
+                                LAPLACE, IP)
     tl.store(du + ((i_b * NG + g) * S + o_s[:, None]) * H + o_h[None, :], b_du, mask=m_s[:, None] & m_h[None, :])
 
 
@@ -176,18 +182,8 @@ def _vq_attention_bwd_du_suffix_kernel(q, codebook, n_out, mask, lse, do, du, L,
         blk = NB - 1 - r
         b_n = tl.load(n_out + (i_b * NB + blk) * S + o_s, mask=m_s, other=0.0)
         for i0 in range(blk * C, blk * C + C, BM):
-            o_i = i0 + tl.arange(0, BM)
-            m_i = tl.load(mask + i_b * L + o_i) != 0
-            b_q = tl.load(q + (i_b * L + o_i[:, None]) * E + o_e[None, :], mask=m_e[None, :], other=0.0)
-            b_sT = tl.dot(b_c, tl.trans(b_q), input_precision=IP)  # [BS, BM]
-            m_sT = (b_n > 0)[:, None] & m_i[None, :]
-            if LAPLACE:
-                b_pT = tl.where(m_sT, _laplace(b_sT), 0.0)
-            else:
-                b_pT = tl.where(m_sT, tl.exp(b_sT - tl.load(lse + i_b * L + o_i)[None, :]), 0.0)
-            b_do = tl.load(do + (i_b * L + o_i[:, None]) * H + o_h[None, :], mask=m_i[:, None] & m_h[None, :],
-                           other=0.0)
-            b_du += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=IP)
+            b_du += _code_grad_tile(q, mask, lse, do, b_c, b_n, i_b * L, i0 + tl.arange(0, BM), o_e, m_e, o_h, m_h,
+                                    E, H, LAPLACE, IP)
         tl.store(du + ((i_b * NB + blk) * S + o_s[:, None]) * H + o_h[None, :], b_du,
                  mask=m_s[:, None] & m_h[None, :])
 
