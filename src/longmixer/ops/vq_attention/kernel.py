@@ -101,7 +101,7 @@ def _vq_attention_fwd_kernel(q, k, v, codebook, codes, n_out, u_out, bias, mask,
 
     GLOBAL (bidirectional): the statistics are the whole row's, [B, 1, S(, H)], so each window key is counted
     twice, once as itself and once in its code's sums; the window tile removes the second by weighting key j with
-    phi(q.k_j + bias) - phi(q.c_{z_j}) (`_window_weights`). Otherwise the statistics are per block, of the keys
+    phi(q.k_j + bias) - phi(q.c_{z_j}) (the window loop below). Otherwise the statistics are per block, of the keys
     outside that block's window (causal: Transformer-VQ's cache)."""
     i_m, i_b, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB = L // C
