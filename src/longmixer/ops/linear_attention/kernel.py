@@ -24,11 +24,11 @@ run in parallel. `_split` picks tiles and segments from shapes and the SM count;
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from longmixer.ops.common import sm_count
 
 
 @triton.jit(do_not_specialize=["L", "NCH", "NS", "S0", "H"])  # one compile for every length and head count
@@ -168,11 +168,6 @@ def _linear_attention_chunk_kernel(a, b, c, o, h, s_hb, s_hs, s_ha, s_hc, x, xs,
         tl.store(p_xs, b_x, mask=(r_c[:, None] < DC) & (r_a[None, :] < DA))
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 # Measured on the H200 (docs/benchmarks.md, kernel measurement records): 64-wide column tiles, four warps and
 # four pipeline stages won at every width and length of the B8 grid once the programs fill the SMs;
 # `_split` decides how to add programs where batch*heads is small.
@@ -198,8 +193,7 @@ def _plan(q: torch.Tensor, v: torch.Tensor, chunk_size: int, tune: dict | None) 
     B, L, H, K = q.shape
     V = v.shape[-1]
     n_chunks = triton.cdiv(L, chunk_size)
-    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-        if q.is_cuda else 1
+    sms = sm_count(q.device) if q.is_cuda else 1
     block, segments = _split(B * H * triton.cdiv(max(K, V), _BLOCK), n_chunks, sms)
     block, segments = tune.get("block", block), tune.get("segments", segments)
     segments = min(max(1, segments), n_chunks)

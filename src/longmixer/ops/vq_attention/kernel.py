@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from longmixer.ops import common
+from longmixer.ops.common import sm_count
 from longmixer.ops.precision import work_dtype
 
 # MEGA's laplace attention function: 0.5 * (1 + erf((x - mu) / (sigma sqrt 2))), mu = sqrt(1/2), sigma = (4 pi)^-1/2.
@@ -83,10 +84,15 @@ def vq_search_fwd(k: torch.Tensor, codebook: torch.Tensor, mask: torch.Tensor | 
 
 
 @triton.jit
+def _codewords(codebook, b_z, o_e, m_e, E):
+    """The codewords [BN, BE] of codes b_z [BN], gathered from the codebook."""
+    return tl.load(codebook + b_z[:, None] * E + o_e[None, :], mask=m_e[None, :], other=0.0)
+
+
+@triton.jit
 def _code_scores(b_q, codebook, codes, rows, o_e, m_e, E, IP: tl.constexpr):
     """q . c_{z_j} for the keys at `rows` (flat [B L] indices): their codewords gathered from the codebook."""
-    b_z = tl.load(codes + rows)
-    b_c = tl.load(codebook + b_z[:, None] * E + o_e[None, :], mask=m_e[None, :], other=0.0)
+    b_c = _codewords(codebook, tl.load(codes + rows), o_e, m_e, E)
     return tl.dot(b_q, tl.trans(b_c), input_precision=IP)
 
 
@@ -245,12 +251,16 @@ def _code_value_sums_kernel(v, codes, mask, u, n, L, S, H, R, BS: tl.constexpr, 
         tl.store(n + p_out, b_n, mask=m_s)
 
 
+def _sms(device: torch.device) -> int:
+    """The GPU's SM count; 4 under the interpreter, so that the CPU tests take the split paths."""
+    return sm_count(device) if device.type == "cuda" else 4
+
+
 def row_slices(B: int, L: int, block_size: int, tiles: int, device: torch.device) -> int:
     """Rows per slice when one program per (tile, batch row) would leave SMs idle: slices of whole blocks that
     divide L, enough for about two programs per SM (decided from sizes alone)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     NB = L // block_size
-    slices = max(1, min(NB, triton.cdiv(2 * sms, tiles * B)))
+    slices = max(1, min(NB, triton.cdiv(2 * _sms(device), tiles * B)))
     rows = triton.cdiv(NB, slices) * block_size
     while L % rows:
         rows += block_size
@@ -303,8 +313,7 @@ def row_walk_tiles(block_size: int, E: int, H: int, kernel: str, B: int, S: int,
     order: half the code tile when that leaves fewer programs than SMs (B2 L16384: 1.21 vs 1.36 ms causal fwd + bwd
     for the backward's walk; B8 L4096 keeps 32 codes, 0.76 ms either way, H100)."""
     t = attention_tiles(block_size, E, H, kernel)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    if triton.cdiv(S, t["BS"]) * triton.cdiv(H, t["BH"]) * B < sms:
+    if triton.cdiv(S, t["BS"]) * triton.cdiv(H, t["BH"]) * B < _sms(device):
         t["BS"] = max(16, t["BS"] // 2)
     return t
 

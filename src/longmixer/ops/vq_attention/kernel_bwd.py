@@ -13,7 +13,8 @@ import triton.language as tl
 from longmixer.ops import common
 from longmixer.ops.precision import work_dtype
 
-from longmixer.ops.vq_attention.kernel import _laplace, attention_tiles, dot_precision, row_slices, row_walk_tiles
+from longmixer.ops.vq_attention.kernel import (_codewords, _laplace, attention_tiles, dot_precision, row_slices,
+                                               row_walk_tiles)
 
 # d/dx of MEGA's laplace: exp(-(x - mu)^2 / (2 sigma^2)) / (sigma sqrt(2 pi)), sigma^2 = 1 / (4 pi).
 LAPLACE_MU = tl.constexpr(common.LAPLACE_MU)
@@ -92,8 +93,7 @@ def _vq_attention_bwd_dq_kernel(q, k, v, codebook, codes, n_out, u_out, bias, ma
         b_p, b_ds = _scores_grad(b_s, m_s, b_lse, b_dp, b_delta, LAPLACE)
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=IP)
         if GLOBAL:
-            b_z = tl.load(codes + i_b * L + o_j)
-            b_cj = tl.load(codebook + b_z[:, None] * E + o_e[None, :], mask=m_e[None, :], other=0.0)
+            b_cj = _codewords(codebook, tl.load(codes + i_b * L + o_j), o_e, m_e, E)
             b_sc = tl.dot(b_q, tl.trans(b_cj), input_precision=IP)
             b_pc, b_dsc = _scores_grad(b_sc, m_s, b_lse, b_dp, b_delta, LAPLACE)
             b_dq -= tl.dot(b_dsc.to(b_cj.dtype), b_cj, input_precision=IP)
@@ -208,10 +208,10 @@ def _vq_attention_bwd_dkv_kernel(q, k, v, codebook, codes, du, bias, mask, lse, 
     m_e, m_hv = o_e < E, o_hv < H
     m_j = tl.load(mask + i_b * L + o_j) != 0
     b_k = tl.load(k + (i_b * L + o_j[:, None]) * E + o_e[None, :], mask=m_e[None, :], other=0.0)
+    b_z = tl.load(codes + i_b * L + o_j)
     b_cj = b_k
     if GLOBAL:
-        b_cj = tl.load(codebook + tl.load(codes + i_b * L + o_j)[:, None] * E + o_e[None, :], mask=m_e[None, :],
-                       other=0.0)
+        b_cj = _codewords(codebook, b_z, o_e, m_e, E)
     b_dk = tl.zeros([BN, BE], tl.float32)
     b_dv = tl.zeros([BN, BH], tl.float32)
     i_lo = tl.maximum(blk - 1, 0) * C
@@ -254,7 +254,6 @@ def _vq_attention_bwd_dkv_kernel(q, k, v, codebook, codes, du, bias, mask, lse, 
                 b_dp += tl.dot(b_doh, tl.trans(b_v), input_precision=IP)
             b_p, b_ds = _scores_grad(b_s, m_s, b_lse, b_dp, b_delta, LAPLACE)
             b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, input_precision=IP)
-    b_z = tl.load(codes + i_b * L + o_j)
     if GLOBAL:  # the row's sums hold every real key
         b_dv += tl.load(du + (i_b * S + b_z[:, None]) * H + o_hv[None, :], mask=m_j[:, None] & m_hv[None, :],
                         other=0.0)
