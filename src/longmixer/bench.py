@@ -292,10 +292,26 @@ def _slot(row: dict) -> tuple:
     return row["setting"], row["model"], row.get("task"), length, row.get("compile", "none")
 
 
+def host_cpu() -> str:
+    """The host's CPU model and core count (a host-bound step moves with them): /proc/cpuinfo on Linux."""
+    import os
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
 def environment(device) -> dict:
     import triton
 
     return {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "host": host_cpu(),
             "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
             "python": platform.python_version(), "dtype": "bf16 autocast, fp32 weights, AdamW",
             "command": "python -m longmixer.bench " + " ".join(sys.argv[1:])}
@@ -373,8 +389,8 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
     against SDPA across lengths, and the SeqBoat Table 6 layout."""
     env = result["environment"]
     quick = result.get("quick", False)
-    lines = [f"Device: {env['device']}; torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; "
-             f"{env['dtype']}.", f"Command: `{env['command']}`.", ""]
+    lines = [f"Device: {env['device']}; host: {env.get('host', 'not recorded')}; torch {env['torch']}, "
+             f"triton {env['triton']}, CUDA {env['cuda']}; {env['dtype']}.", f"Command: `{env['command']}`.", ""]
     if quick:
         lines += ["**Toy models** (`--quick`: width 32, one layer, short sequences): a smoke test of the benchmark, "
                   "not the papers' setting; no paper claims are shown beside them.", ""]

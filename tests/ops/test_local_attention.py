@@ -158,6 +158,51 @@ def test_dropout_mask_is_shared_by_forward_and_backward(attention):
         assert rel_error(a, b) < 1e-5, name
 
 
+def test_dropout_needs_a_device_seed():
+    """The kernels read the Philox seed from device memory: a launch with dropout and no seed tensor is refused, and
+    the seed's value picks the mask."""
+    (q, k, v, _), _ = _case(1, 1, 16, 8, 8, 8, masked=False)
+    q, k, v = (t.float().contiguous() for t in (q, k, v))
+    kw = dict(attention="softmax", causal=False, chunk=8, scale=1.0)
+    with pytest.raises(ValueError, match="Philox seed"):
+        kernel.local_attention_fwd(q, k, v, None, None, dropout=0.2, **kw)
+    a, _ = kernel.local_attention_fwd(q, k, v, None, None, dropout=0.2, seed=torch.tensor([7]), **kw)
+    b, _ = kernel.local_attention_fwd(q, k, v, None, None, dropout=0.2, seed=torch.tensor([7]), **kw)
+    c, _ = kernel.local_attention_fwd(q, k, v, None, None, dropout=0.2, seed=torch.tensor([8]), **kw)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.gpu
+def test_dropout_draws_a_new_mask_per_cuda_graph_replay():
+    """The seed is drawn by a kernel inside the graph and loaded by the attention kernels, so each replay of a
+    captured forward + backward drops a new mask, and each replay's backward uses its own forward's mask: the output
+    is linear in v (o = W v), so <o, do> = <v, W^T do> = <v, dv> holds only when both passes drop the same weights."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, device="cuda", generator=g, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 2, 64, 16, device="cuda", generator=g)
+
+    def step():
+        out = local_attention(q, k, v, chunk_size=32, dropout=0.5, backend="triton")
+        (dv,) = torch.autograd.grad(out, v, do)
+        return out, dv
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, dv = step()
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        replays.append((out.clone(), dv.clone()))
+    assert not torch.equal(replays[0][0], replays[1][0]), "two replays dropped the same mask"
+    for o, d in replays:
+        torch.testing.assert_close((o * do).sum(), (v.detach() * d).sum(), rtol=1e-4, atol=1e-4)
+
+
 def test_rejects_bad_inputs():
     q = torch.randn(1, 1, 10, 4)
     with pytest.raises(ValueError, match="2C-1"):

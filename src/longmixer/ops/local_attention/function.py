@@ -22,11 +22,6 @@ def _kernel_inputs(q, k, v, bias, mask, chunk: int):
     return q, k, v, bias32, mask8
 
 
-def _seed_int(seed: Tensor | None) -> int:
-    """The Philox seed as the kernels take it: a CPU int64 tensor (reading it is no device sync), 0 without dropout."""
-    return 0 if seed is None else int(seed.item())
-
-
 @define("longmixer::local_attention_fwd")
 def local_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: Tensor | None,
                            attention: str, causal: bool, chunk: int, scale: float, dropout: float,
@@ -36,7 +31,7 @@ def local_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
 
     q, k, v, bias32, mask8 = _kernel_inputs(q, k, v, bias, mask, chunk)
     o, stat = kernel.local_attention_fwd(q, k, v, bias32, mask8, attention=attention, causal=causal, chunk=chunk,
-                                         scale=scale, dropout=dropout, seed=_seed_int(seed))
+                                         scale=scale, dropout=dropout, seed=seed)
     return [o, stat]
 
 
@@ -56,7 +51,7 @@ def local_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, stat: Ten
     q, k, v, bias32, mask8 = _kernel_inputs(q, k, v, bias, mask, chunk)
     dq, dk, dv, dbias = kernel.local_attention_bwd(q, k, v, o, stat, do.to(q.dtype).contiguous(), bias32, mask8,
                                                    attention=attention, causal=causal, chunk=chunk, scale=scale,
-                                                   dropout=dropout, seed=_seed_int(seed), bias_grad=bias_grad)
+                                                   dropout=dropout, seed=seed, bias_grad=bias_grad)
     return [dq, dk, dv] + ([dbias.reshape(bias.shape).to(bias.dtype)] if bias_grad else [])
 
 
@@ -143,8 +138,9 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_
     if resolve_backend("local_attention", backend, q, k, v) == "torch":
         return local_attention_ref(q, k, v, chunk_size=C, attention=attention, causal=causal, bias=bias,
                                    mask=mask, scale=scale, dropout=dropout)
-    # drawn from torch's CPU generator (reproducible under torch.manual_seed): a tensor op, no device sync
-    seed = torch.randint(0, 2 ** 31 - 1, (1,)) if dropout > 0 else None
+    # drawn on q's device by its generator (reproducible under torch.manual_seed), read by the kernels from device
+    # memory: no host sync, and a CUDA graph replay draws a new mask (the draw is a kernel of the graph)
+    seed = torch.randint(0, 2 ** 31 - 1, (1,), device=q.device) if dropout > 0 else None
     o, _ = call(local_attention_fwd_op, q.contiguous(), k.contiguous(), v.contiguous(), bias, mask, attention, causal,
                 C, scale, dropout, seed)
     return o.to(v.dtype)

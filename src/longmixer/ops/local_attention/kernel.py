@@ -44,11 +44,12 @@ def _bias_and_mask(b_s, o_i, o_j, i_b, i_h, L, C, i_hi, j_hi, bias_ptr, mask_ptr
 
 
 @triton.jit
-def _dropout_scale(seed, p_drop, i_bh, L, o_i, o_j):
+def _dropout_scale(seed_ptr, p_drop, i_bh, L, o_i, o_j):
     """keep / (1 - p) for each (query, key) of the tile; Philox numbers indexed by (bh, i, j), so the forward and
-    the backward kernels draw the same mask (the index wraps in int32 past 2^31 pairs: still a fixed draw)."""
+    the backward kernels draw the same mask (the index wraps in int32 past 2^31 pairs: still a fixed draw). The
+    seed is read from device memory, so a CUDA graph replay draws the seed its own replay wrote there."""
     o_rng = (i_bh * L + o_i) * L + o_j
-    return tl.where(tl.rand(seed, o_rng) >= p_drop, 1. / (1. - p_drop), 0.)
+    return tl.where(tl.rand(tl.load(seed_ptr), o_rng) >= p_drop, 1. / (1. - p_drop), 0.)
 
 
 @triton.jit
@@ -114,7 +115,7 @@ def _inv_count(o_m, i_b, L, C, lo, hi, mask_ptr, CAUSAL: tl.constexpr, HAS_MASK:
 
 @triton.jit
 def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, stat_ptr, bias_ptr, mask_ptr,
-                                H, L, K, V, C, scale, seed, p_drop,
+                                H, L, K, V, C, scale, seed_ptr, p_drop,
                                 ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
                                 DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -159,7 +160,7 @@ def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, stat_ptr, bias_ptr, 
         else:
             b_p = tl.where(m_valid, _activation(b_s, ATTN, MU, SIGMA), 0.)
         if DROPOUT:
-            b_p = b_p * _dropout_scale(seed, p_drop, i_bh, L, o_m[:, None], o_n[None, :])  # b_l stays undropped
+            b_p = b_p * _dropout_scale(seed_ptr, p_drop, i_bh, L, o_m[:, None], o_n[None, :])  # b_l stays undropped
         b_acc += tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
     b_stat = b_inv
     if ATTN == 0:
@@ -233,7 +234,7 @@ def _dvalues(v_ptr, do_ptr, o_ptr, o_m, o_n, i_bh, L, V, m_rows, m_keys, ATTN: t
 
 @triton.jit
 def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, delta_ptr, bias_ptr, mask_ptr,
-                                dq_ptr, dk_ptr, dv_ptr, dbias_ptr, scratch_ptr, H, L, K, V, C, SPAN, scale, seed,
+                                dq_ptr, dk_ptr, dv_ptr, dbias_ptr, scratch_ptr, H, L, K, V, C, SPAN, scale, seed_ptr,
                                 p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
                                 FUSED: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
@@ -290,7 +291,7 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
         else:
             b_pT = tl.where(m_valid, _activation(b_sT, ATTN, MU, SIGMA), 0.)
         if DROPOUT:
-            b_keep = _dropout_scale(seed, p_drop, i_bh, L, o_m[None, :], o_n[:, None])
+            b_keep = _dropout_scale(seed_ptr, p_drop, i_bh, L, o_m[None, :], o_n[:, None])
             b_dv += tl.dot((b_pT * b_keep).to(b_do.dtype), b_do, input_precision=DOT_PREC)
         else:
             b_dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=DOT_PREC)
@@ -370,7 +371,7 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, R, V, BLOCK_R: tl.constexpr, BLOCK_V
 
 @triton.jit
 def _local_attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, delta_ptr, bias_ptr, mask_ptr,
-                                   dq_ptr, H, L, K, V, C, scale, seed, p_drop,
+                                   dq_ptr, H, L, K, V, C, scale, seed_ptr, p_drop,
                                    ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                                    BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
                                    DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
@@ -413,7 +414,7 @@ def _local_attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr,
                           mask=(o_n[:, None] < hi) & (o_v[None, :] < V), other=0.)
             b_dp += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
         if DROPOUT:
-            b_dp = b_dp * _dropout_scale(seed, p_drop, i_bh, L, o_m[:, None], o_n[None, :])
+            b_dp = b_dp * _dropout_scale(seed_ptr, p_drop, i_bh, L, o_m[:, None], o_n[None, :])
         if ATTN == 0:
             b_ds = tl.where(m_valid, tl.exp(b_s - b_stat[:, None]), 0.) * (b_dp - b_delta[:, None]) * scale
         else:
@@ -507,10 +508,19 @@ def _flag_args(q, v, attention, causal, bias, mask, dropout) -> dict:
                   dropout > 0, q.dtype == torch.float32)
 
 
+def _seed_arg(seed: torch.Tensor | None, dropout: float, placeholder: torch.Tensor) -> torch.Tensor:
+    """The seed pointer the kernels take: `seed` with dropout (which needs one), else any tensor (never read)."""
+    if dropout > 0 and (seed is None or seed.device != placeholder.device or seed.numel() != 1):
+        raise ValueError(f"attention dropout={dropout} needs its Philox seed as a one-element tensor on "
+                         f"{placeholder.device}; got {None if seed is None else (tuple(seed.shape), seed.device)}")
+    return seed if dropout > 0 else placeholder
+
+
 def local_attention_fwd(q, k, v, bias, mask, *, attention: str, causal: bool, chunk: int, scale: float,
-                        dropout: float = 0.0, seed: int = 0, cfg: dict | None = None):
+                        dropout: float = 0.0, seed: torch.Tensor | None = None, cfg: dict | None = None):
     """Launch the forward kernel. q, k [B, H, L, K], v [B, H, L, V] contiguous; bias [H or 1, 2C-1] float32 or
-    None; mask [B, L] uint8 or None; dropout on the weights with the Philox `seed`; cfg overrides `_fwd_config`.
+    None; mask [B, L] uint8 or None; dropout on the weights with the Philox `seed` (an int64 [1] tensor on q's device, read by the kernels; required when
+    dropout > 0); cfg overrides `_fwd_config`.
     Returns o [B, H, L, V] and stat [B, H, L] float32 (log-sum-exp for softmax, 1/n for relu2 / laplace)."""
     B, H, L, K = q.shape
     V = v.shape[-1]
@@ -519,13 +529,14 @@ def local_attention_fwd(q, k, v, bias, mask, *, attention: str, causal: bool, ch
     stat = torch.empty(B, H, L, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(L, cfg["BLOCK_M"]), B * H, triton.cdiv(V, cfg["BLOCK_V"]))
     _local_attention_fwd_kernel[grid](q, k, v, o, stat, bias if bias is not None else stat,
-                                      mask if mask is not None else stat, H, L, K, V, chunk, scale, seed, dropout,
+                                      mask if mask is not None else stat, H, L, K, V, chunk, scale,
+                                      _seed_arg(seed, dropout, stat), dropout,
                                       **_flag_args(q, v, attention, causal, bias, mask, dropout), **cfg)
     return o, stat
 
 
 def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, causal: bool, chunk: int,
-                        scale: float, dropout: float = 0.0, seed: int = 0, bias_grad: bool = True,
+                        scale: float, dropout: float = 0.0, seed: torch.Tensor | None = None, bias_grad: bool = True,
                         cfg: dict | None = None):
     """Launch the backward: one kernel when a key span holds whole chunks, else the dq kernel then the dk/dv
     kernel; cfg overrides `_bwd_config`. Returns dq, dk, dv (input dtype) and dbias [H or 1, 2C-1] float32 (None
@@ -537,6 +548,7 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
         if cfg == LONG_SPAN_K64 and chunk < L:
             cfg = dict(SPLIT_SPAN_K64_NARROW if V <= 64 else SPLIT_SPAN_K64)
     flags = _flag_args(q, v, attention, causal, bias, mask, dropout)
+    seed_arg = _seed_arg(seed, dropout, stat)
     fused = chunk <= cfg["span"]
     span = chunk * (cfg["span"] // chunk) if fused else cfg["span"]
     BLOCK_N, BLOCK_K = triton.next_power_of_2(span), max(16, triton.next_power_of_2(K))
@@ -577,12 +589,12 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
                                                         BLOCK_V=min(128, max(16, triton.next_power_of_2(V))))
     elif not fused:
         _local_attention_bwd_dq_kernel[(triton.cdiv(L, BLOCK_M), B * H)](
-            q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, H, L, K, V, chunk, scale, seed, dropout, **flags,
+            q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, H, L, K, V, chunk, scale, seed_arg, dropout, **flags,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
     _local_attention_bwd_kernel[(n_spans, B * H, triton.cdiv(V, BLOCK_V))](
         q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, dk, dv, dbias if dbias is not None else stat,
-        scratch, H, L, K, V, chunk, span, scale, seed, dropout, **flags, FUSED=fused, BIAS_GRAD=bias_grad,
+        scratch, H, L, K, V, chunk, span, scale, seed_arg, dropout, **flags, FUSED=fused, BIAS_GRAD=bias_grad,
         SCRATCH=scratch is not stat, DQ_ATOMIC=dq_atomic, BIAS_PART=bias_part, PART_W=part_w, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
