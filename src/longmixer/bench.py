@@ -28,6 +28,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import platform
 import sys
 import time
@@ -294,8 +295,6 @@ def _slot(row: dict) -> tuple:
 
 def host_cpu() -> str:
     """The host's CPU model and core count (a host-bound step moves with them): /proc/cpuinfo on Linux."""
-    import os
-
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -519,8 +519,8 @@ def _seed_arg(seed: torch.Tensor | None, dropout: float, placeholder: torch.Tens
 def local_attention_fwd(q, k, v, bias, mask, *, attention: str, causal: bool, chunk: int, scale: float,
                         dropout: float = 0.0, seed: torch.Tensor | None = None, cfg: dict | None = None):
     """Launch the forward kernel. q, k [B, H, L, K], v [B, H, L, V] contiguous; bias [H or 1, 2C-1] float32 or
-    None; mask [B, L] uint8 or None; dropout on the weights with the Philox `seed` (an int64 [1] tensor on q's device, read by the kernels; required when
-    dropout > 0); cfg overrides `_fwd_config`.
+    None; mask [B, L] uint8 or None; dropout on the weights with the Philox `seed` (an int64 [1] tensor on q's
+    device, read by the kernels; required when dropout > 0); cfg overrides `_fwd_config`.
     Returns o [B, H, L, V] and stat [B, H, L] float32 (log-sum-exp for softmax, 1/n for relu2 / laplace)."""
     B, H, L, K = q.shape
     V = v.shape[-1]
