@@ -107,3 +107,19 @@ def test_long_span_split_baseline_is_the_previous_path():
     long_span = _bench_script("long_span")
     assert not long_span.SPLIT_BWD.get("dq_atomic") and long_span.SPLIT_BWD["BLOCK_V_MAX"] == 128
     assert long_span.local_kernel.LONG_SPAN_K64["dq_atomic"]
+
+
+def test_optimizer_step_skips_without_a_gpu(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _bench_script("optimizer_step").main([]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_optimizer_step_paths_agree():
+    """The two optimizer paths the script times (foreach AdamW after torch's clip, fused AdamW after
+    `clip_grad_norm`) take the same steps, up to rounding; on a CPU here, on the GPU in the script."""
+    import torch
+
+    assert _bench_script("optimizer_step").parity(torch.device("cpu")) < 1e-5

@@ -53,3 +53,78 @@ def test_auto_compile_follows_the_datamodules_shapes_on_cuda(monkeypatch, datamo
                                     datamodule=datamodule)
     task.configure_model()
     assert chosen == [expected] and task.compiled_as == expected
+
+
+class _Linear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, inputs, mask=None, inputs2=None, mask2=None):
+        return self.proj(inputs), {}
+
+
+class _RecordingAdamW(torch.optim.AdamW):
+    """Records the joint gradient norm that each step applies (after Lightning's closure has clipped)."""
+
+    norms: list[float] = []
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self.norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+        super().step()
+        return loss
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_gradient_clipping_runs_in_front_of_a_fused_optimizer(tmp_path, precision):
+    """`configure_gradient_clipping` clips by norm itself: Lightning's clipping refuses fused optimizers (the GPU
+    default without a gradient scaler, `SequenceTask._fused_optimizer`), and every step sees clipped gradients."""
+    import pytorch_lightning as pl
+
+    torch.manual_seed(0)
+    _RecordingAdamW.norms = []
+    task = Classification(_Linear(), partial(_RecordingAdamW, lr=1e-3, fused=True), OPTIM[1], num_classes=3)
+    data = [{"inputs": 10 * torch.randn(8, 4), "labels": torch.randint(0, 3, (8,))} for _ in range(3)]
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", precision=precision, gradient_clip_val=1e-3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(task, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    assert task.trainer.optimizers[0].defaults["fused"] is True
+    assert len(_RecordingAdamW.norms) == 3 and max(_RecordingAdamW.norms) <= 1e-3 * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("device, scaler, strategy, fused", [
+    ("cuda", None, "single", True),     # bf16-mixed / 32-true on one GPU
+    ("cuda", None, "ddp", True),
+    ("cuda", object(), "single", False),  # 16-mixed: the scaler's unscaling stays outside the step
+    ("cuda", None, "other", False),     # a sharded or external strategy clips its own way
+    ("cpu", None, "single", False),
+])
+def test_fused_optimizer_where_it_is_safe(device, scaler, strategy, fused):
+    from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
+
+    task = Classification(_Linear(), *OPTIM, num_classes=3)
+    made = {"single": lambda: SingleDeviceStrategy(torch.device("cpu")), "ddp": DDPStrategy, "other": object}
+    task._trainer = SimpleNamespace(strategy=made[strategy](), precision_plugin=SimpleNamespace(scaler=scaler))
+    task._device = torch.device(device, 0) if device == "cuda" else torch.device(device)
+    assert task._fused_optimizer() is fused
+
+
+@pytest.mark.gpu
+def test_adamw_runs_fused_on_a_gpu_and_its_gradients_are_clipped(tmp_path):
+    """On a GPU under bf16-mixed the task builds the `optim` partial fused (no config key asks for it) and clips in
+    front of it."""
+    import pytorch_lightning as pl
+
+    torch.manual_seed(0)
+    _RecordingAdamW.norms = []
+    task = Classification(_Linear(), partial(_RecordingAdamW, lr=1e-3), OPTIM[1], num_classes=3)
+    data = [{"inputs": 10 * torch.randn(8, 4), "labels": torch.randint(0, 3, (8,))} for _ in range(3)]
+    trainer = pl.Trainer(max_steps=3, accelerator="gpu", devices=1, precision="bf16-mixed", gradient_clip_val=1e-3,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(task, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    assert task.trainer.optimizers[0].defaults["fused"] is True
+    assert len(_RecordingAdamW.norms) == 3 and max(_RecordingAdamW.norms) <= 1e-3 * (1 + 1e-4)

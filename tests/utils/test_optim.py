@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from longmixer.utils.optim import (Constant, CosineDecay, InverseSqrtDecay, LinearDecay, build_optimizer,
-                                   build_param_groups, set_optim_hparams)
+                                   build_param_groups, clip_grad_norm, set_optim_hparams)
 
 
 class Tiny(nn.Module):
@@ -123,3 +123,54 @@ def test_embed_weight_decay_tags_the_token_embedding_only():
     with pytest.raises(ValueError, match="model.embed_weight_decay=0.0 applies to a token embedding"):
         SequenceModel(mixer=functools.partial(TransformerMixer, n_heads=2), d_model=8, n_layers=1, d_input=1,
                       num_classes=3, embed_weight_decay=0.0)
+
+
+def _grads(seed: int, dtypes=(torch.float32,) * 4, scale: float = 1.0):
+    gen = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in zip((3, 7, 1, 12), dtypes)]
+    for p in params:
+        p.grad = (scale * torch.randn(p.shape, generator=gen)).to(p.dtype)
+    return params
+
+
+@pytest.mark.parametrize("max_norm, dtypes", [
+    (0.5, (torch.float32,) * 4),                                          # clipped
+    (1e3, (torch.float32,) * 4),                                          # under the bound: unchanged
+    (0.5, (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16)),  # mixed gradient dtypes
+    (0.5, (torch.float64,) * 4),
+])
+def test_clip_grad_norm_matches_torch(max_norm, dtypes):
+    ours, theirs = _grads(0, dtypes), _grads(0, dtypes)
+    total = clip_grad_norm(ours, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert total.item() == pytest.approx(expected.item(), rel=1e-6)
+    for a, b in zip(ours, theirs):
+        assert a.grad.dtype == b.grad.dtype
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+    joint = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.double()) for p in ours]))
+    assert joint.item() <= max_norm * (1 + 1e-2) or max_norm > expected.item()
+
+
+def test_clip_grad_norm_skips_parameters_without_gradients_and_keeps_non_finite_norms():
+    params = _grads(1)
+    params[1].grad = None
+    assert clip_grad_norm(params, 0.5).item() == pytest.approx(
+        torch.nn.utils.clip_grad_norm_(_grads(1)[:1] + _grads(1)[2:], 0.5).item(), rel=1e-6)
+    assert clip_grad_norm([nn.Parameter(torch.zeros(2))], 1.0) is None
+    bad = _grads(2)
+    bad[0].grad[0] = float("inf")
+    assert not torch.isfinite(clip_grad_norm(bad, 1.0))  # no error, no host sync: the divergence guard sees it
+
+
+@pytest.mark.parametrize("keywords, fused", [
+    ({}, True),                     # the config leaves it open: fused
+    ({"fused": None}, True),        # configs/optim/adamw.yaml's `fused: null`
+    ({"fused": False}, False),      # optim.fused=false opts out
+    ({"foreach": True}, False),     # an explicit foreach choice stands
+])
+def test_build_optimizer_asks_for_the_fused_step_only_where_the_config_leaves_it_open(keywords, fused):
+    opt = build_optimizer(Tiny(), functools.partial(torch.optim.AdamW, lr=1e-3, **keywords), fused=True)
+    assert bool(opt.defaults["fused"]) is fused
+    radam = build_optimizer(Tiny(), functools.partial(torch.optim.RAdam, lr=1e-3), fused=True)  # has no fused step
+    assert "fused" not in radam.defaults
+    assert not build_optimizer(Tiny(), functools.partial(torch.optim.AdamW, lr=1e-3)).defaults["fused"]
