@@ -17,7 +17,8 @@ SIGTERM (what SLURM sends before preemption) and SIGINT (Ctrl+C) do not kill the
 records the signal; at the end of the current training step (or of a mid-epoch validation; after an end-of-epoch
 validation, at the end of the next step) every rank agrees to stop, `last.ckpt` is written and `RunInterrupted` is
 raised: a `SystemExit` with code 128 + signal number (143 for SIGTERM, 130 for SIGINT). A second SIGINT stops at
-once without a checkpoint.
+once without a checkpoint. With several ranks the agreement is an all-reduce whose result is read at the next check
+(`AgreedStop`), one step later: reading it at once would make the host wait for the GPU in every step.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import signal
 from weakref import proxy
 
+import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
 log = logging.getLogger("longmixer")
@@ -42,6 +44,40 @@ class RunInterrupted(SystemExit):
     def __init__(self, signum: int, step: int, checkpoint: str | None):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         super().__init__(128 + signum)
+
+
+class AgreedStop:
+    """The stop signal all ranks agree on (the largest of theirs), without a host sync per check.
+
+    Each `exchange` all-reduces this rank's signal and returns the agreed value of the previous exchange. On a GPU
+    the result travels to pinned host memory by an asynchronous copy and an event marks its arrival; by the next
+    check (a training step later) the GPU is usually past it, so waiting on that event does not drain the launch
+    queue, where `.item()` on the fresh result would wait for the whole step. Every rank calls `exchange` at the
+    same points of the loop, so every rank reads the same value at the same step and stops there.
+    """
+
+    def __init__(self):
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+    def exchange(self, signum: int, device: torch.device) -> int:
+        import torch.distributed as dist
+
+        value = torch.full((1,), signum, dtype=torch.int64, device=device)  # a fill kernel, no host copy
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        if device.type == "cuda":
+            result = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            result.copy_(value, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record()
+        else:
+            result, arrived = value, None
+        previous, self._pending = self._pending, (result, arrived)
+        if previous is None:
+            return 0
+        result, arrived = previous
+        if arrived is not None:
+            arrived.synchronize()
+        return int(result[0])
 
 
 class AtomicModelCheckpoint(ModelCheckpoint):
@@ -61,6 +97,7 @@ class AtomicModelCheckpoint(ModelCheckpoint):
         self.last_every_n_steps = every_n_train_steps
         self.val_metrics: dict[str, float] = {}  # the last validation's val/* values (checkpointed)
         self._stop_signal: int | None = None
+        self._agreed = AgreedStop()
 
     # --- signals -----------------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
@@ -80,15 +117,11 @@ class AtomicModelCheckpoint(ModelCheckpoint):
         return handler
 
     def _stop_requested(self, trainer) -> int | None:
-        """The signal to stop for, agreed by all ranks (any rank that got one stops every rank)."""
+        """The signal to stop for, agreed by all ranks (any rank that got one stops every rank; with several ranks,
+        as of the previous check: `AgreedStop`)."""
         signum = self._stop_signal or 0
         if trainer.world_size > 1:
-            import torch
-            import torch.distributed as dist
-
-            value = torch.tensor([signum], device=trainer.strategy.root_device)
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)
-            signum = int(value.item())
+            signum = self._agreed.exchange(signum, trainer.strategy.root_device)
         return signum or None
 
     def _stop(self, trainer, signum: int) -> None:
