@@ -30,11 +30,8 @@ PATHS = ("foreach + torch clip", "fused + clip_grad_norm")
 def _optimizers(params: list[torch.Tensor]) -> dict:
     from longmixer.utils.optim import clip_grad_norm
 
-    def torch_clip(ps, max_norm):
-        return torch.nn.utils.clip_grad_norm_(ps, max_norm)
-
     made = {}
-    for path, fused, clip in zip(PATHS, (False, True), (torch_clip, clip_grad_norm)):
+    for path, fused, clip in zip(PATHS, (False, True), (torch.nn.utils.clip_grad_norm_, clip_grad_norm)):
         kind = {"fused": True} if fused else {"foreach": True}
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **kind)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 1000))
@@ -135,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = {"gpu": torch.cuda.get_device_name(), "host": host_cpu()}
     print(f"{machine['gpu']}; host {machine['host']}; torch {torch.__version__}")
     err = parity(device)
-    print(f"parity: largest relative parameter difference after 3 steps {err:.2e}")
+    print(f"parity: largest relative difference of the clipped gradients and parameters over 3 steps {err:.2e}")
     if err > 1e-5:
         print("parity FAILED")
         return 1
