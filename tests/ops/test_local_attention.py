@@ -98,6 +98,37 @@ def test_full_length_one_pass_backward(monkeypatch, block_m, attention, causal, 
     _assert_matches_reference(q, k, v, bias, kw)
 
 
+@pytest.mark.parametrize("span,block_m,dq_atomic", [(32, 16, False), (16, 16, False), (16, 8, True)],
+                         ids=["fused", "split-dq-kernel", "split-atomic-dq"])
+@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, attention, causal):
+    """Tiles that divide the chunk (C = 32, tiles of 16 and 8) take the ALIGNED path: no per-pair chunk test and the
+    bias read without an index select. A ragged last chunk (L = 70), padded keys, rows without keys and a bias per
+    head keep their results, forward and every gradient, through each backward path."""
+    fwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_V=32, num_warps=4, num_stages=2)
+    bwd = dict(span=span, BLOCK_M=block_m, BLOCK_V_MAX=32, num_warps=4, num_stages=2, scratch=False,
+               dq_atomic=dq_atomic)
+    monkeypatch.setattr(kernel, "_fwd_config", lambda C, K, V: fwd)
+    monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: bwd)
+    aligned = []
+    monkeypatch.setattr(kernel, "tiles_in_one_chunk",
+                        lambda *a, f=kernel.tiles_in_one_chunk: aligned.append(f(*a)) or aligned[-1])
+    (q, k, v, bias), mask = _case(2, 2, 70, 8, 20, 32, bias_heads=2)
+    kw = dict(chunk_size=32, attention=attention, causal=causal, bias=bias, mask=mask)
+    _assert_matches_reference(q, k, v, bias, kw)
+    assert aligned and all(aligned), aligned  # forward and backward launches all took the aligned path
+
+
+def test_tiles_in_one_chunk():
+    """Both tile sizes must divide the chunk, and the backward's key span must be a whole number of key tiles; the
+    default tiles of MEGA-chunk's C = 128 (64 x 64 forward, 128-key spans of 32-query tiles backward) qualify."""
+    assert kernel.tiles_in_one_chunk(128, 64, 64) and kernel.tiles_in_one_chunk(128, 32, 128, 128)
+    assert not kernel.tiles_in_one_chunk(96, 64, 64)  # a 64-tile would cross the chunk boundary at 96
+    assert not kernel.tiles_in_one_chunk(64, 32, 128, 128)  # a 128-key span holds two chunks of 64
+    assert not kernel.tiles_in_one_chunk(128, 32, 64, 96)  # spans of 96 start key tiles off the 64 grid
+
+
 @pytest.mark.parametrize("nb,ratio,W,center,n_taps", [(3, 1, 2, 40, 81), (4, 2, 3, 30, 61), (2, 1, 2, 50, 101)])
 def test_fold_diagonal_partials_equals_scatter(nb, ratio, W, center, n_taps):
     """The skewed-view fold equals adding each tile's sums at its taps one by one (taps past the table dropped)."""
