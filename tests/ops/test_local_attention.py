@@ -62,36 +62,37 @@ def test_parity_fwd_bwd(attention, causal, B, H, L, K, V, C, bias_heads, masked)
         assert rel_error(a, b) < 1e-5, name
 
 
-@pytest.mark.parametrize("span,block_m,scratch,dq_atomic,block_v",
-                         [(16, 16, False, False, 16), (64, 16, True, False, 16), (64, 16, False, False, 16),
-                          (16, 16, True, False, 16), (16, 16, False, True, 32), (16, 16, False, True, 16)],
-                         ids=["split-gather", "fused-scratch", "fused-gather", "split-scratch", "split-atomic-dq",
-                              "split-atomic-dq-vblocks"])
+@pytest.mark.parametrize("span,block_m,dq_atomic,block_v",
+                         [(16, 16, False, 16), (64, 16, False, 16), (16, 16, True, 32), (16, 16, True, 16),
+                          (16, 32, False, 16)],
+                         ids=["split", "fused", "split-atomic-dq", "split-atomic-dq-vblocks", "split-query-block>span"])
 @pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
-def test_backward_tilings(monkeypatch, span, block_m, scratch, dq_atomic, block_v, attention, causal):
+def test_backward_tilings(monkeypatch, span, block_m, dq_atomic, block_v, attention, causal):
     """Other backward tiles on one ragged case: chunks of 20 longer than a 16-key span (split path, a query block
     spanning two chunks, value blocks of 16 for V = 20), and spans of five chunks of 12 (fused, two value blocks);
-    the bias gradient's diagonal sums by register gather and by scratch tile; the split path with dq by atomics
-    (the query blocks visited in a rotated order), with one and with two value blocks."""
+    the split path with dq by atomics (the query blocks visited in a rotated order), with one and with two value
+    blocks; and query blocks wider than the key span. The bias gradient's diagonal sums rotate each tile along its
+    query axis (`_query_rotated`), whose wrap classes depend on both tile sizes."""
     monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(span=span, BLOCK_M=block_m, BLOCK_V_MAX=block_v,
-                                                                     num_warps=4, num_stages=2, scratch=scratch,
-                                                                     dq_atomic=dq_atomic))
+                                                                     num_warps=4, num_stages=2, dq_atomic=dq_atomic))
     C = 12 if span == 64 else 20
     (q, k, v, bias), mask = _case(2, 2, 45, 8, 20, C, bias_heads=2)
     kw = dict(chunk_size=C, attention=attention, causal=causal, bias=bias, mask=mask)
     _assert_matches_reference(q, k, v, bias, kw)
 
 
-@pytest.mark.parametrize("block_m", [16, 8], ids=["query-block=span", "query-block=span/2"])
+@pytest.mark.parametrize("block_m,scratch", [(16, False), (8, False), (8, True)],
+                         ids=["query-block=span", "query-block=span/2", "query-block=span/2-scratch"])
 @pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("bias_heads", [0, 2], ids=["shared-bias", "head-bias"])
-def test_full_length_one_pass_backward(monkeypatch, block_m, attention, causal, bias_heads):
+def test_full_length_one_pass_backward(monkeypatch, block_m, scratch, attention, causal, bias_heads):
     """Full attention longer than a key span through the one-pass backward: dq by atomics and the bias gradient
-    as per-tile partials folded on the host (ragged L = 45 over spans of 16; query blocks of 16 and of 8)."""
+    as per-tile partials folded on the host (ragged L = 45 over spans of 16; query blocks of 16 and of 8), their
+    diagonals lined up by a register gather or through the scratch tile."""
     monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(span=16, BLOCK_M=block_m, BLOCK_V_MAX=32,
-                                                                     num_warps=4, num_stages=1, scratch=False,
+                                                                     num_warps=4, num_stages=1, scratch=scratch,
                                                                      dq_atomic=True))
     (q, k, v, bias), mask = _case(2, 2, 45, 8, 20, None, bias_heads=bias_heads)
     kw = dict(chunk_size=None, attention=attention, causal=causal, bias=bias, mask=mask)
@@ -107,8 +108,7 @@ def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, attention, c
     bias read without an index select. A ragged last chunk (L = 70), padded keys, rows without keys and a bias per
     head keep their results, forward and every gradient, through each backward path."""
     fwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_V=32, num_warps=4, num_stages=2)
-    bwd = dict(span=span, BLOCK_M=block_m, BLOCK_V_MAX=32, num_warps=4, num_stages=2, scratch=False,
-               dq_atomic=dq_atomic)
+    bwd = dict(span=span, BLOCK_M=block_m, BLOCK_V_MAX=32, num_warps=4, num_stages=2, dq_atomic=dq_atomic)
     monkeypatch.setattr(kernel, "_fwd_config", lambda C, K, V: fwd)
     monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: bwd)
     aligned = []

@@ -205,6 +205,17 @@ def _diag_sums(b_dsT, off, p_scratch, BLOCK_N: tl.constexpr, BLOCK_M: tl.constex
 
 
 @triton.jit
+def _query_rotated(b_dsT, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A [BLOCK_N keys, BLOCK_M queries] tile with each key row's queries permuted so that column c holds, in row jj,
+    the query ii = (jj - c) mod BLOCK_M: then j - i = c + BLOCK_M w - (m0 - n0), with w = floor((jj - c) / BLOCK_M)
+    in [-1, BLOCK_N / BLOCK_M - 1], so each column's sum over the rows of one w is one diagonal's. The permutation
+    stays inside a row, whose values live in one warp of the dot's layout (the rows are spread over the warps), so
+    the gather needs no shared-memory round trip. Returns the permuted tile and w + 1 per element."""
+    o_d = tl.arange(0, BLOCK_N)[:, None] - tl.arange(0, BLOCK_M)[None, :] + BLOCK_M  # jj - c + BLOCK_M >= 1
+    return tl.gather(b_dsT, o_d & (BLOCK_M - 1), axis=1), o_d // BLOCK_M
+
+
+@triton.jit
 def _store_diag_partials(p_part, row, i_n, m0, b_s0, b_s1, b_s2, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                          PART_W: tl.constexpr):
     """Store one tile's `_diag_sums` (PART_W of the three) as the partial of (row, key block i_n, query block
@@ -270,8 +281,11 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
     b_dk = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     p_scratch = scratch_ptr + (i_bh * tl.num_programs(0) + i_n) * BLOCK_N * BLOCK_M
-    b_db_lo = tl.zeros([BLOCK_N], dtype=tl.float32)  # FUSED bias gradient: j - i = jj - BLOCK_N (lo), jj (hi)
-    b_db_hi = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # FUSED bias gradient: this program's partial, indexed by (j - i) + BLOCK_N, added to in place tile by tile
+    p_part = dbias_ptr + (i_bh * tl.num_programs(0) + i_n) * 2 * BLOCK_N
+    if BIAS_GRAD and FUSED and (ONE_V or i_v == 0):
+        tl.store(p_part + tl.arange(0, 2 * BLOCK_N), tl.zeros([2 * BLOCK_N], dtype=tl.float32))
+        tl.debug_barrier()
     if FUSED:
         lo, hi = n0, k_hi
     else:
@@ -322,22 +336,23 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                 b_dsT = b_pT * (b_dpT - b_delta[None, :])  # softmax: ds = p (dp - rowsum(do o))
             else:
                 b_dsT = tl.where(m_valid, _activation_grad(b_sT, ATTN, MU, SIGMA) * b_dpT, 0.)
-            if BIAS_GRAD:
+            if BIAS_GRAD and BIAS_PART:
                 b_s0, b_s1, b_s2, k0 = _diag_sums(b_dsT, m0 - n0, p_scratch, BLOCK_N, BLOCK_M, SCRATCH)
+                _store_diag_partials(dbias_ptr, i_bh, i_n, m0, b_s0, b_s1, b_s2, BLOCK_N, BLOCK_M, PART_W)
+            elif BIAS_GRAD:
+                b_rot, b_w1 = _query_rotated(b_dsT, BLOCK_N, BLOCK_M)
+                o_c = tl.arange(0, BLOCK_M)
+                for w1 in tl.static_range((BLOCK_N - 1) // BLOCK_M + 2):  # w = w1 - 1: the diagonals j - i = d
+                    b_sum = tl.sum(tl.where(b_w1 == w1, b_rot, 0.), 0)
+                    o_d = o_c + BLOCK_M * (w1 - 1) - (m0 - n0)
+                    if FUSED:  # -BLOCK_N < d < BLOCK_N; only this program touches its partial
+                        p_d = p_part + BLOCK_N + o_d
+                        tl.store(p_d, tl.load(p_d) + b_sum)
+                    else:  # one atomic per diagonal into the zeroed [H or 1, 2C-1] gradient
+                        p_db = dbias_ptr + (i_h * (2 * C - 1) if BIAS_PER_HEAD else 0) + (C - 1)
+                        tl.atomic_add(p_db + o_d, b_sum, mask=(o_d > -C) & (o_d < C))
                 if FUSED:
-                    b_db_hi += b_s0  # 0 <= m0 - n0 < BLOCK_N: k0 = 0, and w = 2 holds no valid pair
-                    b_db_lo += b_s1
-                elif BIAS_PART:
-                    _store_diag_partials(dbias_ptr, i_bh, i_n, m0, b_s0, b_s1, b_s2, BLOCK_N, BLOCK_M, PART_W)
-                else:
-                    # one atomic per (diagonal, wrap count) into the zeroed [H or 1, 2C-1] gradient
-                    p_db = dbias_ptr + (i_h * (2 * C - 1) if BIAS_PER_HEAD else 0)
-                    o_rel = (C - 1) + tl.arange(0, BLOCK_N) - k0 * BLOCK_N  # (C-1) + j - i for w = 0
-                    tl.atomic_add(p_db + o_rel, b_s0, mask=(o_rel >= 0) & (o_rel <= 2 * C - 2))
-                    o_rel -= BLOCK_N
-                    tl.atomic_add(p_db + o_rel, b_s1, mask=(o_rel >= 0) & (o_rel <= 2 * C - 2))
-                    o_rel -= BLOCK_N
-                    tl.atomic_add(p_db + o_rel, b_s2, mask=(o_rel >= 0) & (o_rel <= 2 * C - 2))
+                    tl.debug_barrier()  # the next tile reads what this one added
             if ATTN == 0:
                 b_dsT = b_dsT * scale
             else:
@@ -356,11 +371,6 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
     if ONE_V or i_v == 0:
         tl.store(dk_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :], b_dk.to(dk_ptr.dtype.element_ty),
                  mask=m_keys[:, None] & m_k[None, :])
-        if BIAS_GRAD and FUSED:
-            # this program's partial, indexed by (j - i) + BLOCK_N; summed over programs by the launcher
-            p_part = dbias_ptr + (i_bh * tl.num_programs(0) + i_n) * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(p_part, b_db_lo)
-            tl.store(p_part + BLOCK_N, b_db_hi)
 
 
 @triton.jit
@@ -491,11 +501,11 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
 # The backward of long spans with K <= 64 (MEGA's full attention, K 64 V 256): one pass over each key span with
 # the whole value row (no score tile recomputed per value block, no dq kernel recomputing dp), dq added by
 # atomics, the bias gradient as per-tile partials (`fold_diagonal_partials`).
-LONG_SPAN_K64 = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4, num_stages=1, scratch=False, dq_atomic=True)
+LONG_SPAN_K64 = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True)
 # Chunks longer than a span but shorter than the sequence (MEGA-chunk with C > 128) keep the dq kernel and the bias
 # atomics, as measured before the one-pass path existed (docs/benchmarks.md); the one-pass path was timed at full
 # length only.
-SPLIT_SPAN_K64 = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=128, num_warps=4, num_stages=1, scratch=False)
+SPLIT_SPAN_K64 = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=128, num_warps=4, num_stages=1)
 # ... except with narrow values (V <= 64, MEGA-chunk's and the anchors' D 64), where the one-pass kernel with 64
 # queries per tile (dq by atomics, the bias gradient by atomics as the chunk is shorter than the sequence) is faster:
 # backward 0.342 vs 0.388 ms at B8 H4 L4096 C256 and 1.101 vs 1.317 ms at B8 H1 L16384 C1024 (H100, bf16).
@@ -503,20 +513,19 @@ SPLIT_SPAN_K64_NARROW = dict(LONG_SPAN_K64, BLOCK_M=64)
 
 
 def _bwd_config(C: int, K: int, V: int) -> dict:
-    """Backward tiles, from the H200 sweeps in docs/benchmarks.md (kernel measurement records). `span` is the key span a program
-    owns: the largest multiple of C up to it when C <= span (one fused kernel), else the span itself (dq + dk/dv
-    kernels). `scratch` picks the bias gradient's skew: through an L1-resident scratch tile (faster at K = 128:
-    81.6 vs 84.6 us) or a register gather (faster at K = 64: 49.9 vs 55.9 us)."""
+    """Backward tiles, from the H200 and H100 sweeps in docs/benchmarks.md. `span` is the key span a program owns:
+    the largest multiple of C up to it when C <= span (one fused kernel), else the span itself (dq + dk/dv kernels).
+    `scratch` (optional, the full-length one-pass path only, whose per-tile partials keep `_diag_sums`' key-axis
+    skew) takes that skew through an L1-resident scratch tile instead of a register gather."""
     if C <= 128 and K <= 64 and V <= 64:  # H100 sweep at C 128 D 64: 49.0 us against 57.1 for 32 x 4 warps x 2 stages
-        return dict(span=128, BLOCK_M=64, BLOCK_V_MAX=128, num_warps=8, num_stages=1, scratch=False)
+        return dict(span=128, BLOCK_M=64, BLOCK_V_MAX=128, num_warps=8, num_stages=1)
     if C <= 128 and K <= 128 and V <= 128:
-        return dict(span=128, BLOCK_M=32, BLOCK_V_MAX=128, num_warps=8, num_stages=2, scratch=True)
+        return dict(span=128, BLOCK_M=32, BLOCK_V_MAX=128, num_warps=8, num_stages=2)
     if C <= 128 and K <= 64 and V <= 256:
-        return dict(span=128, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=8, num_stages=2, scratch=True)
+        return dict(span=128, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=8, num_stages=2)
     if K <= 64:  # long spans (MEGA's full attention); docs/benchmarks.md has the sweep
         return dict(LONG_SPAN_K64)
-    return dict(span=64, BLOCK_M=64 if max(K, V) <= 64 else 32, BLOCK_V_MAX=128, num_warps=4, num_stages=2,
-                scratch=False)
+    return dict(span=64, BLOCK_M=64 if max(K, V) <= 64 else 32, BLOCK_V_MAX=128, num_warps=4, num_stages=2)
 
 
 def _flag_args(q, v, attention, causal, bias, mask, dropout) -> dict:
@@ -595,7 +604,7 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     bias_arg = bias if bias is not None else stat
     mask_arg = mask if mask is not None else stat
     scratch = stat
-    if bias_grad and cfg["scratch"]:
+    if bias_part and cfg.get("scratch", False):
         scratch = torch.empty(B * H * n_spans * BLOCK_N * BLOCK_M, device=q.device, dtype=torch.float32)
     delta = stat
     if not fused:
