@@ -62,21 +62,22 @@ def test_parity_fwd_bwd(attention, causal, B, H, L, K, V, C, bias_heads, masked)
         assert rel_error(a, b) < 1e-5, name
 
 
-@pytest.mark.parametrize("span,block_m,dq_atomic,block_v",
-                         [(16, 16, False, 16), (64, 16, False, 16), (16, 16, True, 32), (16, 16, True, 16),
-                          (16, 32, False, 16)],
-                         ids=["split", "fused", "split-atomic-dq", "split-atomic-dq-vblocks", "split-query-block>span"])
+@pytest.mark.parametrize("C,span,block_m,dq_atomic,block_v",
+                         [(20, 16, 16, False, 16), (12, 64, 16, False, 16), (20, 16, 16, True, 32),
+                          (20, 16, 16, True, 16), (20, 16, 32, False, 16), (8, 16, 32, False, 16)],
+                         ids=["split", "fused", "split-atomic-dq", "split-atomic-dq-vblocks", "split-query-block>span",
+                              "fused-query-block>span"])
 @pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
-def test_backward_tilings(monkeypatch, span, block_m, dq_atomic, block_v, attention, causal):
+def test_backward_tilings(monkeypatch, C, span, block_m, dq_atomic, block_v, attention, causal):
     """Other backward tiles on one ragged case: chunks of 20 longer than a 16-key span (split path, a query block
     spanning two chunks, value blocks of 16 for V = 20), and spans of five chunks of 12 (fused, two value blocks);
     the split path with dq by atomics (the query blocks visited in a rotated order), with one and with two value
-    blocks; and query blocks wider than the key span. The bias gradient's diagonal sums rotate each tile along its
-    query axis (`_query_rotated`), whose wrap classes depend on both tile sizes."""
+    blocks; and query blocks wider than the key span (split, and fused over spans of two chunks of 8). The bias
+    gradient's diagonal sums rotate each tile along its query axis (`_query_rotated`), whose wrap classes depend on
+    both tile sizes."""
     monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(span=span, BLOCK_M=block_m, BLOCK_V_MAX=block_v,
                                                                      num_warps=4, num_stages=2, dq_atomic=dq_atomic))
-    C = 12 if span == 64 else 20
     (q, k, v, bias), mask = _case(2, 2, 45, 8, 20, C, bias_heads=2)
     kw = dict(chunk_size=C, attention=attention, causal=causal, bias=bias, mask=mask)
     _assert_matches_reference(q, k, v, bias, kw)

@@ -345,9 +345,9 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                 for w1 in tl.static_range((BLOCK_N - 1) // BLOCK_M + 2):  # w = w1 - 1: the diagonals j - i = d
                     b_sum = tl.sum(tl.where(b_w1 == w1, b_rot, 0.), 0)
                     o_d = o_c + BLOCK_M * (w1 - 1) - (m0 - n0)
-                    if FUSED:  # -BLOCK_N < d < BLOCK_N; only this program touches its partial
-                        p_d = p_part + BLOCK_N + o_d
-                        tl.store(p_d, tl.load(p_d) + b_sum)
+                    if FUSED:  # valid pairs have -BLOCK_N < d < BLOCK_N; only this program touches its partial
+                        p_d, m_d = p_part + BLOCK_N + o_d, (o_d > -BLOCK_N) & (o_d < BLOCK_N)
+                        tl.store(p_d, tl.load(p_d, mask=m_d, other=0.) + b_sum, mask=m_d)
                     else:  # one atomic per diagonal into the zeroed [H or 1, 2C-1] gradient
                         p_db = dbias_ptr + (i_h * (2 * C - 1) if BIAS_PER_HEAD else 0) + (C - 1)
                         tl.atomic_add(p_db + o_d, b_sum, mask=(o_d > -C) & (o_d < C))
