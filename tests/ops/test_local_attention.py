@@ -123,7 +123,8 @@ def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, attention, c
 
 def test_tiles_in_one_chunk():
     """Both tile sizes must divide the chunk, and the backward's key span must be a whole number of key tiles; the
-    default tiles of MEGA-chunk's C = 128 (64 x 64 forward, 128-key spans of 32-query tiles backward) qualify."""
+    default tiles of MEGA-chunk's C = 128 (64 x 64 forward, 128-key spans of 32- or 64-query tiles backward)
+    qualify."""
     assert kernel.tiles_in_one_chunk(128, 64, 64) and kernel.tiles_in_one_chunk(128, 32, 128, 128)
     assert not kernel.tiles_in_one_chunk(96, 64, 64)  # a 64-tile would cross the chunk boundary at 96
     assert not kernel.tiles_in_one_chunk(64, 32, 128, 128)  # a 128-key span holds two chunks of 64

@@ -337,11 +337,12 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
             else:
                 b_dsT = tl.where(m_valid, _activation_grad(b_sT, ATTN, MU, SIGMA) * b_dpT, 0.)
             if BIAS_GRAD and BIAS_PART:
-                b_s0, b_s1, b_s2, k0 = _diag_sums(b_dsT, m0 - n0, p_scratch, BLOCK_N, BLOCK_M, SCRATCH)
+                b_s0, b_s1, b_s2, _ = _diag_sums(b_dsT, m0 - n0, p_scratch, BLOCK_N, BLOCK_M, SCRATCH)
                 _store_diag_partials(dbias_ptr, i_bh, i_n, m0, b_s0, b_s1, b_s2, BLOCK_N, BLOCK_M, PART_W)
             elif BIAS_GRAD:
                 b_rot, b_w1 = _query_rotated(b_dsT, BLOCK_N, BLOCK_M)
                 o_c = tl.arange(0, BLOCK_M)
+                p_db = dbias_ptr + (i_h * (2 * C - 1) if BIAS_PER_HEAD else 0) + (C - 1)  # tap 0 (split paths)
                 for w1 in tl.static_range((BLOCK_N - 1) // BLOCK_M + 2):  # w = w1 - 1: the diagonals j - i = d
                     b_sum = tl.sum(tl.where(b_w1 == w1, b_rot, 0.), 0)
                     o_d = o_c + BLOCK_M * (w1 - 1) - (m0 - n0)
@@ -349,7 +350,6 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                         p_d, m_d = p_part + BLOCK_N + o_d, (o_d > -BLOCK_N) & (o_d < BLOCK_N)
                         tl.store(p_d, tl.load(p_d, mask=m_d, other=0.) + b_sum, mask=m_d)
                     else:  # one atomic per diagonal into the zeroed [H or 1, 2C-1] gradient
-                        p_db = dbias_ptr + (i_h * (2 * C - 1) if BIAS_PER_HEAD else 0) + (C - 1)
                         tl.atomic_add(p_db + o_d, b_sum, mask=(o_d > -C) & (o_d < C))
                 if FUSED:
                     tl.debug_barrier()  # the next tile reads what this one added
