@@ -100,25 +100,88 @@ def test_full_length_one_pass_backward(monkeypatch, block_m, scratch, attention,
     _assert_matches_reference(q, k, v, bias, kw)
 
 
-@pytest.mark.parametrize("span,block_m,dq_atomic", [(32, 16, False), (16, 16, False), (16, 8, True)],
-                         ids=["fused", "split-dq-kernel", "split-atomic-dq"])
+@pytest.mark.parametrize("span,block_m,dq_atomic,bias_heads",
+                         [(32, 16, False, 2), (16, 16, False, 2), (16, 8, True, 2), (16, 16, True, 2),
+                          (16, 16, True, 0)],
+                         ids=["fused", "split-dq-kernel", "split-atomic-dq", "split-atomic-dq-carry",
+                              "split-atomic-dq-carry-shared-bias"])
 @pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
-def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, attention, causal):
+def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, bias_heads, attention, causal):
     """Tiles that divide the chunk (C = 32, tiles of 16 and 8) take the ALIGNED path: no per-pair chunk test and the
     bias read without an index select. A ragged last chunk (L = 70), padded keys, rows without keys and a bias per
-    head keep their results, forward and every gradient, through each backward path."""
+    head (or one shared) keep their results, forward and every gradient, through each backward path. The split
+    paths' spans tile the chunk, so their bias gradient goes through per-program partials (`fold_span_partials`):
+    added to tile by tile with 8-query tiles, and with query tiles as wide as the span through the carried tile,
+    in order (dq kernel) and in the rotated order of dq by atomics, which wraps around the chunk."""
     fwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_V=32, num_warps=4, num_stages=2)
     bwd = dict(span=span, BLOCK_M=block_m, BLOCK_V_MAX=32, num_warps=4, num_stages=2, dq_atomic=dq_atomic)
     monkeypatch.setattr(kernel, "_fwd_config", lambda C, K, V: fwd)
     monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: bwd)
-    aligned = []
+    aligned, folds = [], []
     monkeypatch.setattr(kernel, "tiles_in_one_chunk",
                         lambda *a, f=kernel.tiles_in_one_chunk: aligned.append(f(*a)) or aligned[-1])
-    (q, k, v, bias), mask = _case(2, 2, 70, 8, 20, 32, bias_heads=2)
+    monkeypatch.setattr(kernel, "fold_span_partials",
+                        lambda *a, f=kernel.fold_span_partials: folds.append(a[0].shape) or f(*a))
+    (q, k, v, bias), mask = _case(2, 2, 70, 8, 20, 32, bias_heads=bias_heads)
     kw = dict(chunk_size=32, attention=attention, causal=causal, bias=bias, mask=mask)
     _assert_matches_reference(q, k, v, bias, kw)
     assert aligned and all(aligned), aligned  # forward and backward launches all took the aligned path
+    # split paths: partials of [B H, 3 chunks x 2 spans, C + span]
+    assert folds == ([] if span == 32 else [(4, 6, 48)]), folds
+
+
+@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("bias_heads", [0, 2], ids=["shared-bias", "head-bias"])
+def test_forward_bias_table(monkeypatch, attention, causal, bias_heads):
+    """The forward reading its bias tiles from `bias_table` (chunks >= 256 by default; here C = 32 with 16 x 16
+    tiles) gives bitwise the output and statistics of the gather from the bias, with a ragged last chunk, padded
+    keys and rows without keys; and the table's tile d is the Toeplitz block d - (C / 16 - 1) tiles right of the
+    diagonal."""
+    fwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_V=32, num_warps=4, num_stages=2)
+    (q, k, v, bias), mask = _case(2, 2, 70, 8, 20, 32, bias_heads=bias_heads)
+    b32 = bias.detach().float().reshape(-1, 63).contiguous()
+    args = [t.detach().float().contiguous() for t in (q, k, v)] + [b32, (mask if mask is None else mask.to(torch.uint8))]
+    kw = dict(attention=attention, causal=causal, chunk=32, scale=8 ** -0.5, cfg=fwd)
+    monkeypatch.setattr(kernel, "use_bias_table", lambda C, M, N: False)
+    o_gather, stat_gather = kernel.local_attention_fwd(*args, **kw)
+    tables = []
+    monkeypatch.setattr(kernel, "use_bias_table", lambda C, M, N: tables.append((C, M, N)) or True)
+    o_table, stat_table = kernel.local_attention_fwd(*args, **kw)
+    assert tables == [(32, 16, 16)]
+    assert torch.equal(o_table, o_gather) and torch.equal(stat_table, stat_gather)
+    ref = local_attention_ref(q, k, v, chunk_size=32, attention=attention, causal=causal, bias=bias, mask=mask,
+                              scale=8 ** -0.5)
+    assert rel_error(o_table, ref) < 1e-5
+
+    tab = kernel.bias_table(b32, 32, 16, 16)
+    assert tab.shape == (b32.shape[0], 3, 16, 16)
+    full = b32[:, 31 + torch.arange(32)[None, :] - torch.arange(32)[:, None]]  # [G, 32 queries, 32 keys]
+    for d, (r0, c0) in enumerate([(16, 0), (0, 0), (0, 16)]):  # key tile 1 left, on, 1 right of the query tile
+        assert torch.equal(tab[:, d], full[:, r0:r0 + 16, c0:c0 + 16])
+
+
+def test_bias_table_only_for_long_aligned_chunks():
+    assert kernel.use_bias_table(256, 64, 64) and kernel.use_bias_table(1024, 64, 64)
+    assert not kernel.use_bias_table(128, 64, 64)  # every program would read the same three tiles
+    assert not kernel.use_bias_table(1000, 64, 64)  # tiles cross chunk boundaries
+    assert not kernel.use_bias_table(256, 128, 64)
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["head-bias", "shared-bias"])
+def test_fold_span_partials_equals_scatter(per_head):
+    """Each program's partial entry x is tap x + n0 % C of its bias's gradient (n0 the program's first key)."""
+    B, H, chunks, C, span = 2, 3, 3, 32, 8
+    R = C // span
+    part = torch.randn(B * H, chunks * R, C + span, dtype=torch.float64)
+    want = torch.zeros(H if per_head else 1, 2 * C + span, dtype=torch.float64)
+    for bh in range(B * H):
+        for row in range(chunks * R):
+            want[bh % H if per_head else 0, (row % R) * span:(row % R) * span + C + span] += part[bh, row]
+    got = kernel.fold_span_partials(part, B, per_head, C, span)
+    assert got.shape == (H if per_head else 1, 2 * C - 1)
+    torch.testing.assert_close(got, want[:, :2 * C - 1], rtol=1e-12, atol=1e-12)
 
 
 def test_tiles_in_one_chunk():

@@ -2,13 +2,18 @@
 causal), forward and backward, flash-style: score tiles live on chip and the C x C (or L x L) matrix is never
 written. MEGA, arXiv:2209.10655, sections 3.1 and 3.3.
 
+Forward: one program per query tile. Chunks of 256 or more read each tile's bias as one contiguous block of a
+per-call table of the chunk's Toeplitz tiles (`bias_table`); shorter chunks gather it from the bias.
 Backward: where a chunk fits one key tile (C <= the span of `_bwd_config`), one program per span of whole chunks
 does the span's entire backward (dq, dk, dv, rowsum(do o) and the bias gradient as a per-program partial) with
 no atomics. Full-length attention longer than a span (MEGA) runs one pass per key span over the whole value row,
 dq by atomics and the bias gradient as per-tile partials (`fold_diagonal_partials`); other longer chunks use a dq
-kernel (which also writes rowsum(do o)) and a dk/dv kernel (bias by atomics).
-The bias gradient sums ds along diagonals after rotating each tile's columns (`_diag_sums`). The ops README
-describes the layout; docs/benchmarks.md (kernel measurement records) has the measurements behind the tile table.
+kernel (which also writes rowsum(do o)) and a dk/dv kernel, or, with K and V <= 64, the one-pass kernel with dq by
+atomics. Their bias gradient goes to a partial per program where the spans tile each chunk (`fold_span_partials`),
+else by atomics.
+The bias gradient sums ds along diagonals after permuting each key row's queries (`_query_rotated`); the
+full-length path rotates each tile's columns (`_diag_sums`). The ops README describes the layout;
+docs/benchmarks.md (kernel measurement records) has the measurements behind the tile table.
 """
 
 from __future__ import annotations
@@ -121,13 +126,41 @@ def _inv_count(o_m, i_b, L, C, lo, hi, mask_ptr, CAUSAL: tl.constexpr, HAS_MASK:
 
 
 @triton.jit
+def _bias_table_kernel(bias_ptr, tab_ptr, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # tile d of head h: b[(C-1) + (d - (C / BLOCK_N - 1)) BLOCK_N + c - r] for r < BLOCK_M, c < BLOCK_N
+    i_d, i_h = tl.program_id(0), tl.program_id(1)
+    o_r, o_c = tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_N)[None, :]
+    o_b = (C - 1) + (i_d - (C // BLOCK_N - 1)) * BLOCK_N + o_c - o_r
+    tl.store(tab_ptr + (i_h * tl.num_programs(0) + i_d) * BLOCK_M * BLOCK_N + o_r * BLOCK_N + o_c,
+             tl.load(bias_ptr + i_h * (2 * C - 1) + o_b))
+
+
+def bias_table(bias: torch.Tensor, C: int, BLOCK_M: int, BLOCK_N: int) -> torch.Tensor:
+    """The Toeplitz bias b[(C-1) + j - i] cut into the [BLOCK_M, BLOCK_N] tiles of one chunk: [H or 1, 2 C / BLOCK_N
+    - 1, BLOCK_M, BLOCK_N] float32, tile d holding key tiles d - (C / BLOCK_N - 1) tiles right of their query tile.
+    For tiles inside one chunk (`tiles_in_one_chunk`) with BLOCK_M == BLOCK_N."""
+    n_d = 2 * (C // BLOCK_N) - 1
+    tab = torch.empty(bias.shape[0], n_d, BLOCK_M, BLOCK_N, device=bias.device, dtype=torch.float32)
+    _bias_table_kernel[(n_d, bias.shape[0])](bias, tab, C, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return tab
+
+
+def use_bias_table(C: int, BLOCK_M: int, BLOCK_N: int) -> bool:
+    """Whether the forward reads its bias tiles from `bias_table`: aligned square tiles and chunks of at least 256.
+    A tile's bias then loads as one contiguous block instead of a gather of BLOCK_M x BLOCK_N single values.
+    On an H100 (docs/benchmarks.md) that made the forward faster at C 256 and 1024. At C 128 it was slower: every
+    program reads the same three tiles."""
+    return C >= 256 and BLOCK_M == BLOCK_N and tiles_in_one_chunk(C, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
 def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, stat_ptr, bias_ptr, mask_ptr,
                                 H, L, K, V, C, scale, seed_ptr, p_drop,
                                 ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
                                 DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr, ALIGNED: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                BLOCK_V: tl.constexpr):
+                                TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     # one (query block, value block); stat = log-sum-exp (softmax) or 1/n (element attention) for the backward
     i_m, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -144,6 +177,10 @@ def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, stat_ptr, bias_ptr, 
     b_acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
     b_mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # TABLE: bias_ptr is `bias_table`; p_tab is this head's tile of key tiles starting at the query tile's start
+    n_d = 2 * (C // BLOCK_N) - 1
+    p_tab = (bias_ptr + ((i_h * n_d if BIAS_PER_HEAD else 0) + C // BLOCK_N - 1 - i_m) * (BLOCK_M * BLOCK_N)
+             + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
     for n0 in range(lo, hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         b_k = tl.load(k_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :],
@@ -153,8 +190,10 @@ def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, stat_ptr, bias_ptr, 
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * scale
         if ATTN != 0:
             b_s = b_s * b_inv[:, None]  # element attention divides by the key count before the bias (MEGA code)
+        if HAS_BIAS and TABLE:  # key tile n0 / BLOCK_N - i_m tiles right of the query tile (BLOCK_M == BLOCK_N)
+            b_s = b_s + tl.load(p_tab + (n0 // BLOCK_N) * (BLOCK_M * BLOCK_N))
         b_s, m_valid = _bias_and_mask(b_s, o_m[:, None], o_n[None, :], i_b, i_h, L, C, L, hi, bias_ptr, mask_ptr,
-                                      CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, ALIGNED)
+                                      CAUSAL, HAS_BIAS and not TABLE, BIAS_PER_HEAD, HAS_MASK, ALIGNED)
         if ATTN == 0:
             # online softmax; a row with no valid key so far keeps max -inf, guarded to avoid inf - inf
             b_s = tl.where(m_valid, b_s, float("-inf"))
@@ -216,6 +255,19 @@ def _query_rotated(b_dsT, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _put_diagonals(p_diag, o_d, b_sum, d_lo, d_hi, MODE: tl.constexpr):
+    """Put the sums b_sum of diagonals j - i = o_d (d_lo < o_d < d_hi) at p_diag + o_d: MODE 0 by atomics (a buffer
+    every program adds into), 1 by a store (each diagonal put once), 2 added in place (a program's own partial)."""
+    m_d = (o_d > d_lo) & (o_d < d_hi)
+    if MODE == 0:
+        tl.atomic_add(p_diag + o_d, b_sum, mask=m_d)
+    elif MODE == 1:
+        tl.store(p_diag + o_d, b_sum, mask=m_d)
+    else:
+        tl.store(p_diag + o_d, tl.load(p_diag + o_d, mask=m_d, other=0.) + b_sum, mask=m_d)
+
+
+@triton.jit
 def _store_diag_partials(p_part, row, i_n, m0, b_s0, b_s1, b_s2, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                          PART_W: tl.constexpr):
     """Store one tile's `_diag_sums` (PART_W of the three) as the partial of (row, key block i_n, query block
@@ -259,6 +311,7 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                                 FUSED: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
                                 ALIGNED: tl.constexpr, BIAS_GRAD: tl.constexpr, SCRATCH: tl.constexpr,
                                 DQ_ATOMIC: tl.constexpr, BIAS_PART: tl.constexpr, PART_W: tl.constexpr,
+                                SPAN_PART: tl.constexpr, CARRY: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 BLOCK_V: tl.constexpr, ONE_V: tl.constexpr):
     # one key span [n0, n0 + SPAN) and one value block, tiles kept transposed ([keys, queries]) so that
@@ -281,16 +334,40 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
     b_dk = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     p_scratch = scratch_ptr + (i_bh * tl.num_programs(0) + i_n) * BLOCK_N * BLOCK_M
-    # FUSED bias gradient: this program's partial, indexed by (j - i) + BLOCK_N, added to in place tile by tile
-    p_part = dbias_ptr + (i_bh * tl.num_programs(0) + i_n) * 2 * BLOCK_N
-    if BIAS_GRAD and FUSED and (ONE_V or i_v == 0):
-        tl.store(p_part + tl.arange(0, 2 * BLOCK_N), tl.zeros([2 * BLOCK_N], dtype=tl.float32))
-        tl.debug_barrier()
+    # Where the bias gradient's diagonal sums go (not BIAS_PART): p_diag + (j - i), for d_lo < j - i < d_hi.
+    # FUSED: this program's [2 BLOCK_N] partial, zeroed here. SPAN_PART (split paths whose spans tile each chunk):
+    # this program's row of C + BLOCK_N in a zeroed [B H, spans per chunk x chunks, C + BLOCK_N] buffer, the
+    # diagonal at (C - 1) - n0 % C + (j - i) (`fold_span_partials`). Else the [H or 1, 2C-1] gradient, by atomics.
+    if FUSED:
+        p_diag = dbias_ptr + (i_bh * tl.num_programs(0) + i_n) * 2 * BLOCK_N + BLOCK_N
+        d_lo, d_hi = -BLOCK_N, BLOCK_N
+        if BIAS_GRAD and (ONE_V or i_v == 0):
+            tl.store(p_diag - BLOCK_N + tl.arange(0, 2 * BLOCK_N), tl.zeros([2 * BLOCK_N], dtype=tl.float32))
+            tl.debug_barrier()
+    elif SPAN_PART:
+        p_diag = dbias_ptr + (i_bh * tl.cdiv(L, C) * (C // SPAN) + i_n) * (C + BLOCK_N) + (C - 1) - n0 % C
+        d_lo, d_hi = n0 % C - C, n0 % C + BLOCK_N
+    else:
+        p_diag = dbias_ptr + (i_h * (2 * C - 1) if BIAS_PER_HEAD else 0) + (C - 1)
+        d_lo, d_hi = -C, C
+    # partials added to in place by each tile (ADD_MODE 2) or atomics into the shared gradient (0)
+    ADD_MODE: tl.constexpr = 2 if FUSED or SPAN_PART else 0
     if FUSED:
         lo, hi = n0, k_hi
     else:
         lo, hi = _query_range(n0, L, C, BLOCK_N, CAUSAL)
     n_iter = tl.cdiv(hi - lo, BLOCK_M)
+    # CARRY (BLOCK_N == BLOCK_M, split paths): each tile's wrap classes are w = 0 (jj >= c) and w = -1 (jj < c), and
+    # class 0 of a tile holds the same diagonals, column by column, as class -1 of the tile BLOCK_M queries below.
+    # So the rotated tile before (b_prev, queries prev_m0) is carried and one column sum of the two gives this
+    # block's diagonals complete: one reduction and one put per tile instead of two.
+    o_c = tl.arange(0, BLOCK_M)
+    b_cls0 = tl.arange(0, BLOCK_N)[:, None] >= o_c[None, :]
+    b_prev = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if DQ_ATOMIC:
+        prev_m0 = lo + ((i_n % n_iter) - 1) * BLOCK_M
+    else:
+        prev_m0 = lo - BLOCK_M
     for it in range(0, n_iter):
         if DQ_ATOMIC:
             m0 = lo + ((it + i_n) % n_iter) * BLOCK_M
@@ -339,19 +416,24 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
             if BIAS_GRAD and BIAS_PART:
                 b_s0, b_s1, b_s2, _ = _diag_sums(b_dsT, m0 - n0, p_scratch, BLOCK_N, BLOCK_M, SCRATCH)
                 _store_diag_partials(dbias_ptr, i_bh, i_n, m0, b_s0, b_s1, b_s2, BLOCK_N, BLOCK_M, PART_W)
+            elif BIAS_GRAD and CARRY:
+                b_rot, _ = _query_rotated(b_dsT, BLOCK_N, BLOCK_M)
+                if m0 != prev_m0 + BLOCK_M:  # DQ_ATOMIC's rotated order wrapped: put the carried tile's class -1
+                    _put_diagonals(p_diag, o_c - BLOCK_M - (prev_m0 - n0), tl.sum(tl.where(b_cls0, 0., b_prev), 0),
+                                   d_lo, d_hi, ADD_MODE)
+                    b_prev = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                # complete diagonals, each put once (a partial takes a store), except the first tile's block in
+                # DQ_ATOMIC's order, which the last tile's class -1 completes after the loop
+                _put_diagonals(p_diag, o_c - (m0 - n0), tl.sum(tl.where(b_cls0, b_rot, b_prev), 0), d_lo, d_hi,
+                               1 if SPAN_PART else 0)
+                b_prev = b_rot
+                prev_m0 = m0
             elif BIAS_GRAD:
                 b_rot, b_w1 = _query_rotated(b_dsT, BLOCK_N, BLOCK_M)
-                o_c = tl.arange(0, BLOCK_M)
-                p_db = dbias_ptr + (i_h * (2 * C - 1) if BIAS_PER_HEAD else 0) + (C - 1)  # tap 0 (split paths)
                 for w1 in tl.static_range((BLOCK_N - 1) // BLOCK_M + 2):  # w = w1 - 1: the diagonals j - i = d
-                    b_sum = tl.sum(tl.where(b_w1 == w1, b_rot, 0.), 0)
-                    o_d = o_c + BLOCK_M * (w1 - 1) - (m0 - n0)
-                    if FUSED:  # valid pairs have -BLOCK_N < d < BLOCK_N; only this program touches its partial
-                        p_d, m_d = p_part + BLOCK_N + o_d, (o_d > -BLOCK_N) & (o_d < BLOCK_N)
-                        tl.store(p_d, tl.load(p_d, mask=m_d, other=0.) + b_sum, mask=m_d)
-                    else:  # one atomic per diagonal into the zeroed [H or 1, 2C-1] gradient
-                        tl.atomic_add(p_db + o_d, b_sum, mask=(o_d > -C) & (o_d < C))
-                if FUSED:
+                    _put_diagonals(p_diag, o_c + BLOCK_M * (w1 - 1) - (m0 - n0),
+                                   tl.sum(tl.where(b_w1 == w1, b_rot, 0.), 0), d_lo, d_hi, ADD_MODE)
+                if ADD_MODE == 2:
                     tl.debug_barrier()  # the next tile reads what this one added
             if ATTN == 0:
                 b_dsT = b_dsT * scale
@@ -366,6 +448,10 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                 b_dq = tl.dot(tl.trans(b_dsT).to(b_k.dtype), b_k, input_precision=DOT_PREC)
                 tl.atomic_add(dq_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], b_dq,
                               mask=m_rows[:, None] & m_k[None, :], sem="relaxed")
+    if BIAS_GRAD and CARRY and (ONE_V or i_v == 0):  # the last tile's class -1
+        tl.debug_barrier()  # a partial's first put may share these diagonals
+        _put_diagonals(p_diag, o_c - BLOCK_M - (prev_m0 - n0), tl.sum(tl.where(b_cls0, 0., b_prev), 0), d_lo, d_hi,
+                       ADD_MODE)
     tl.store(dv_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :], b_dv.to(dv_ptr.dtype.element_ty),
              mask=m_keys[:, None] & m_v[None, :])
     if ONE_V or i_v == 0:
@@ -471,6 +557,23 @@ def fold_diagonal_partials(part: torch.Tensor, center: int, n_taps: int, ratio: 
     return out
 
 
+def fold_span_partials(part: torch.Tensor, batch: int, per_head: bool, chunk: int, span: int) -> torch.Tensor:
+    """Sum the split backward's per-program diagonal partials into the [H or 1, 2C-1] bias gradient, without atomics.
+
+    part [B H, chunks x C / span, C + span]: the row of the program whose keys start at n0 holds diagonal j - i
+    at (C - 1) - n0 % C + (j - i), so its tap (C - 1) + (j - i) is the row index plus r span, r = (n0 % C) / span.
+    Rows of one r are summed over the batch (and the heads, for a shared bias) and the chunks, then each r is
+    shifted by r span through a strided view of a zeroed buffer and the r are summed: deterministic."""
+    R, W = chunk // span, chunk + span
+    p = part.view(batch, -1, part.shape[1] // R, R, W)  # [B, H, chunks, R, W]
+    p = p.sum((0, 2)) if per_head else p.sum((0, 1, 2)).unsqueeze(0)  # [G, R, W]
+    G, width = p.shape[0], 2 * chunk + span
+    buf = p.new_zeros(G, R, width)
+    # (g, r, x) -> row r, column r span + x: the row stride grows by span; r span + x < 2C for x < W
+    buf.as_strided((G, R, W), (R * width, width + span, 1)).copy_(p)
+    return buf.sum(1)[:, :2 * chunk - 1]
+
+
 def tiles_in_one_chunk(C: int, BLOCK_M: int, BLOCK_N: int, span: int | None = None) -> bool:
     """Whether every [BLOCK_M queries, BLOCK_N keys] tile of a launch lies inside one chunk: query tiles start at
     chunk starts (or at multiples of BLOCK_M) and key tiles at chunk starts or multiples of `span` (the backward's
@@ -553,11 +656,15 @@ def local_attention_fwd(q, k, v, bias, mask, *, attention: str, causal: bool, ch
     o = torch.empty_like(v)
     stat = torch.empty(B, H, L, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(L, cfg["BLOCK_M"]), B * H, triton.cdiv(V, cfg["BLOCK_V"]))
+    table = bias is not None and use_bias_table(chunk, cfg["BLOCK_M"], cfg["BLOCK_N"])
+    if table:
+        bias = bias_table(bias, chunk, cfg["BLOCK_M"], cfg["BLOCK_N"])
     _local_attention_fwd_kernel[grid](q, k, v, o, stat, bias if bias is not None else stat,
                                       mask if mask is not None else stat, H, L, K, V, chunk, scale,
                                       _seed_arg(seed, dropout, stat), dropout,
                                       **_flag_args(q, v, attention, causal, bias, mask, dropout),
-                                      ALIGNED=tiles_in_one_chunk(chunk, cfg["BLOCK_M"], cfg["BLOCK_N"]), **cfg)
+                                      ALIGNED=tiles_in_one_chunk(chunk, cfg["BLOCK_M"], cfg["BLOCK_N"]), TABLE=table,
+                                      **cfg)
     return o, stat
 
 
@@ -590,14 +697,21 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     # is visited) and query blocks tile key spans evenly
     bias_part = bias_grad and dq_atomic and chunk >= L and BLOCK_N == span and BLOCK_N % BLOCK_M == 0
     part_w = 2 if BLOCK_M == BLOCK_N else 3
+    # split paths: a partial per program where the spans tile every chunk (else atomics), and the carried tile
+    # where query and key tiles are of one size (`_local_attention_bwd_kernel`)
+    span_part = bias_grad and not fused and not bias_part and BLOCK_N == span and chunk % span == 0
+    carry = bias_grad and not fused and not bias_part and BLOCK_N == BLOCK_M
     dbias = None
     if bias_grad:
         # fused: one partial per program, indexed by (j - i) + BLOCK_N; bias_part: one per (span, query block);
-        # else atomics into a zeroed [H or 1, 2C-1]
+        # span_part: one per program, C + BLOCK_N wide; else atomics into a zeroed [H or 1, 2C-1]
         if fused:
             dbias = torch.empty(B * H * n_spans, 2 * BLOCK_N, device=q.device, dtype=torch.float32)
         elif bias_part:
             dbias = torch.zeros(B, H, n_spans, n_spans * (BLOCK_N // BLOCK_M), part_w, BLOCK_N, device=q.device,
+                                dtype=torch.float32)
+        elif span_part:
+            dbias = torch.zeros(B * H, triton.cdiv(L, chunk) * (chunk // span), chunk + BLOCK_N, device=q.device,
                                 dtype=torch.float32)
         else:
             dbias = torch.zeros(bias.shape, device=q.device, dtype=torch.float32)
@@ -622,7 +736,8 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
         q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, dk, dv, dbias if dbias is not None else stat,
         scratch, H, L, K, V, chunk, span, scale, seed_arg, dropout, **flags, FUSED=fused,
         ALIGNED=tiles_in_one_chunk(chunk, BLOCK_M, BLOCK_N, span), BIAS_GRAD=bias_grad,
-        SCRATCH=scratch is not stat, DQ_ATOMIC=dq_atomic, BIAS_PART=bias_part, PART_W=part_w, BLOCK_M=BLOCK_M,
+        SCRATCH=scratch is not stat, DQ_ATOMIC=dq_atomic, BIAS_PART=bias_part, PART_W=part_w, SPAN_PART=span_part,
+        CARRY=carry, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if dq_atomic:
@@ -630,6 +745,8 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     if bias_part:
         part = dbias.sum(0) if bias.shape[0] > 1 else dbias.sum((0, 1)).unsqueeze(0)  # [H or 1, NB, NM, W, BN]
         dbias = fold_diagonal_partials(part, chunk - 1, 2 * chunk - 1, BLOCK_N // BLOCK_M)
+    if span_part:
+        dbias = fold_span_partials(dbias, B, bias.shape[0] > 1, chunk, span)
     if bias_grad and fused:
         part = dbias.view(B, H, n_spans, 2 * BLOCK_N)[..., BLOCK_N - (chunk - 1):BLOCK_N + chunk]  # j - i = 1-C..C-1
         dbias = part.sum((0, 2)) if bias.shape[0] > 1 else part.sum((0, 1, 2)).view(1, -1)
