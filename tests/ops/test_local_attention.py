@@ -83,21 +83,36 @@ def test_backward_tilings(monkeypatch, C, span, block_m, dq_atomic, block_v, att
     _assert_matches_reference(q, k, v, bias, kw)
 
 
-@pytest.mark.parametrize("block_m,scratch", [(16, False), (8, False), (8, True)],
-                         ids=["query-block=span", "query-block=span/2", "query-block=span/2-scratch"])
+@pytest.mark.parametrize("block_m", [16, 8], ids=["query-block=span", "query-block=span/2"])
 @pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("bias_heads", [0, 2], ids=["shared-bias", "head-bias"])
-def test_full_length_one_pass_backward(monkeypatch, block_m, scratch, attention, causal, bias_heads):
+def test_full_length_one_pass_backward(monkeypatch, block_m, attention, causal, bias_heads):
     """Full attention longer than a key span through the one-pass backward: dq by atomics and the bias gradient
-    as per-tile partials folded on the host (ragged L = 45 over spans of 16; query blocks of 16 and of 8), their
-    diagonals lined up by a register gather or through the scratch tile."""
+    as per-program partials folded on the host (ragged L = 45 over spans of 16), through the carried tile (query
+    blocks of 16) and added to tile by tile (query blocks of 8)."""
     monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(span=16, BLOCK_M=block_m, BLOCK_V_MAX=32,
-                                                                     num_warps=4, num_stages=1, scratch=scratch,
-                                                                     dq_atomic=True))
+                                                                     num_warps=4, num_stages=1, dq_atomic=True))
     (q, k, v, bias), mask = _case(2, 2, 45, 8, 20, None, bias_heads=bias_heads)
     kw = dict(chunk_size=None, attention=attention, causal=causal, bias=bias, mask=mask)
     _assert_matches_reference(q, k, v, bias, kw)
+
+
+@pytest.mark.parametrize("L,C", [(48, None), (45, 64)], ids=["L48-full", "L45-C64"])
+@pytest.mark.parametrize("attention", ["softmax", "laplace"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_one_chunk_span_partials(monkeypatch, L, C, attention, causal):
+    """One chunk holding the whole sequence, with L a multiple of the span and with a chunk longer than L: the
+    one-pass backward's bias gradient through per-program partials (`fold_span_partials`), every span one row."""
+    monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(span=16, BLOCK_M=16, BLOCK_V_MAX=32,
+                                                                     num_warps=4, num_stages=1, dq_atomic=True))
+    folds = []
+    monkeypatch.setattr(kernel, "fold_span_partials",
+                        lambda *a, f=kernel.fold_span_partials: folds.append(a[0].shape) or f(*a))
+    (q, k, v, bias), mask = _case(2, 2, L, 8, 20, C, bias_heads=2)
+    kw = dict(chunk_size=C, attention=attention, causal=causal, bias=bias, mask=mask)
+    _assert_matches_reference(q, k, v, bias, kw)
+    assert folds == [(4, 3, (C or L) + 16)], folds
 
 
 @pytest.mark.parametrize("span,block_m,dq_atomic,bias_heads",
@@ -179,7 +194,7 @@ def test_fold_span_partials_equals_scatter(per_head):
     for bh in range(B * H):
         for row in range(chunks * R):
             want[bh % H if per_head else 0, (row % R) * span:(row % R) * span + C + span] += part[bh, row]
-    got = kernel.fold_span_partials(part, B, per_head, C, span)
+    got = kernel.fold_span_partials(part, B, chunks, per_head, C, span)
     assert got.shape == (H if per_head else 1, 2 * C - 1)
     torch.testing.assert_close(got, want[:, :2 * C - 1], rtol=1e-12, atol=1e-12)
 
@@ -192,22 +207,6 @@ def test_tiles_in_one_chunk():
     assert not kernel.tiles_in_one_chunk(96, 64, 64)  # a 64-tile would cross the chunk boundary at 96
     assert not kernel.tiles_in_one_chunk(64, 32, 128, 128)  # a 128-key span holds two chunks of 64
     assert not kernel.tiles_in_one_chunk(128, 32, 64, 96)  # spans of 96 start key tiles off the 64 grid
-
-
-@pytest.mark.parametrize("nb,ratio,W,center,n_taps", [(3, 1, 2, 40, 81), (4, 2, 3, 30, 61), (2, 1, 2, 50, 101)])
-def test_fold_diagonal_partials_equals_scatter(nb, ratio, W, center, n_taps):
-    """The skewed-view fold equals adding each tile's sums at its taps one by one (taps past the table dropped)."""
-    BN = 8
-    part = torch.randn(2, nb, nb * ratio, W, BN, dtype=torch.float64)
-    want = torch.zeros(2, n_taps, dtype=torch.float64)
-    for n in range(nb):
-        for m in range(nb * ratio):
-            for w in range(W):
-                for jj in range(BN):
-                    tap = center + jj - (m // ratio - n + w) * BN
-                    if 0 <= tap < n_taps:
-                        want[:, tap] += part[:, n, m, w, jj]
-    torch.testing.assert_close(kernel.fold_diagonal_partials(part, center, n_taps, ratio), want)
 
 
 def test_bias_without_grad():

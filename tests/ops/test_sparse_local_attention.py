@@ -13,6 +13,7 @@ from longmixer.ops.sparse_local_attention import (
     sparse_local_attention,
     sparse_local_attention_ref,
 )
+from longmixer.ops.sparse_local_attention import kernel as sparse_kernel
 from longmixer.ops.sparse_local_attention.reference import sparse_attention_naive
 
 PATTERNS = [pytest.param(dict(window=6), id="w6"), pytest.param(dict(window=64), id="w64>L"),
@@ -132,3 +133,19 @@ def test_validation_errors(kwargs, match):
     q, k, v, active, bias = _inputs(1, 8, 4, 4, 0.5, seed=0)
     with pytest.raises(ValueError, match=match):
         sparse_local_attention(q, k, v, active, bias, backend="torch", **kwargs)
+
+
+@pytest.mark.parametrize("nb,ratio,W,center,n_taps", [(3, 1, 2, 40, 81), (4, 2, 3, 30, 61), (2, 1, 2, 50, 101)])
+def test_fold_diagonal_partials_equals_scatter(nb, ratio, W, center, n_taps):
+    """The skewed-view fold equals adding each tile's sums at its taps one by one (taps past the table dropped)."""
+    BN = 8
+    part = torch.randn(2, nb, nb * ratio, W, BN, dtype=torch.float64)
+    want = torch.zeros(2, n_taps, dtype=torch.float64)
+    for n in range(nb):
+        for m in range(nb * ratio):
+            for w in range(W):
+                for jj in range(BN):
+                    tap = center + jj - (m // ratio - n + w) * BN
+                    if 0 <= tap < n_taps:
+                        want[:, tap] += part[:, n, m, w, jj]
+    torch.testing.assert_close(sparse_kernel.fold_diagonal_partials(part, center, n_taps, ratio), want)

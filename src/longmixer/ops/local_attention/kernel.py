@@ -6,14 +6,13 @@ Forward: one program per query tile. Chunks of 256 or more read each tile's bias
 per-call table of the chunk's Toeplitz tiles (`bias_table`); shorter chunks gather it from the bias.
 Backward: where a chunk fits one key tile (C <= the span of `_bwd_config`), one program per span of whole chunks
 does the span's entire backward (dq, dk, dv, rowsum(do o) and the bias gradient as a per-program partial) with
-no atomics. Full-length attention longer than a span (MEGA) runs one pass per key span over the whole value row,
-dq by atomics and the bias gradient as per-tile partials (`fold_diagonal_partials`); other longer chunks use a dq
-kernel (which also writes rowsum(do o)) and a dk/dv kernel, or, with K and V <= 64, the one-pass kernel with dq by
-atomics. Their bias gradient goes to a partial per program where the spans tile each chunk (`fold_span_partials`),
-else by atomics.
-The bias gradient sums ds along diagonals after permuting each key row's queries (`_query_rotated`); the
-full-length path rotates each tile's columns (`_diag_sums`). The ops README describes the layout;
-docs/benchmarks.md (kernel measurement records) has the measurements behind the tile table.
+no atomics. Full-length attention longer than a span (MEGA) runs one pass per key span over the whole value row
+with dq by atomics; other longer chunks use a dq kernel (which also writes rowsum(do o)) and a dk/dv kernel, or,
+with K and V <= 64, the one-pass kernel with dq by atomics. Their bias gradient goes to a partial per program where
+the spans tile each chunk or one chunk holds the sequence (`fold_span_partials`), else by atomics.
+The bias gradient sums ds along diagonals after permuting each key row's queries (`_query_rotated`). The ops
+README describes the layout; docs/benchmarks.md (kernel measurement records) has the measurements behind the
+tile table.
 """
 
 from __future__ import annotations
@@ -220,30 +219,6 @@ def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, stat_ptr, bias_ptr, 
 
 
 @triton.jit
-def _diag_sums(b_dsT, off, p_scratch, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SCRATCH: tl.constexpr):
-    """Sums of a [BLOCK_N keys, BLOCK_M queries] tile (keys n0 + jj, queries n0 + off + ii) along its diagonals.
-
-    Column ii is rotated up by ii + off (mod BLOCK_N), one gather of the tile's own size, so row jj of the result
-    holds the pairs with j - i = jj - k BLOCK_N; the wrap count k is k0 + w, w in {0, 1, 2}, with
-    k0 = floor(off / BLOCK_N). Returns the row sums of each w: three [BLOCK_N] vectors and k0."""
-    off_mod = off & (BLOCK_N - 1)  # off mod BLOCK_N, also for a negative off (two's complement)
-    o_e = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_M)[None, :] + off_mod  # [BN, BM], in [0, 3 BN)
-    if SCRATCH:
-        o_i = tl.arange(0, BLOCK_M)[None, :]
-        tl.store(p_scratch + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + o_i, b_dsT)
-        tl.debug_barrier()
-        b_rot = tl.load(p_scratch + (o_e & (BLOCK_N - 1)) * BLOCK_M + o_i)
-        tl.debug_barrier()  # the next tile overwrites the scratch
-    else:
-        b_rot = tl.gather(b_dsT, o_e & (BLOCK_N - 1), axis=0)
-    o_w = o_e // BLOCK_N
-    b_s0 = tl.sum(tl.where(o_w == 0, b_rot, 0.), 1)
-    b_s1 = tl.sum(tl.where(o_w == 1, b_rot, 0.), 1)
-    b_s2 = tl.sum(tl.where(o_w == 2, b_rot, 0.), 1)
-    return b_s0, b_s1, b_s2, (off - off_mod) // BLOCK_N
-
-
-@triton.jit
 def _query_rotated(b_dsT, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """A [BLOCK_N keys, BLOCK_M queries] tile with each key row's queries permuted so that column c holds, in row jj,
     the query ii = (jj - c) mod BLOCK_M: then j - i = c + BLOCK_M w - (m0 - n0), with w = floor((jj - c) / BLOCK_M)
@@ -265,21 +240,6 @@ def _put_diagonals(p_diag, o_d, b_sum, d_lo, d_hi, MODE: tl.constexpr):
         tl.store(p_diag + o_d, b_sum, mask=m_d)
     else:
         tl.store(p_diag + o_d, tl.load(p_diag + o_d, mask=m_d, other=0.) + b_sum, mask=m_d)
-
-
-@triton.jit
-def _store_diag_partials(p_part, row, i_n, m0, b_s0, b_s1, b_s2, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                         PART_W: tl.constexpr):
-    """Store one tile's `_diag_sums` (PART_W of the three) as the partial of (row, key block i_n, query block
-    m0 // BLOCK_M) in a [rows, key blocks, key blocks * BLOCK_N / BLOCK_M, PART_W, BLOCK_N] buffer: no atomics;
-    `fold_diagonal_partials` sums them. The grid's first axis is the key blocks."""
-    n_m = tl.num_programs(0) * (BLOCK_N // BLOCK_M)
-    p_part += ((row * tl.num_programs(0) + i_n) * n_m + m0 // BLOCK_M) * PART_W * BLOCK_N
-    o_jj = tl.arange(0, BLOCK_N)
-    tl.store(p_part + o_jj, b_s0)
-    tl.store(p_part + BLOCK_N + o_jj, b_s1)
-    if PART_W == 3:
-        tl.store(p_part + 2 * BLOCK_N + o_jj, b_s2)
 
 
 @triton.jit
@@ -305,12 +265,11 @@ def _dvalues(v_ptr, do_ptr, o_ptr, o_m, o_n, i_bh, L, V, m_rows, m_keys, ATTN: t
 
 @triton.jit
 def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, delta_ptr, bias_ptr, mask_ptr,
-                                dq_ptr, dk_ptr, dv_ptr, dbias_ptr, scratch_ptr, H, L, K, V, C, SPAN, scale, seed_ptr,
+                                dq_ptr, dk_ptr, dv_ptr, dbias_ptr, H, L, K, V, C, SPAN, scale, seed_ptr,
                                 p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
                                 FUSED: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
-                                ALIGNED: tl.constexpr, BIAS_GRAD: tl.constexpr, SCRATCH: tl.constexpr,
-                                DQ_ATOMIC: tl.constexpr, BIAS_PART: tl.constexpr, PART_W: tl.constexpr,
+                                ALIGNED: tl.constexpr, BIAS_GRAD: tl.constexpr, DQ_ATOMIC: tl.constexpr,
                                 SPAN_PART: tl.constexpr, CARRY: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 BLOCK_V: tl.constexpr, ONE_V: tl.constexpr):
@@ -333,11 +292,11 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
     b_v = tl.load(v_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :], mask=m_keys[:, None] & m_v[None, :], other=0.)
     b_dk = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    p_scratch = scratch_ptr + (i_bh * tl.num_programs(0) + i_n) * BLOCK_N * BLOCK_M
-    # Where the bias gradient's diagonal sums go (not BIAS_PART): p_diag + (j - i), for d_lo < j - i < d_hi.
-    # FUSED: this program's [2 BLOCK_N] partial, zeroed here. SPAN_PART (split paths whose spans tile each chunk):
-    # this program's row of C + BLOCK_N in a zeroed [B H, spans per chunk x chunks, C + BLOCK_N] buffer, the
-    # diagonal at (C - 1) - n0 % C + (j - i) (`fold_span_partials`). Else the [H or 1, 2C-1] gradient, by atomics.
+    # Where the bias gradient's diagonal sums go: p_diag + (j - i), for d_lo < j - i < d_hi.
+    # FUSED: this program's [2 BLOCK_N] partial, zeroed here. SPAN_PART (spans that tile each chunk, or one chunk
+    # holding the sequence): this program's row of C + BLOCK_N in a zeroed [B H, chunks x spans per chunk,
+    # C + BLOCK_N] buffer, the diagonal at (C - 1) - n0 % C + (j - i) (`fold_span_partials`). Else the
+    # [H or 1, 2C-1] gradient, by atomics.
     if FUSED:
         p_diag = dbias_ptr + (i_bh * tl.num_programs(0) + i_n) * 2 * BLOCK_N + BLOCK_N
         d_lo, d_hi = -BLOCK_N, BLOCK_N
@@ -345,7 +304,8 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
             tl.store(p_diag - BLOCK_N + tl.arange(0, 2 * BLOCK_N), tl.zeros([2 * BLOCK_N], dtype=tl.float32))
             tl.debug_barrier()
     elif SPAN_PART:
-        p_diag = dbias_ptr + (i_bh * tl.cdiv(L, C) * (C // SPAN) + i_n) * (C + BLOCK_N) + (C - 1) - n0 % C
+        n_rows = tl.cdiv(L, C) * tl.cdiv(tl.minimum(C, L), SPAN)
+        p_diag = dbias_ptr + (i_bh * n_rows + i_n) * (C + BLOCK_N) + (C - 1) - n0 % C
         d_lo, d_hi = n0 % C - C, n0 % C + BLOCK_N
     else:
         p_diag = dbias_ptr + (i_h * (2 * C - 1) if BIAS_PER_HEAD else 0) + (C - 1)
@@ -413,10 +373,7 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                 b_dsT = b_pT * (b_dpT - b_delta[None, :])  # softmax: ds = p (dp - rowsum(do o))
             else:
                 b_dsT = tl.where(m_valid, _activation_grad(b_sT, ATTN, MU, SIGMA) * b_dpT, 0.)
-            if BIAS_GRAD and BIAS_PART:
-                b_s0, b_s1, b_s2, _ = _diag_sums(b_dsT, m0 - n0, p_scratch, BLOCK_N, BLOCK_M, SCRATCH)
-                _store_diag_partials(dbias_ptr, i_bh, i_n, m0, b_s0, b_s1, b_s2, BLOCK_N, BLOCK_M, PART_W)
-            elif BIAS_GRAD and CARRY:
+            if BIAS_GRAD and CARRY:
                 b_rot, _ = _query_rotated(b_dsT, BLOCK_N, BLOCK_M)
                 if m0 != prev_m0 + BLOCK_M:  # DQ_ATOMIC's rotated order wrapped: put the carried tile's class -1
                     _put_diagonals(p_diag, o_c - BLOCK_M - (prev_m0 - n0), tl.sum(tl.where(b_cls0, 0., b_prev), 0),
@@ -528,48 +485,22 @@ def _local_attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr,
              mask=m_rows[:, None] & m_k[None, :])
 
 
-def fold_diagonal_partials(part: torch.Tensor, center: int, n_taps: int, ratio: int = 1) -> torch.Tensor:
-    """Sum per-tile diagonal sums into a relative-position bias gradient, without atomics.
-
-    part [G, NB, NB * ratio, W, BN]: for key block n (BN keys) and query block m (BN / ratio queries), the W row
-    sums `_diag_sums` returns: w holds the pairs with j - i = jj - (k0 + w) BN, k0 = m // ratio - n. Tap
-    `center + j - i` of the [G, n_taps] result is the sum over every tile. Deterministic: the diagonals of the
-    [NB, NB] block grid are summed through a skewed strided view, not by scattering."""
-    G, nb, nbm, W, BN = part.shape
-    if ratio > 1:
-        part = part.view(G, nb, nb, ratio, W, BN).sum(3)  # query blocks of one key-block-sized super block
-    p = part.permute(0, 3, 1, 2, 4)  # [G, W, n, m, BN]
-    width = 3 * nb - 2
-    p = torch.nn.functional.pad(p, (0, 0, nb - 1, nb - 1)).contiguous()  # p[.., n, c] = part[n, c - (nb - 1)]
-    # r[.., n, d] = part[n, n + d - (nb - 1)]: row n shifted left by n (one more element of stride per row)
-    r = p.as_strided((G, W, nb, 2 * nb - 1, BN), (W * nb * width * BN, nb * width * BN, (width + 1) * BN, BN, 1))
-    flat = r.sum(2).flip(2).reshape(G, W, -1)  # f = e BN + jj with m - n = (nb - 1) - e
-    # w = 0: tap = center - (nb - 1) BN + f; each further w is BN taps lower
-    span = (2 * nb - 1) * BN
-    buf = flat.new_zeros(G, span + (W - 1) * BN)
-    for w in range(W):
-        buf[:, (W - 1 - w) * BN:(W - 1 - w) * BN + span] += flat[:, w]
-    lo = center - (nb - 1) * BN - (W - 1) * BN  # the tap of buf[:, 0]
-    out = buf.new_zeros(G, n_taps)
-    a, b = max(lo, 0), min(lo + buf.shape[1], n_taps)
-    if b > a:
-        out[:, a:b] = buf[:, a - lo:b - lo]
-    return out
-
-
-def fold_span_partials(part: torch.Tensor, batch: int, per_head: bool, chunk: int, span: int) -> torch.Tensor:
+def fold_span_partials(part: torch.Tensor, batch: int, n_chunks: int, per_head: bool, chunk: int,
+                       span: int) -> torch.Tensor:
     """Sum the split backward's per-program diagonal partials into the [H or 1, 2C-1] bias gradient, without atomics.
 
-    part [B H, chunks x C / span, C + span]: the row of the program whose keys start at n0 holds diagonal j - i
-    at (C - 1) - n0 % C + (j - i), so its tap (C - 1) + (j - i) is the row index plus r span, r = (n0 % C) / span.
-    Rows of one r are summed over the batch (and the heads, for a shared bias) and the chunks, then each r is
-    shifted by r span through a strided view of a zeroed buffer and the r are summed: deterministic."""
-    R, W = chunk // span, chunk + span
-    p = part.view(batch, -1, part.shape[1] // R, R, W)  # [B, H, chunks, R, W]
+    part [B H, chunks x R, C + span], R spans per chunk (C / span, or every span when one chunk holds the
+    sequence): the row of the program whose keys start at n0 holds diagonal j - i at (C - 1) - n0 % C + (j - i),
+    so its tap (C - 1) + (j - i) is the row index plus r span, r = (n0 % C) / span. Rows of one r are summed over
+    the batch (and the heads, for a shared bias) and the chunks, then each r is shifted by r span through a strided
+    view of a zeroed buffer and the r are summed: deterministic."""
+    W = chunk + span
+    R = part.shape[1] // n_chunks
+    p = part.view(batch, -1, n_chunks, R, W)  # [B, H, chunks, R, W]
     p = p.sum((0, 2)) if per_head else p.sum((0, 1, 2)).unsqueeze(0)  # [G, R, W]
-    G, width = p.shape[0], 2 * chunk + span
+    G, width = p.shape[0], max(R * span + W, 2 * chunk)
     buf = p.new_zeros(G, R, width)
-    # (g, r, x) -> row r, column r span + x: the row stride grows by span; r span + x < 2C for x < W
+    # (g, r, x) -> row r, column r span + x: the row stride grows by span; r span + x < width for x < W
     buf.as_strided((G, R, W), (R * width, width + span, 1)).copy_(p)
     return buf.sum(1)[:, :2 * chunk - 1]
 
@@ -603,7 +534,7 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
 
 # The backward of long spans with K <= 64 (MEGA's full attention, K 64 V 256): one pass over each key span with
 # the whole value row (no score tile recomputed per value block, no dq kernel recomputing dp), dq added by
-# atomics, the bias gradient as per-tile partials (`fold_diagonal_partials`).
+# atomics, the bias gradient as per-program partials (`fold_span_partials`).
 LONG_SPAN_K64 = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True)
 # Chunks longer than a span but shorter than the sequence (MEGA-chunk with C > 128) keep the dq kernel and the bias
 # atomics, as measured before the one-pass path existed (docs/benchmarks.md); the one-pass path was timed at full
@@ -617,9 +548,8 @@ SPLIT_SPAN_K64_NARROW = dict(LONG_SPAN_K64, BLOCK_M=64)
 
 def _bwd_config(C: int, K: int, V: int) -> dict:
     """Backward tiles, from the H200 and H100 sweeps in docs/benchmarks.md. `span` is the key span a program owns:
-    the largest multiple of C up to it when C <= span (one fused kernel), else the span itself (dq + dk/dv kernels).
-    `scratch` (optional, the full-length one-pass path only, whose per-tile partials keep `_diag_sums`' key-axis
-    skew) takes that skew through an L1-resident scratch tile instead of a register gather."""
+    the largest multiple of C up to it when C <= span (one fused kernel), else the span itself (dq + dk/dv kernels,
+    or one pass with dq by atomics where `dq_atomic`)."""
     if C <= 128 and K <= 64 and V <= 64:  # H100 sweep at C 128 D 64: 49.0 us against 57.1 for 32 x 4 warps x 2 stages
         return dict(span=128, BLOCK_M=64, BLOCK_V_MAX=128, num_warps=8, num_stages=1)
     if C <= 128 and K <= 128 and V <= 128:
@@ -695,31 +625,23 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     # partials per (key span, query block) where one chunk holds the whole sequence (every query block of a span
     # is visited) and query blocks tile key spans evenly
-    bias_part = bias_grad and dq_atomic and chunk >= L and BLOCK_N == span and BLOCK_N % BLOCK_M == 0
-    part_w = 2 if BLOCK_M == BLOCK_N else 3
-    # split paths: a partial per program where the spans tile every chunk (else atomics), and the carried tile
-    # where query and key tiles are of one size (`_local_attention_bwd_kernel`)
-    span_part = bias_grad and not fused and not bias_part and BLOCK_N == span and chunk % span == 0
-    carry = bias_grad and not fused and not bias_part and BLOCK_N == BLOCK_M
+    # split paths: a partial per program where the spans tile every chunk or one chunk holds the sequence (else
+    # atomics), and the carried tile where query and key tiles are of one size (`_local_attention_bwd_kernel`)
+    span_part = bias_grad and not fused and BLOCK_N == span and (chunk % span == 0 or chunk >= L)
+    carry = bias_grad and not fused and BLOCK_N == BLOCK_M
     dbias = None
     if bias_grad:
-        # fused: one partial per program, indexed by (j - i) + BLOCK_N; bias_part: one per (span, query block);
-        # span_part: one per program, C + BLOCK_N wide; else atomics into a zeroed [H or 1, 2C-1]
+        # fused: one partial per program, indexed by (j - i) + BLOCK_N; span_part: one per program, C + BLOCK_N
+        # wide; else atomics into a zeroed [H or 1, 2C-1]
         if fused:
             dbias = torch.empty(B * H * n_spans, 2 * BLOCK_N, device=q.device, dtype=torch.float32)
-        elif bias_part:
-            dbias = torch.zeros(B, H, n_spans, n_spans * (BLOCK_N // BLOCK_M), part_w, BLOCK_N, device=q.device,
-                                dtype=torch.float32)
         elif span_part:
-            dbias = torch.zeros(B * H, triton.cdiv(L, chunk) * (chunk // span), chunk + BLOCK_N, device=q.device,
-                                dtype=torch.float32)
+            dbias = torch.zeros(B * H, triton.cdiv(L, chunk) * triton.cdiv(min(chunk, L), span), chunk + BLOCK_N,
+                                device=q.device, dtype=torch.float32)
         else:
             dbias = torch.zeros(bias.shape, device=q.device, dtype=torch.float32)
     bias_arg = bias if bias is not None else stat
     mask_arg = mask if mask is not None else stat
-    scratch = stat
-    if bias_part and cfg.get("scratch", False):
-        scratch = torch.empty(B * H * n_spans * BLOCK_N * BLOCK_M, device=q.device, dtype=torch.float32)
     delta = stat
     if not fused:
         delta = torch.empty_like(stat) if attention == "softmax" else stat
@@ -734,19 +656,15 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
             BLOCK_V=BLOCK_V, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _local_attention_bwd_kernel[(n_spans, B * H, triton.cdiv(V, BLOCK_V))](
         q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, dk, dv, dbias if dbias is not None else stat,
-        scratch, H, L, K, V, chunk, span, scale, seed_arg, dropout, **flags, FUSED=fused,
+        H, L, K, V, chunk, span, scale, seed_arg, dropout, **flags, FUSED=fused,
         ALIGNED=tiles_in_one_chunk(chunk, BLOCK_M, BLOCK_N, span), BIAS_GRAD=bias_grad,
-        SCRATCH=scratch is not stat, DQ_ATOMIC=dq_atomic, BIAS_PART=bias_part, PART_W=part_w, SPAN_PART=span_part,
-        CARRY=carry, BLOCK_M=BLOCK_M,
+        DQ_ATOMIC=dq_atomic, SPAN_PART=span_part, CARRY=carry, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if dq_atomic:
         dq = dq.to(q.dtype)
-    if bias_part:
-        part = dbias.sum(0) if bias.shape[0] > 1 else dbias.sum((0, 1)).unsqueeze(0)  # [H or 1, NB, NM, W, BN]
-        dbias = fold_diagonal_partials(part, chunk - 1, 2 * chunk - 1, BLOCK_N // BLOCK_M)
     if span_part:
-        dbias = fold_span_partials(dbias, B, bias.shape[0] > 1, chunk, span)
+        dbias = fold_span_partials(dbias, B, triton.cdiv(L, chunk), bias.shape[0] > 1, chunk, span)
     if bias_grad and fused:
         part = dbias.view(B, H, n_spans, 2 * BLOCK_N)[..., BLOCK_N - (chunk - 1):BLOCK_N + chunk]  # j - i = 1-C..C-1
         dbias = part.sum((0, 2)) if bias.shape[0] > 1 else part.sum((0, 1, 2)).view(1, -1)

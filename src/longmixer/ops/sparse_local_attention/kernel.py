@@ -15,10 +15,70 @@ import triton
 import triton.language as tl
 
 from longmixer.ops.backend import triton_interpreter_on
-from longmixer.ops.local_attention.kernel import _diag_sums, _store_diag_partials, fold_diagonal_partials
 from longmixer.ops.precision import work_dtype
 
 MODE_WINDOW, MODE_CHUNK, MODE_FULL = 0, 1, 2
+
+
+@triton.jit
+def _diag_sums(b_dsT, off, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Sums of a [BLOCK_N keys, BLOCK_M queries] tile (keys n0 + jj, queries n0 + off + ii) along its diagonals.
+
+    Column ii is rotated up by ii + off (mod BLOCK_N), one gather of the tile's own size, so row jj of the result
+    holds the pairs with j - i = jj - k BLOCK_N; the wrap count k is k0 + w, w in {0, 1, 2}, with
+    k0 = floor(off / BLOCK_N). Returns the row sums of each w: three [BLOCK_N] vectors and k0."""
+    off_mod = off & (BLOCK_N - 1)  # off mod BLOCK_N, also for a negative off (two's complement)
+    o_e = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_M)[None, :] + off_mod  # [BN, BM], in [0, 3 BN)
+    b_rot = tl.gather(b_dsT, o_e & (BLOCK_N - 1), axis=0)
+    o_w = o_e // BLOCK_N
+    b_s0 = tl.sum(tl.where(o_w == 0, b_rot, 0.), 1)
+    b_s1 = tl.sum(tl.where(o_w == 1, b_rot, 0.), 1)
+    b_s2 = tl.sum(tl.where(o_w == 2, b_rot, 0.), 1)
+    return b_s0, b_s1, b_s2, (off - off_mod) // BLOCK_N
+
+
+@triton.jit
+def _store_diag_partials(p_part, row, i_n, m0, b_s0, b_s1, b_s2, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                         PART_W: tl.constexpr):
+    """Store one tile's `_diag_sums` (PART_W of the three) as the partial of (row, key block i_n, query block
+    m0 // BLOCK_M) in a [rows, key blocks, key blocks * BLOCK_N / BLOCK_M, PART_W, BLOCK_N] buffer: no atomics;
+    `fold_diagonal_partials` sums them. The grid's first axis is the key blocks."""
+    n_m = tl.num_programs(0) * (BLOCK_N // BLOCK_M)
+    p_part += ((row * tl.num_programs(0) + i_n) * n_m + m0 // BLOCK_M) * PART_W * BLOCK_N
+    o_jj = tl.arange(0, BLOCK_N)
+    tl.store(p_part + o_jj, b_s0)
+    tl.store(p_part + BLOCK_N + o_jj, b_s1)
+    if PART_W == 3:
+        tl.store(p_part + 2 * BLOCK_N + o_jj, b_s2)
+
+
+def fold_diagonal_partials(part: torch.Tensor, center: int, n_taps: int, ratio: int = 1) -> torch.Tensor:
+    """Sum per-tile diagonal sums into a relative-position bias gradient, without atomics.
+
+    part [G, NB, NB * ratio, W, BN]: for key block n (BN keys) and query block m (BN / ratio queries), the W row
+    sums `_diag_sums` returns: w holds the pairs with j - i = jj - (k0 + w) BN, k0 = m // ratio - n. Tap
+    `center + j - i` of the [G, n_taps] result is the sum over every tile. Deterministic: the diagonals of the
+    [NB, NB] block grid are summed through a skewed strided view, not by scattering."""
+    G, nb, nbm, W, BN = part.shape
+    if ratio > 1:
+        part = part.view(G, nb, nb, ratio, W, BN).sum(3)  # query blocks of one key-block-sized super block
+    p = part.permute(0, 3, 1, 2, 4)  # [G, W, n, m, BN]
+    width = 3 * nb - 2
+    p = torch.nn.functional.pad(p, (0, 0, nb - 1, nb - 1)).contiguous()  # p[.., n, c] = part[n, c - (nb - 1)]
+    # r[.., n, d] = part[n, n + d - (nb - 1)]: row n shifted left by n (one more element of stride per row)
+    r = p.as_strided((G, W, nb, 2 * nb - 1, BN), (W * nb * width * BN, nb * width * BN, (width + 1) * BN, BN, 1))
+    flat = r.sum(2).flip(2).reshape(G, W, -1)  # f = e BN + jj with m - n = (nb - 1) - e
+    # w = 0: tap = center - (nb - 1) BN + f; each further w is BN taps lower
+    span = (2 * nb - 1) * BN
+    buf = flat.new_zeros(G, span + (W - 1) * BN)
+    for w in range(W):
+        buf[:, (W - 1 - w) * BN:(W - 1 - w) * BN + span] += flat[:, w]
+    lo = center - (nb - 1) * BN - (W - 1) * BN  # the tap of buf[:, 0]
+    out = buf.new_zeros(G, n_taps)
+    a, b = max(lo, 0), min(lo + buf.shape[1], n_taps)
+    if b > a:
+        out[:, a:b] = buf[:, a - lo:b - lo]
+    return out
 
 
 @triton.jit
@@ -331,7 +391,7 @@ def _sparse_local_attention_bwd_kernel(
         if HAS_BIAS:
             if BIAS_DIAG:
                 # packed distance j - i = n - m: sums along the tile's diagonals, one partial per tile
-                b_s0, b_s1, b_s2, _ = _diag_sums(tl.trans(b_ds), m0 - start, dbias, BLOCK_N, BLOCK_M, False)
+                b_s0, b_s1, b_s2, _ = _diag_sums(tl.trans(b_ds), m0 - start, BLOCK_N, BLOCK_M)
                 _store_diag_partials(dbias, i_b, i_n, m0, b_s0, b_s1, b_s2, BLOCK_N, BLOCK_M, PART_W)
             else:
                 tl.atomic_add(dbias + i_bias, b_ds, mask=m_s, sem="relaxed")
