@@ -99,13 +99,15 @@ def test_full_length_one_pass_backward(monkeypatch, block_m, attention, causal, 
 
 
 @pytest.mark.parametrize("L,C", [(48, None), (45, 64)], ids=["L48-full", "L45-C64"])
+@pytest.mark.parametrize("dq_atomic", [True, False], ids=["one-pass", "dq-kernel"])
 @pytest.mark.parametrize("attention", ["softmax", "laplace"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
-def test_one_chunk_span_partials(monkeypatch, L, C, attention, causal):
+def test_one_chunk_span_partials(monkeypatch, L, C, dq_atomic, attention, causal):
     """One chunk holding the whole sequence, with L a multiple of the span and with a chunk longer than L: the
-    one-pass backward's bias gradient through per-program partials (`fold_span_partials`), every span one row."""
+    backward's bias gradient through per-program partials (`fold_span_partials`), every span one row, in the
+    one-pass kernel and in the dk/dv kernel after the dq kernel (the carried tile in both)."""
     monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(span=16, BLOCK_M=16, BLOCK_V_MAX=32,
-                                                                     num_warps=4, num_stages=1, dq_atomic=True))
+                                                                     num_warps=4, num_stages=1, dq_atomic=dq_atomic))
     folds = []
     monkeypatch.setattr(kernel, "fold_span_partials",
                         lambda *a, f=kernel.fold_span_partials: folds.append(a[0].shape) or f(*a))
