@@ -586,13 +586,13 @@ def local_attention_fwd(q, k, v, bias, mask, *, attention: str, causal: bool, ch
     o = torch.empty_like(v)
     stat = torch.empty(B, H, L, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(L, cfg["BLOCK_M"]), B * H, triton.cdiv(V, cfg["BLOCK_V"]))
+    flags = _flag_args(q, v, attention, causal, bias, mask, dropout)  # from the bias itself, before any table
     table = bias is not None and use_bias_table(chunk, cfg["BLOCK_M"], cfg["BLOCK_N"])
     if table:
         bias = bias_table(bias, chunk, cfg["BLOCK_M"], cfg["BLOCK_N"])
     _local_attention_fwd_kernel[grid](q, k, v, o, stat, bias if bias is not None else stat,
                                       mask if mask is not None else stat, H, L, K, V, chunk, scale,
-                                      _seed_arg(seed, dropout, stat), dropout,
-                                      **_flag_args(q, v, attention, causal, bias, mask, dropout),
+                                      _seed_arg(seed, dropout, stat), dropout, **flags,
                                       ALIGNED=tiles_in_one_chunk(chunk, cfg["BLOCK_M"], cfg["BLOCK_N"]), TABLE=table,
                                       **cfg)
     return o, stat
@@ -623,8 +623,6 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     # dq_atomic: dq is summed in float32 by atomics, then cast
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else torch.empty_like(q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    # partials per (key span, query block) where one chunk holds the whole sequence (every query block of a span
-    # is visited) and query blocks tile key spans evenly
     # split paths: a partial per program where the spans tile every chunk or one chunk holds the sequence (else
     # atomics), and the carried tile where query and key tiles are of one size (`_local_attention_bwd_kernel`)
     span_part = bias_grad and not fused and BLOCK_N == span and (chunk % span == 0 or chunk >= L)
