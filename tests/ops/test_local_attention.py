@@ -148,6 +148,40 @@ def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, bias_heads, 
     assert folds == ([] if span == 32 else [(4, 6, 48)]), folds
 
 
+@pytest.mark.parametrize("span,block_m,dq_atomic",
+                         [(32, 16, False), (16, 16, False), (16, 8, True), (16, 16, True)],
+                         ids=["fused", "split-dq-kernel", "split-atomic-dq", "split-atomic-dq-carry"])
+@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
+@pytest.mark.parametrize("L,causal,mode", [(96, False, 2), (70, False, 1), (70, True, 1)],
+                         ids=["whole-chunks", "ragged", "ragged-causal"])
+def test_aligned_tiles_without_key_mask(monkeypatch, span, block_m, dq_atomic, attention, L, causal, mode):
+    """Without a key mask only the tile bounds and the causal test mask scores. A sequence of whole chunks (L = 3 C),
+    not causal, takes tile mode 2: every score is valid and the kernels apply no mask. A ragged last chunk keeps
+    mode 1, whose row and key bounds alone keep the keys past L out. Forward and every gradient match the
+    reference through each backward path, with values wider than one value block."""
+    fwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_V=32, num_warps=4, num_stages=2)
+    bwd = dict(span=span, BLOCK_M=block_m, BLOCK_V_MAX=32, num_warps=4, num_stages=2, dq_atomic=dq_atomic)
+    monkeypatch.setattr(kernel, "_fwd_config", lambda C, K, V: fwd)
+    monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: bwd)
+    modes = []
+    monkeypatch.setattr(kernel, "tile_mode", lambda *a, f=kernel.tile_mode: modes.append(f(*a)) or modes[-1])
+    (q, k, v, bias), _ = _case(2, 2, L, 8, 40, 32, bias_heads=2, masked=False)
+    _assert_matches_reference(q, k, v, bias, dict(chunk_size=32, attention=attention, causal=causal, bias=bias))
+    assert modes and all(m == mode for m in modes), modes
+
+
+def test_tile_mode():
+    """Mode 2 (no score masked) only for whole chunks, not causal, no key mask; else 1 for tiles inside one chunk, 0
+    for tiles that may straddle chunks."""
+    assert kernel.tile_mode(128, 4096, False, False, 64, 64) == 2
+    assert kernel.tile_mode(4096, 4096, False, False, 64, 64) == 2  # full attention: one chunk of L
+    assert kernel.tile_mode(128, 4096, True, False, 64, 64) == 1
+    assert kernel.tile_mode(128, 4096, False, True, 64, 64) == 1
+    assert kernel.tile_mode(128, 4000, False, False, 64, 64) == 1  # a ragged last chunk
+    assert kernel.tile_mode(1024, 1000, False, False, 64, 64) == 1  # a chunk longer than the sequence
+    assert kernel.tile_mode(96, 960, False, False, 64, 64) == 0
+
+
 @pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("bias_heads", [0, 2], ids=["shared-bias", "head-bias"])

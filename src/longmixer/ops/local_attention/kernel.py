@@ -33,10 +33,14 @@ def _bias_and_mask(b_s, o_i, o_j, i_b, i_h, L, C, i_hi, j_hi, bias_ptr, mask_ptr
                    HAS_BIAS: tl.constexpr, BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr,
                    ALIGNED: tl.constexpr):
     """Add b[(C-1) + j - i] to a score tile and return it with its validity mask; o_i (queries) and o_j (keys) are
-    [M, 1] and [1, N] or [1, M] and [N, 1], so the same code serves both tile orientations. ALIGNED: the launcher
-    has checked that every tile lies inside one chunk (`tiles_in_one_chunk`), so no pair needs the chunk test and
-    (C-1) + j - i is in [0, 2C-2] for every pair, valid or not: the bias loads without an index select or mask."""
-    if ALIGNED:
+    [M, 1] and [1, N] or [1, M] and [N, 1], so the same code serves both tile orientations. ALIGNED (`tile_mode`):
+    1, the launcher has checked that every tile lies inside one chunk, so no pair needs the chunk test and
+    (C-1) + j - i is in [0, 2C-2] for every pair, valid or not: the bias loads without an index select or mask.
+    2, also every pair of every tile is valid (whole chunks, no causal or key mask): the mask is a constant, which
+    the compiler folds out of the kernels' selects."""
+    if ALIGNED == 2:
+        m_valid = tl.full(b_s.shape, 1, tl.int1)
+    elif ALIGNED:
         m_valid = (o_i < i_hi) & (o_j < j_hi)
     else:
         m_valid = (o_i < i_hi) & (o_j < j_hi) & ((o_i // C) == (o_j // C))
@@ -513,6 +517,17 @@ def tiles_in_one_chunk(C: int, BLOCK_M: int, BLOCK_N: int, span: int | None = No
     return C % BLOCK_M == 0 and C % BLOCK_N == 0 and (span is None or span % BLOCK_N == 0)
 
 
+def tile_mode(C: int, L: int, causal: bool, has_mask: bool, BLOCK_M: int, BLOCK_N: int,
+              span: int | None = None) -> int:
+    """The kernels' ALIGNED flag: 0, tiles may straddle chunks; 1, every tile lies inside one chunk
+    (`tiles_in_one_chunk`); 2, also every pair in every tile is valid, so no score needs masking: the sequence is
+    whole chunks (L a multiple of C, which makes every key and query range end on a tile boundary), attention is not
+    causal and no key is masked."""
+    if not tiles_in_one_chunk(C, BLOCK_M, BLOCK_N, span):
+        return 0
+    return 2 if L % C == 0 and not causal and not has_mask else 1
+
+
 @functools.lru_cache(maxsize=None)
 def _flags(attention: str, causal: bool, has_bias: bool, per_head: bool, has_mask: bool, dropout: bool,
            fp32: bool) -> dict:
@@ -593,7 +608,8 @@ def local_attention_fwd(q, k, v, bias, mask, *, attention: str, causal: bool, ch
     _local_attention_fwd_kernel[grid](q, k, v, o, stat, bias if bias is not None else stat,
                                       mask if mask is not None else stat, H, L, K, V, chunk, scale,
                                       _seed_arg(seed, dropout, stat), dropout, **flags,
-                                      ALIGNED=tiles_in_one_chunk(chunk, cfg["BLOCK_M"], cfg["BLOCK_N"]), TABLE=table,
+                                      ALIGNED=tile_mode(chunk, L, causal, mask is not None, cfg["BLOCK_M"],
+                                                        cfg["BLOCK_N"]), TABLE=table,
                                       **cfg)
     return o, stat
 
@@ -650,12 +666,12 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     elif not fused:
         _local_attention_bwd_dq_kernel[(triton.cdiv(L, BLOCK_M), B * H)](
             q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, H, L, K, V, chunk, scale, seed_arg, dropout, **flags,
-            ALIGNED=tiles_in_one_chunk(chunk, BLOCK_M, BLOCK_N), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-            BLOCK_V=BLOCK_V, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            ALIGNED=tile_mode(chunk, L, causal, mask is not None, BLOCK_M, BLOCK_N), BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _local_attention_bwd_kernel[(n_spans, B * H, triton.cdiv(V, BLOCK_V))](
         q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, dk, dv, dbias if dbias is not None else stat,
         H, L, K, V, chunk, span, scale, seed_arg, dropout, **flags, FUSED=fused,
-        ALIGNED=tiles_in_one_chunk(chunk, BLOCK_M, BLOCK_N, span), BIAS_GRAD=bias_grad,
+        ALIGNED=tile_mode(chunk, L, causal, mask is not None, BLOCK_M, BLOCK_N, span), BIAS_GRAD=bias_grad,
         DQ_ATOMIC=dq_atomic, SPAN_PART=span_part, CARRY=carry, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
