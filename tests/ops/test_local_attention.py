@@ -117,6 +117,15 @@ def test_one_chunk_span_partials(monkeypatch, L, C, dq_atomic, attention, causal
     assert folds == [(4, 3, (C or L) + 16)], folds
 
 
+def _small_tiles(monkeypatch, span, block_m, dq_atomic):
+    """16 x 16 forward tiles and a backward of `span`-key spans with `block_m`-query tiles, so that C = 32 holds
+    several tiles of each kind."""
+    fwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_V=32, num_warps=4, num_stages=2)
+    bwd = dict(span=span, BLOCK_M=block_m, BLOCK_V_MAX=32, num_warps=4, num_stages=2, dq_atomic=dq_atomic)
+    monkeypatch.setattr(kernel, "_fwd_config", lambda C, K, V: fwd)
+    monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: bwd)
+
+
 @pytest.mark.parametrize("span,block_m,dq_atomic,bias_heads",
                          [(32, 16, False, 2), (16, 16, False, 2), (16, 8, True, 2), (16, 16, True, 2),
                           (16, 16, True, 0)],
@@ -131,10 +140,7 @@ def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, bias_heads, 
     paths' spans tile the chunk, so their bias gradient goes through per-program partials (`fold_span_partials`):
     added to tile by tile with 8-query tiles, and with query tiles as wide as the span through the carried tile,
     in order (dq kernel) and in the rotated order of dq by atomics, which wraps around the chunk."""
-    fwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_V=32, num_warps=4, num_stages=2)
-    bwd = dict(span=span, BLOCK_M=block_m, BLOCK_V_MAX=32, num_warps=4, num_stages=2, dq_atomic=dq_atomic)
-    monkeypatch.setattr(kernel, "_fwd_config", lambda C, K, V: fwd)
-    monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: bwd)
+    _small_tiles(monkeypatch, span, block_m, dq_atomic)
     aligned, folds = [], []
     monkeypatch.setattr(kernel, "tiles_in_one_chunk",
                         lambda *a, f=kernel.tiles_in_one_chunk: aligned.append(f(*a)) or aligned[-1])
@@ -159,10 +165,7 @@ def test_aligned_tiles_without_key_mask(monkeypatch, span, block_m, dq_atomic, a
     not causal, takes tile mode 2: every score is valid and the kernels apply no mask. A ragged last chunk keeps
     mode 1, whose row and key bounds alone keep the keys past L out. Forward and every gradient match the
     reference through each backward path, with values wider than one value block."""
-    fwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_V=32, num_warps=4, num_stages=2)
-    bwd = dict(span=span, BLOCK_M=block_m, BLOCK_V_MAX=32, num_warps=4, num_stages=2, dq_atomic=dq_atomic)
-    monkeypatch.setattr(kernel, "_fwd_config", lambda C, K, V: fwd)
-    monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: bwd)
+    _small_tiles(monkeypatch, span, block_m, dq_atomic)
     modes = []
     monkeypatch.setattr(kernel, "tile_mode", lambda *a, f=kernel.tile_mode: modes.append(f(*a)) or modes[-1])
     (q, k, v, bias), _ = _case(2, 2, L, 8, 40, 32, bias_heads=2, masked=False)
