@@ -53,6 +53,35 @@ def test_slots_tell_settings_apart():
     assert _slot(t6) == _slot({"setting": "table6", "model": "mega", "task": "text"})  # a job has no length yet
 
 
+def test_key_mask_none_or_all_true(monkeypatch, tmp_path):
+    """The bench's batches are full-length: `--mask none` (the default) gives the models no mask, `--mask full` an
+    all-true one; rows record which, rows from before the option count as "full" when merging, and a bad value
+    names the choices."""
+    from longmixer import bench
+
+    _, overrides = model_specs("text", quick=True)[1]
+    cfg = compose_model_config([*overrides, "data.seq_len=16"])
+    x, mask, y = bench.make_batch(cfg, 2, 16, torch.device("cpu"))
+    assert mask is None and x.shape == (2, 16) and y.shape == (2,)
+    _, mask, _ = bench.make_batch(cfg, 2, 16, torch.device("cpu"), "full")
+    assert mask.dtype == torch.bool and mask.shape == (2, 16) and bool(mask.all())
+    with pytest.raises(ValueError, match="'none', 'full'"):
+        bench.make_batch(cfg, 2, 16, torch.device("cpu"), "all")
+    seen = []
+    monkeypatch.setattr(bench, "_forward", lambda model, cfg, x, mask, f=bench._forward: seen.append(mask) or
+                        f(model, cfg, x, mask))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for key_mask in ("none", "full"):
+        seen.clear()
+        result = main(["--budget-s", "8", "--models", "chela", "--settings", "text", "--mask", key_mask,
+                       "--out", str(tmp_path / f"{key_mask}.json")])
+        assert [r["mask"] for r in result["rows"]] == [key_mask]
+        assert seen and all((m is None) == (key_mask == "none") for m in seen)
+        assert f"(`--mask`): {key_mask}." in (tmp_path / f"{key_mask}.md").read_text()
+    old = {"setting": "text", "model": "chela", "length": 16, "compile": "none"}
+    assert _slot(old) == _slot({**old, "mask": "full"}) != _slot({**old, "mask": "none"})
+
+
 def test_bad_compile_mode_names_the_choices():
     with pytest.raises(ValueError, match="reduce-overhead"):
         compile_model(torch.nn.Linear(2, 2), "fast")

@@ -54,6 +54,9 @@ STEP_GRAPH_WARMUP = 3  # eager steps before capture, at least (PyTorch's whole-n
 # steps; with 2 warm-up steps those landed in the timed window (LongVQ reduce-overhead: 38.5 ms timed, 12.2 ms after
 # 8 warm-up steps on the same kind of H100).
 COMPILED_WARMUP = 6
+# The key mask the bench's batches carry (`--mask`). An all-true mask costs some models a masked path: PyTorch's
+# fused attention takes 1.42x longer with it at Text-4K and 16K on an H100 (docs/benchmarks.md).
+KEY_MASKS = ("none", "full")
 NEEDS_CUDA = f"skipped ({STEP_GRAPH} needs a CUDA GPU)"
 TABLE6_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 TABLE6_MODELS = ("mega", "mega_chunk", "seqboat_full", "seqboat")
@@ -87,14 +90,18 @@ def model_specs(setting: str, quick: bool) -> list[tuple[str, list[str]]]:
     return specs
 
 
-def make_batch(cfg, batch: int, length: int, device):
-    """Random inputs of the model's kind (tokens or real features), a full mask, and labels."""
+def make_batch(cfg, batch: int, length: int, device, key_mask: str = "none"):
+    """Random inputs of the model's kind (tokens or real features), the key mask and labels. Every sequence is
+    full-length, so `key_mask` "none" passes no mask (each model's unmasked path, the fastest correct call) and
+    "full" an all-true one (the path that a padded task's batches take)."""
+    if key_mask not in KEY_MASKS:
+        raise ValueError(f"key mask {key_mask!r} is not one of {KEY_MASKS}")
     m = cfg.model
     if m.get("vocab_size") is not None:
         x = torch.randint(1, int(m.vocab_size), (batch, length), device=device)
     else:
         x = torch.randn(batch, length, int(m.d_input), device=device)
-    mask = torch.ones(batch, length, dtype=torch.bool, device=device)
+    mask = torch.ones(batch, length, dtype=torch.bool, device=device) if key_mask == "full" else None
     y = torch.randint(0, int(m.num_classes), (batch,), device=device)
     return x, mask, y
 
@@ -165,9 +172,10 @@ def gpu_profile(step, steps: int, top: int = 0) -> dict:
 
 
 def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compile_mode: str = "none",
-            profile_steps: int = 0, deadline: float | None = None, top_kernels: int = 0) -> dict:
+            profile_steps: int = 0, deadline: float | None = None, top_kernels: int = 0,
+            key_mask: str = "none") -> dict:
     """Training-step ms, tokens/s and peak memory; evaluation ms and tokens/s; parameters; on CUDA with
-    `profile_steps`, kernels per step and GPU-busy %.
+    `profile_steps`, kernels per step and GPU-busy %. `key_mask`: see `make_batch`.
 
     The step is what a training run does: forward under bf16 autocast (on CUDA), loss, backward and a fused AdamW
     step; `compile_mode` compiles the model (not the optimizer), as `task.compile` does in training. A model's
@@ -184,7 +192,7 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
     model = instantiate(cfg.model).to(device)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda", capturable=graphed)
-    x, mask, y = make_batch(cfg, batch, length, device)
+    x, mask, y = make_batch(cfg, batch, length, device, key_mask)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     net = compile_model(model, compile_mode)
 
@@ -290,7 +298,8 @@ def plan(quick: bool, lengths: list[int] | None = None) -> list[dict]:
 
 def _slot(row: dict) -> tuple:
     length = row.get("length") if row["setting"] != "table6" else None
-    return row["setting"], row["model"], row.get("task"), length, row.get("compile", "none")
+    # rows from before `--mask` existed were measured with an all-true mask
+    return row["setting"], row["model"], row.get("task"), length, row.get("compile", "none"), row.get("mask", "full")
 
 
 def host_cpu() -> str:
@@ -328,7 +337,7 @@ def run(args) -> dict:
     deadline = start + args.budget_s
     if STEP_GRAPH in args.compile and device.type != "cuda":
         log.warning("no CUDA GPU: --compile %s rows are recorded as skipped (it captures a CUDA graph)", STEP_GRAPH)
-    jobs = [{**j, "compile": mode} for j in plan(args.quick, args.lengths) for mode in args.compile
+    jobs = [{**j, "compile": mode, "mask": args.mask} for j in plan(args.quick, args.lengths) for mode in args.compile
             if (not args.models or j["model"] in args.models) and (not args.settings or j["setting"] in args.settings)]
     if args.merge:
         # keep the earlier run's rows for what this run does not measure again
@@ -351,7 +360,7 @@ def run(args) -> dict:
             row.update(length=length, batch=batch, d_model=int(cfg.model.d_model), n_layers=int(cfg.model.n_layers))
             row.update(measure(cfg, batch, length, device, args.warmup, args.iters, compile_mode=job["compile"],
                                profile_steps=args.profile_steps, deadline=deadline,
-                               top_kernels=args.top_kernels), status="ok")
+                               top_kernels=args.top_kernels, key_mask=args.mask), status="ok")
         except BudgetExceeded:
             row["status"] = "skipped (time budget)"
         except torch.OutOfMemoryError:
@@ -389,7 +398,9 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
     env = result["environment"]
     quick = result.get("quick", False)
     lines = [f"Device: {env['device']}; host: {env.get('host', 'not recorded')}; torch {env['torch']}, "
-             f"triton {env['triton']}, CUDA {env['cuda']}; {env['dtype']}.", f"Command: `{env['command']}`.", ""]
+             f"triton {env['triton']}, CUDA {env['cuda']}; {env['dtype']}.", f"Command: `{env['command']}`.",
+             "Key mask of the full-length batches (`--mask`): "
+             + ", ".join(sorted({r.get("mask", "full") for r in result["rows"]})) + ".", ""]
     if quick:
         lines += ["**Toy models** (`--quick`: width 32, one layer, short sequences): a smoke test of the benchmark, "
                   "not the papers' setting; no paper claims are shown beside them.", ""]
@@ -481,6 +492,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lengths", nargs="+", type=int, default=None,
                         help=f"only these points of the length sweep ({sweep}; 32K tokens per step): "
                              "--settings length --lengths 16384 measures 16K, batch 2")
+    parser.add_argument("--mask", default="none", choices=KEY_MASKS,
+                        help="the key mask of the batches, whose sequences are all full-length: none (every model's "
+                             "unmasked path) or full (an all-true mask, the path of a padded task's batches)")
     parser.add_argument("--merge", default=None, help="an earlier JSON: its rows stay for what is not measured again")
     args = parser.parse_args(argv)
     if args.compile is None:
