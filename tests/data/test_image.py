@@ -34,7 +34,7 @@ def test_real_valued_batches_and_split(tmp_path):
     assert {s: len(d) for s, d in dm.datasets.items()} == {"train": 50, "val": 10, "test": 10}
     batch = next(iter(dm.train_dataloader()))
     assert batch["inputs"].shape == (8, 1024, 1) and batch["inputs"].dtype == torch.float32
-    assert batch["mask"].all() and batch["labels"].dtype == torch.long
+    assert "mask" not in batch and batch["labels"].dtype == torch.long  # fixed length: no key mask
     # the first test image, converted independently from the fixture's RGB planes
     rgb = cifar_image(0).reshape(3, 1024).T[None]  # [1, 1024, 3]
     expected = (torch.from_numpy(rgb_to_gray(rgb)[0]).float() / 255 - 0.48) / 0.24

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from longmixer.data.base import default_num_workers
+from longmixer.data.base import default_num_workers, pad_collate
 from longmixer.data.listops import ListOps
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -128,3 +128,19 @@ def test_loader_workers_leave_stop_signals_to_the_training_process():
     dm.datasets = {"train": list(range(8)), "val": list(range(4))}
     assert dm.train_dataloader().worker_init_fn is ignore_stop_signals
     assert dm.val_dataloader().worker_init_fn is ignore_stop_signals
+
+
+def test_fixed_length_batches_carry_no_key_mask():
+    """`pad_collate(full_mask=False)` (what fixed-length tasks collate with) leaves a key's mask out where none of its
+    sequences was padded, so the models take their unmasked paths; a padded one keeps its mask, and the default
+    (variable-length tasks) keeps the mask in every batch, so its presence never changes between batches."""
+    same = [{"inputs": torch.arange(1, 6), "inputs2": torch.arange(1, 6), "labels": torch.tensor(0)} for _ in range(3)]
+    batch = pad_collate(same, full_mask=False)
+    assert batch["inputs"].shape == (3, 5) and "mask" not in batch and "mask2" not in batch
+    assert pad_collate(same)["mask"].all() and pad_collate(same)["mask2"].all()
+    ragged = [{"inputs": torch.arange(1, n + 1), "inputs2": torch.arange(1, 5), "labels": torch.tensor(0)}
+              for n in (3, 5)]
+    batch = pad_collate(ragged, full_mask=False)
+    assert batch["mask"].sum(1).tolist() == [3, 5] and "mask2" not in batch
+    assert pad_collate(same, pad_to=8, full_mask=False)["mask"].sum(1).tolist() == [5, 5, 5]
+    assert "mask" in ListOps(seq_len=20).collate([{"inputs": torch.arange(1, 6), "labels": torch.tensor(0)}] * 2)

@@ -38,7 +38,7 @@ def test_smnist_sequences_and_splits(tmp_path):
     expected = torch.from_numpy(mnist_images(MNIST_TEST, 2)[2].reshape(784, 1) / 255.0).float()
     torch.testing.assert_close(item["inputs"], expected)
     batch = next(iter(dm.train_dataloader()))
-    assert batch["inputs"].shape == (8, 784, 1) and batch["mask"].all()
+    assert batch["inputs"].shape == (8, 784, 1) and "mask" not in batch  # fixed length: no key mask
 
 
 def test_pmnist_applies_one_fixed_seeded_permutation(tmp_path):

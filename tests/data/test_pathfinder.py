@@ -58,7 +58,7 @@ def test_real_and_token_batches(tmp_path):
     batch = next(iter(_module(tmp_path / "real").train_dataloader()))
     assert batch["inputs"].shape == (4, 1024, 1) and batch["inputs"].dtype == torch.float32
     assert batch["inputs"].min() >= -1 and batch["inputs"].max() == 1  # (x / 255 - 0.5) / 0.5
-    assert batch["mask"].all() and batch["labels"].dtype == torch.long
+    assert "mask" not in batch and batch["labels"].dtype == torch.long  # fixed length: no key mask
     tokens = _module(tmp_path / "tok", vocab_size=256, d_input=None).datasets["test"][0]["inputs"]
     assert tokens.dtype == torch.long and tokens.shape == (1024,) and tokens.max() == 255
 

@@ -57,7 +57,7 @@ def test_test_item_is_normalized_rgb_sequence(scifar):
 def test_batch_shape_and_last_batch_kept(scifar):
     batch = next(iter(scifar.train_dataloader()))
     assert batch["inputs"].shape == (4, 1024, 3) and batch["inputs"].dtype == torch.float32
-    assert batch["mask"].shape == (4, 1024) and batch["mask"].all()
+    assert "mask" not in batch  # fixed length: no key mask
     assert batch["labels"].dtype == torch.long
     sizes = [b["inputs"].shape[0] for b in scifar.test_dataloader()]
     assert sum(sizes) == CIFAR_TEST and sizes[-1] == CIFAR_TEST % 4

@@ -121,3 +121,21 @@ def test_classifier_activation_relu_for_the_lra_head_and_bad_names_refused():
     assert not torch.allclose(gelu(x)[0], relu(x)[0])  # same weights, different activation
     with pytest.raises(ValueError, match="model.classifier_activation='tanh'"):
         SequenceModel(StatsMixer, d_model=8, n_layers=1, d_input=1, num_classes=3, classifier_activation="tanh")
+
+
+def test_no_mask_equals_an_all_true_mask_in_every_family():
+    """Fixed-length batches and language-model streams carry no key mask (`pad_collate`); every family's recipe model
+    (the bench's small Text models) gives the same logits without a mask as with an all-true one."""
+    from hydra.utils import instantiate
+
+    from longmixer.bench import compose_model_config, model_specs
+
+    for name, overrides in model_specs("text", quick=True):
+        torch.manual_seed(0)
+        cfg = compose_model_config([*overrides, "data.seq_len=32"])
+        model = instantiate(cfg.model).eval()
+        x = torch.randint(1, int(cfg.model.vocab_size), (2, 32))
+        with torch.no_grad():
+            masked, _ = model(x, torch.ones(2, 32, dtype=torch.bool))
+            unmasked, _ = model(x, None)
+        torch.testing.assert_close(unmasked, masked, msg=lambda m, name=name: f"{name}: {m}")

@@ -158,10 +158,16 @@ def padded_length(longest: int, multiple: int | None, cap: int | None) -> int:
 
 
 def pad_collate(items: list[dict[str, torch.Tensor]], pad_value: float = 0, pad_to: int | None = None,
-                multiple: int | None = None, cap: int | None = None) -> dict[str, torch.Tensor]:
+                multiple: int | None = None, cap: int | None = None, full_mask: bool = True) -> dict[str, torch.Tensor]:
     """Stack items, right-padding every sequence key (`inputs`, `inputs2`, `targets`) to the batch maximum (or
     `pad_to`; with `multiple`, the maximum rounded up to a multiple of it, at most `cap`) and adding `mask` /
-    `mask2` (True = real token)."""
+    `mask2` (True = real token).
+
+    `full_mask=False` leaves a key's mask out where none of its sequences was padded: the models then take their
+    unmasked paths, which are the faster ones (PyTorch's fused attention takes 1.4-1.6x longer with an all-true mask,
+    and a causal Transformer with a mask builds an [L, L] one instead of using `is_causal`; docs/benchmarks.md).
+    Fixed-length tasks collate so; variable-length ones keep the mask in every batch, so that its presence does not
+    change from batch to batch (a compiled model would compile again and record other CUDA graphs)."""
     batch: dict[str, torch.Tensor] = {}
     for key in items[0]:
         values = [item[key] for item in items]
@@ -175,7 +181,7 @@ def pad_collate(items: list[dict[str, torch.Tensor]], pad_value: float = 0, pad_
                 out[i, :n] = v[:n]
                 mask[i, :n] = True
             batch[key] = out
-            if key != "targets":
+            if key != "targets" and (full_mask or any(v.shape[0] < length for v in values)):
                 batch["mask" if key == "inputs" else "mask2"] = mask
         else:
             batch[key] = torch.stack(values)
@@ -263,7 +269,7 @@ class SequenceDataModule(pl.LightningDataModule):
 
     name = "base"
     # True where examples differ in length (ListOps, Text, Retrieval): each batch is padded to its own longest
-    # unless `pad_multiple` is set
+    # unless `pad_multiple` is set, and carries a key mask. Fixed-length tasks' batches carry none (`pad_collate`).
     variable_length = False
 
     @property
@@ -365,7 +371,8 @@ class SequenceDataModule(pl.LightningDataModule):
         raise TypeError(f"{type(self).__name__} must implement _load(root, manifest)")
 
     def collate(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return pad_collate(items, multiple=self.pad_multiple, cap=getattr(self, "seq_len", None))
+        return pad_collate(items, multiple=self.pad_multiple, cap=getattr(self, "seq_len", None),
+                           full_mask=self.variable_length)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         if split not in self.datasets:

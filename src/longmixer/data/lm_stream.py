@@ -43,7 +43,8 @@ def _rank_and_world_size() -> tuple[int, int]:
 
 
 class LMTrainStream(IterableDataset):
-    """Ordered training batches `{"inputs", "targets", "mask"}` of shape [batch_size, K * chunk] from one stream.
+    """Ordered training batches `{"inputs", "targets"}` of shape [batch_size, K * chunk] from one stream. Every
+    position is real, so the batches carry no key mask (`pad_collate` says why).
 
     Use it through `LMStreamLoader` (or `DataLoader(stream, batch_size=None)` and `set_epoch`): it batches itself.
 
@@ -132,8 +133,7 @@ class LMTrainStream(IterableDataset):
             if i < skip or not _mine_in_worker(i):
                 continue
             inputs = data[:, pos:end]
-            yield {"inputs": inputs.long(), "targets": data[:, pos + 1:end + 1].long(),
-                   "mask": torch.ones_like(inputs, dtype=torch.bool)}
+            yield {"inputs": inputs.long(), "targets": data[:, pos + 1:end + 1].long()}
 
 
 def eval_windows(num_tokens: int, window: int, context: int) -> list[tuple[int, int, int]]:
@@ -205,7 +205,7 @@ class LMEvalStream(IterableDataset):
             targets = torch.stack([self.tokens[s + 1:e + 1].long() for s, e, _ in group])
             for row, (s, _, first) in enumerate(group):
                 targets[row, :first - s] = IGNORE_INDEX
-            yield {"inputs": inputs, "targets": targets, "mask": torch.ones_like(inputs, dtype=torch.bool)}
+            yield {"inputs": inputs, "targets": targets}
 
 
 class LMStreamLoader(DataLoader):
