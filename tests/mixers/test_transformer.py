@@ -30,3 +30,23 @@ def test_materialized_equals_sdpa(causal):
     mask[1, 5:] = False
     for m in (None, mask):
         assert torch.allclose(fused(x, m)[0], written_out(x, m)[0], atol=1e-5)
+
+
+def test_unmasked_batches_take_the_fused_kernels_fast_path(monkeypatch):
+    """Without a key mask (fixed-length tasks, the language-model streams) SDPA gets no `attn_mask`, and a causal
+    Transformer asks for `is_causal` instead of building an [L, L] mask: the paths PyTorch's fused kernels run
+    fastest (docs/benchmarks.md, "The key mask")."""
+    import torch.nn.functional as F
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append((kw.get("attn_mask"), kw.get("is_causal"))) or sdpa(*a, **kw))
+    x = torch.randn(2, 7, 16)
+    for causal in (False, True):
+        calls.clear()
+        Transformer(16, n_heads=2, causal=causal).eval()(x, None)
+        assert calls == [(None, causal)]
+        calls.clear()
+        Transformer(16, n_heads=2, causal=causal).eval()(x, torch.ones(2, 7, dtype=torch.bool))
+        assert calls[0][0] is not None and calls[0][1] is False
