@@ -55,7 +55,7 @@ STEP_GRAPH_WARMUP = 3  # eager steps before capture, at least (PyTorch's whole-n
 # 8 warm-up steps on the same kind of H100).
 COMPILED_WARMUP = 6
 # The key mask the bench's batches carry (`--mask`). An all-true mask costs some models a masked path: PyTorch's
-# fused attention takes 1.42x longer with it at Text-4K and 16K on an H100 (docs/benchmarks.md).
+# fused attention takes 1.4-1.6x longer with it at Text-4K and 16K on an H100 (docs/benchmarks.md).
 KEY_MASKS = ("none", "full")
 NEEDS_CUDA = f"skipped ({STEP_GRAPH} needs a CUDA GPU)"
 TABLE6_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")

@@ -1,11 +1,12 @@
 """Causal language modeling (WikiText-103, enwik8): next-token cross-entropy over the scored targets.
 
 Batches carry `inputs` [B, L] and `targets` [B, L] (-100 = not scored: the context part of an evaluation window);
-every position is real, so they carry no `mask` (a causal model then uses its unmasked causal path). The model encodes (`model.encode`), then its head scores: a head with `.loss(h, targets)` (the adaptive
-softmax) returns the per-token NLL itself, any other head returns logits for a cross-entropy. Validation and test
-losses are exact token means over the whole split (NLL sums and scored-token counts accumulate across batches and
-ranks), so windowed evaluation reports the papers' per-token numbers: `<stage>/ppl` = exp(loss) for word level,
-`<stage>/bpc` = loss / ln 2 (bits per byte or character) for enwik8.
+every position is real, so they carry no `mask` (a causal model then uses its unmasked causal path). The model
+encodes (`model.encode`), then its head scores: a head with `.loss(h, targets)` (the adaptive softmax) returns the
+per-token NLL itself, any other head returns logits for a cross-entropy. Validation and test losses are exact token
+means over the whole split (NLL sums and scored-token counts accumulate across batches and ranks), so windowed
+evaluation reports the papers' per-token numbers: `<stage>/ppl` = exp(loss) for word level, `<stage>/bpc` =
+loss / ln 2 (bits per byte or character) for enwik8.
 """
 
 from __future__ import annotations
