@@ -242,7 +242,7 @@ def _leaf(*shape, low: float = -1.0, high: float = 1.0, seed: int = 0) -> torch.
 def _custom_op_cases():
     """(name, op, args) at tiny sizes for every registered Triton op (forward ops carry autograd, so their inputs
     require grad; opcheck then checks the backward registration and traces it through fake tensors too)."""
-    from longmixer.ops.ema.function import ema_chunk_fwd_op, ema_kernel_fwd_op
+    from longmixer.ops.ema.function import ema_chunk_fwd_op, ema_fft_conv_op, ema_kernel_fwd_op
     from longmixer.ops.las_attention.function import las_attention_fwd_op, las_prep_op, las_smooth_values_op
     from longmixer.ops.linear_attention.function import linear_attention_fwd_op
     from longmixer.ops.local_attention.function import local_attention_fwd_op
@@ -260,6 +260,7 @@ def _custom_op_cases():
     return [
         ("ema_kernel", ema_kernel_fwd_op, (_leaf(4, 2), _leaf(4, 2, low=0.1, high=0.9), 8)),
         ("ema_chunk", ema_chunk_fwd_op, (_leaf(1, 40, 4), _leaf(8, 2), _leaf(8, 2, low=0.1, high=0.9), True)),
+        ("ema_fft_conv", ema_fft_conv_op, (_leaf(2, 40, 4), _leaf(8, 9, seed=1), True)),
         ("local_attention", local_attention_fwd_op,
          (_leaf(1, 2, 16, 16), _leaf(1, 2, 16, 16, seed=1), _leaf(1, 2, 16, 16, seed=2), _leaf(2, 15), mask,
           "softmax", False, 8, 0.25, 0.0, None)),
@@ -282,8 +283,9 @@ def _custom_op_cases():
     ]
 
 
-OP_CASES = ["ema_kernel", "ema_chunk", "local_attention", "linear_attention", "las_prep", "las_smooth_values",
-            "las_attention", "sparse_local_attention", "vq_search", "vq_attention", "vq_attention_causal"]
+OP_CASES = ["ema_kernel", "ema_chunk", "ema_fft_conv", "local_attention", "linear_attention", "las_prep",
+            "las_smooth_values", "las_attention", "sparse_local_attention", "vq_search", "vq_attention",
+            "vq_attention_causal"]
 
 
 @pytest.mark.parametrize("case", OP_CASES)

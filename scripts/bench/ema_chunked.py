@@ -1,6 +1,7 @@
 """GPU parity and speed of the MD-EMA convolution (`longmixer.ops.ema.ema`): the chunked state-passing kernels
 (`chunked.py`, what `ema` runs for untruncated kernels) against the official torch computation (`ema_ref`:
-Vandermonde + FFT) and the Triton kernel generation + cuFFT path (`ema_fft`, what `ema` runs for truncated ones).
+Vandermonde + FFT) and the Triton kernel generation + cuFFT path (`ema_fft`, what `ema` runs for truncated ones;
+`--truncated-only` times it at the LRA recipes' truncated shapes).
 
 Run on the GPU:  PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/ema_chunked.py
 Smoke test here: TRITON_INTERPRET=1 PYTHONPATH=src python scripts/bench/ema_chunked.py --quick
@@ -31,7 +32,7 @@ def inputs(B, L, D, N, bidirectional, device, dtype, seed=0):
 
 def parity(device, quick) -> dict:
     """Worst relative error of y and every gradient (fp32 and bf16 x) against the float64 official reference."""
-    # the last entries truncate the kernel (K < L): `ema` takes the kernel-gen + cuFFT path there
+    # the last entries truncate the kernel (K < L): `ema` takes the kernel-gen + cuFFT path there (fft.py)
     shapes = [(2, 70, 5, 16, None), (1, 130, 3, 2, None), (2, 70, 5, 16, 20)] if quick else [
         (2, 1000, 96, 16, None), (1, 4097, 130, 16, None), (3, 333, 64, 2, None), (1, 65, 1000, 16, None),
         (2, 8191, 40, 8, None), (1, 4097, 130, 16, 1024), (3, 333, 64, 8, 100)]
@@ -84,6 +85,27 @@ def speed(device, quick, dtype):
                     f"{f_ms:.3f} | {fb_ms:.3f} | {ref[0] / f_ms:.2f}x / {ref[1] / fb_ms:.2f}x | {mem:.2f} |")
 
 
+def speed_truncated(device, quick):
+    """Truncated kernels (K < L, what MEGA's and LongVQ's LRA recipes run), bf16 x: `ema` (kernel generation +
+    cuFFT with its backward written out, ops/ema/fft.py) against the official torch path."""
+    shapes = [(1, 64, 16, 16)] if quick else [(8, 4096, 128, 1024), (2, 16384, 128, 1024), (8, 4096, 1024, 1024)]
+    for B, L, D, K in shapes:
+        for bidir in (False, True):
+            ins = inputs(B, L, D, 16, bidir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+            res = {}
+            for name, fn in (("official torch", lambda: ema_ref(*ins, bidirectional=bidir, truncation=K)),
+                             ("truncated (ema)", lambda: ema(*ins, bidirectional=bidir, truncation=K,
+                                                             backend="triton"))):
+                with torch.no_grad():
+                    f_ms = bench(fn, quick)
+                fb = fwd_bwd(fn, ins)
+                res[name] = (f_ms, bench(fb, quick), peak_mem(fb, device))
+            ref = res["official torch"]
+            for name, (f_ms, fb_ms, mem) in res.items():
+                row(f"| {'bidir' if bidir else 'causal'} | B{B} L{L} D{D} K{K} N16 | {name} | {f_ms:.3f} | "
+                    f"{fb_ms:.3f} | {ref[0] / f_ms:.2f}x / {ref[1] / fb_ms:.2f}x | {mem:.2f} |")
+
+
 def sweep(device, quick):
     """Tile variants of the chunked kernels alone (transposed rows, kernel taps precomputed): fwd / bwd ms."""
     from longmixer.ops.ema import chunked, kernel
@@ -119,6 +141,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU interpreter): check the script runs")
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--truncated-only", action="store_true", help="parity, then only the truncated-kernel rows")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
@@ -126,7 +149,12 @@ def main() -> int:
     worst = {} if args.skip_parity else parity(device, args.quick)
     print("| direction | shape | path | fwd ms | fwd+bwd ms | speedup vs official fwd / fwd+bwd | peak GiB |")
     print("|---|---|---|---|---|---|---|")
-    speed(device, args.quick, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if not args.truncated_only:
+        speed(device, args.quick, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    speed_truncated(device, args.quick)
+    if args.truncated_only:
+        print("\n".join(["", "summary:"] + ROWS))
+        return 1 if any(v > (1e-5 if "float32" in k else 2e-2) for k, v in worst.items()) else 0
     if device.type == "cuda" and not args.quick:
         speed_fp32_row(device)
     if not args.skip_sweep:

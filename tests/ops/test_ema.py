@@ -82,3 +82,25 @@ def test_fft_length_is_smooth_and_minimal():
         while m % 5 == 0:
             m //= 5
         assert m == 1
+
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["causal", "bidir"])
+@pytest.mark.parametrize("L,K", [pytest.param(64, 16, id="L64-K16"), pytest.param(40, 39, id="L40-K39")])
+def test_truncated_ema_with_slow_decays(bidirectional, L, K):
+    """Truncated kernels with decays near 1, where the cut-off tail is almost as large as the kept taps: float32
+    matches the float64 reference, output and every gradient."""
+    D = 3
+    coef_in, _, coef_out = _inputs(2 * D if bidirectional else D, 4, seed=K)
+    decay = (1.0 - torch.rand(coef_in.shape, dtype=torch.float64) * 1e-3).requires_grad_()  # q in (0.999, 1)
+    x = torch.randn(2, L, D, dtype=torch.float64, requires_grad=True)
+    leaves = [x, coef_in, decay, coef_out]
+    ref = ema_ref(x, coef_in, decay, coef_out, bidirectional=bidirectional, truncation=K)
+    f32 = [t.detach().float().requires_grad_() for t in leaves]
+    tri = ema(*f32, bidirectional=bidirectional, truncation=K, backend="triton")
+    assert rel_error(tri, ref) < 1e-5, "y"
+    dy = torch.randn_like(ref)
+    g_ref = torch.autograd.grad(ref, leaves, dy)
+    g_tri = torch.autograd.grad(tri, f32, dy.float())
+    for name, a, b in zip(("dx", "dcoef_in", "ddecay", "dcoef_out"), g_tri, g_ref):
+        assert rel_error(a, b) < 1e-5, name
+

@@ -123,3 +123,21 @@ def test_layer_on_triton_equals_torch_backend(bidirectional):
     assert rel_error(y_tri, y_ref) < 1e-5
     for (name, _), a, b in zip([("x", None), *layer.named_parameters()], g_tri, g_ref):
         assert rel_error(a, b) < 1e-5, name
+
+
+@pytest.mark.parametrize("splits", [2, 3], ids=["S2", "S3"])
+def test_backward_batch_splits_agree(splits):
+    """The backward split over the batch (each split's rows in its own programs, coefficient gradients summed
+    from per-split partials; 3 splits of 5 rows leave them uneven) gives the one-program-per-channel result."""
+    from longmixer.ops.ema import chunked, kernel
+
+    x, coef_in, decay, coef_out = (t.detach().float() for t in _inputs(5, 70, 3, 16, seed=7, bidirectional=True))
+    c, q = (coef_in * coef_out).contiguous(), decay.contiguous()
+    xt = chunked.transpose(x)
+    dyt = torch.randn(xt.shape, generator=torch.Generator().manual_seed(8))
+    k = kernel.ema_kernel_fwd(c, q, chunked.CHUNK)
+    one = chunked.ema_chunk_bwd(xt, dyt, k, c, q, True, splits=1)
+    split = chunked.ema_chunk_bwd(xt, dyt, k, c, q, True, splits=splits)
+    for name, a, b in zip(("dx", "dc", "dq"), split, one):
+        assert rel_error(a, b) < 1e-6, name
+    assert chunked.batch_splits(8, 128) == 8 and chunked.batch_splits(8, 1024) == 1 and chunked.batch_splits(2, 256) == 2

@@ -15,7 +15,8 @@ The block's [C, J] tile X gives T X, the chunk increments S = W X ([N, C] x [C, 
 the tensor cores per C * J positions, one state of N floats carried between blocks. Sweeping time backwards
 (`REVERSE`) gives the look-ahead half of the bidirectional EMA and, in the backward, the adjoint.
 
-Backward (one program per channel, all rows of that channel, sweeping time backwards): the adjoint state
+Backward (one program per channel and batch split, the split's rows of that channel, sweeping time
+backwards; `batch_splits`): the adjoint state
 A_n(t1) = sum_{t>=t1} q_n^(t-t1) dy[t] gives dx (T^T DY plus the state term) and, with the forward pairs split the
 same way, the coefficient gradients of sum_{s<=t} dy[t] x[s] k[t-s]:
 
@@ -35,6 +36,7 @@ import triton.language as tl
 CHUNK = 32  # C: steps per chunk (the Toeplitz tile is C x C)
 BLOCK_J = 32  # J: chunks per loop iteration (>= 16, the minimum dot width)
 NUM_WARPS = 1  # C, J and the warps measured fastest of C {32, 64} x J {16, 32} x warps {1, 2, 4} on an H200
+BWD_PROGRAMS = 1024  # the backward's target programs per launch (`batch_splits`)
 
 
 @triton.jit
@@ -127,10 +129,11 @@ def _ema_chunk_fwd_kernel(x_ptr, y_ptr, k_ptr, c_ptr, q_ptr, L, D, N, row_off,
 
 @triton.jit
 def _ema_chunk_bwd_kernel(x_ptr, dy_ptr, dx_ptr, k_ptr, c_ptr, q_ptr, dc_ptr, dq_ptr, B, L, D, N, row_off,
-                          REVERSE: tl.constexpr, ACCUMULATE: tl.constexpr, C: tl.constexpr, J: tl.constexpr,
+                          n_coef, REVERSE: tl.constexpr, ACCUMULATE: tl.constexpr, C: tl.constexpr, J: tl.constexpr,
                           BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    # one program per channel, looping over the batch, so the coefficient gradients need no atomics
-    i_d = tl.program_id(0)
+    # one program per channel and batch split, looping over the split's rows (b = i_s, i_s + S, ...); its
+    # coefficient gradients go to the split's own partial [S, Dk, N] (at i_s * n_coef), summed after: no atomics
+    i_d, i_s = tl.program_id(0), tl.program_id(1)
     o_c = tl.arange(0, C)
     o_j = tl.arange(0, J)
     o_n = tl.arange(0, BLOCK_N)
@@ -154,7 +157,7 @@ def _ema_chunk_bwd_kernel(x_ptr, dy_ptr, dx_ptr, k_ptr, c_ptr, q_ptr, dc_ptr, dq
     b_dq = tl.zeros([BLOCK_N], dtype=tl.float32)
     o_t = o_j[None, :] * C + o_c[:, None]
     n_blocks = tl.cdiv(L, C * J)
-    for i_b in range(B):
+    for i_b in range(i_s, B, tl.num_programs(1)):
         p_row = (i_b * D + i_d).to(tl.int64) * L
         b_A = tl.zeros([BLOCK_N], dtype=tl.float32)  # adjoint entering the next block's first chunk from the right
         b_A1 = tl.zeros([BLOCK_N], dtype=tl.float32)  # its q-derivative
@@ -197,8 +200,8 @@ def _ema_chunk_bwd_kernel(x_ptr, dy_ptr, dx_ptr, k_ptr, c_ptr, q_ptr, dc_ptr, dq
         w1 = tl.where(o_a >= 1, o_a.to(tl.float32) * _powers(lq, tl.maximum(o_a - 1, 0)), 0.)
         b_dc = tl.where(o_n == n, b_dc + tl.sum(b_P * w), b_dc)
         b_dq = tl.where(o_n == n, b_dq + tl.sum(b_P * w1), b_dq)
-    tl.store(dc_ptr + o_coef, b_dc, mask=m_n)
-    tl.store(dq_ptr + o_coef, b_dq * b_c, mask=m_n)
+    tl.store(dc_ptr + i_s * n_coef + o_coef, b_dc, mask=m_n)
+    tl.store(dq_ptr + i_s * n_coef + o_coef, b_dq * b_c, mask=m_n)
 
 
 @triton.jit
@@ -250,21 +253,31 @@ def ema_chunk_fwd(xt: torch.Tensor, k: torch.Tensor, c: torch.Tensor, q: torch.T
     return yt
 
 
+def batch_splits(B: int, D: int) -> int:
+    """Programs per channel in the backward: the batch's rows are split between them so that a launch has about
+    BWD_PROGRAMS programs, each split summing its own coefficient-gradient partial. One program per channel
+    suffices at D = 1024, where the kernels were tuned; at D = 128 (the LRA recipes) its 128 one-warp programs
+    left the H100 idle: 0.30 -> 0.165 ms a launch with 8 splits at B8 L4096 (docs/benchmarks.md)."""
+    return max(1, min(B, triton.cdiv(BWD_PROGRAMS, D)))
+
+
 def ema_chunk_bwd(xt: torch.Tensor, dyt: torch.Tensor, k: torch.Tensor, c: torch.Tensor, q: torch.Tensor,
                   bidirectional: bool, *, block_j: int = BLOCK_J, num_warps: int = NUM_WARPS,
-                  precision: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  precision: str | None = None,
+                  splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dxt [B, D, L] (float32 if bidirectional, else xt's dtype), dc [Dk, N], dq [Dk, N] float32) for
-    `ema_chunk_fwd`'s output gradient dyt."""
+    `ema_chunk_fwd`'s output gradient dyt. `splits`: programs per channel (default `batch_splits`)."""
     B, D, L = xt.shape
     N = c.shape[1]
     prec = precision or _precision(xt.dtype)
+    S = splits or batch_splits(B, D)
     dxt = torch.empty(B, D, L, device=xt.device, dtype=torch.float32 if bidirectional else xt.dtype)
-    dc, dq = torch.empty_like(c), torch.empty_like(c)
+    dc, dq = c.new_empty(S, *c.shape), c.new_empty(S, *c.shape)  # one partial per split
     meta = dict(C=k.shape[1], J=block_j, BLOCK_N=_block_n(N), PRECISION=prec, num_warps=num_warps)
     # the causal half's adjoint runs backwards in time; the look-ahead half's runs forwards
-    _ema_chunk_bwd_kernel[(D,)](xt, dyt, dxt, k, c, q, dc, dq, B, L, D, N, 0, REVERSE=False, ACCUMULATE=False,
-                                **meta)
+    _ema_chunk_bwd_kernel[(D, S)](xt, dyt, dxt, k, c, q, dc, dq, B, L, D, N, 0, c.numel(), REVERSE=False,
+                                  ACCUMULATE=False, **meta)
     if bidirectional:
-        _ema_chunk_bwd_kernel[(D,)](xt, dyt, dxt, k, c, q, dc, dq, B, L, D, N, D, REVERSE=True, ACCUMULATE=True,
-                                    **meta)
-    return dxt, dc, dq
+        _ema_chunk_bwd_kernel[(D, S)](xt, dyt, dxt, k, c, q, dc, dq, B, L, D, N, D, c.numel(), REVERSE=True,
+                                      ACCUMULATE=True, **meta)
+    return dxt, dc.sum(0), dq.sum(0)

@@ -132,34 +132,57 @@ def fft_length(n: int) -> int:
     return best
 
 
-def ema_conv_fast(x: torch.Tensor, kernel: torch.Tensor, bidirectional: bool) -> torch.Tensor:
-    """The same convolution as `reference.ema_conv` with a smaller FFT and no padded copy of x.
+@define("longmixer::ema_fft_conv")
+def ema_fft_conv_op(x: Tensor, kernel: Tensor, bidirectional: bool) -> list[Tensor]:
+    """The EMA convolution of x [B, L, D] with the kernel taps [Dk, K] by cuFFT (`fft.py`): [y in x's dtype,
+    X and Kf, the input's and the kernel's spectra, kept for the backward]."""
+    from longmixer.ops.ema import fft  # lazy: Triton is imported only when the triton backend runs
 
-    The two-sided kernel is laid out circularly (lag a >= 0 at index a, lag -a at index n - a), so x needs no
-    left padding and the output starts at index 0. A circular convolution of size n is free of wrap-around on
-    the L outputs once n >= L + K - 1 (both for the causal and the two-sided kernel), so n = `fft_length(L + K - 1)`
-    instead of the official 2L (causal) or 2(L + K - 1) (bidirectional; 65534 = 2 * 7 * 31 * 151 at
-    L = K = 16384, a slow cuFFT size).
+    L, K = x.shape[1], kernel.shape[1]
+    return list(fft.conv_fwd(x, kernel, bidirectional, fft_length(L + K - 1)))
 
-    Args:
-        x: [B, L, D]; kernel: [D, K] or [2D, K] (K <= L).
 
-    Returns:
-        [B, L, D] float32.
-    """
+@ema_fft_conv_op.register_fake
+def _(x, kernel, bidirectional):
     B, L, D = x.shape
-    K = kernel.shape[-1]
-    n = fft_length(L + K - 1)
-    kernel = kernel.float()
-    kc = torch.zeros(D, n, device=kernel.device, dtype=torch.float32)
-    kc[:, :K] = kernel[:D]
-    if bidirectional:
-        kc[:, 0] += kernel[D:, 0]  # the centre tap, counted by both directions as in the official code
-        if K > 1:
-            kc[:, n - K + 1:] = kernel[D:, 1:].flip(-1)  # look-ahead lag a at index n - a
-    x_f = torch.fft.rfft(x.float().transpose(1, 2), n=n)  # [B, D, n/2+1]
-    y = torch.fft.irfft(x_f * torch.fft.rfft(kc, n=n), n=n)[..., :L]  # [B, D, L]
-    return y.transpose(1, 2)
+    m = fft_length(L + kernel.shape[1] - 1) // 2 + 1
+    return [x.new_empty(B, L, D), x.new_empty(B, D, m, dtype=torch.complex64),
+            x.new_empty(D, m, dtype=torch.complex64)]
+
+
+@define("longmixer::ema_fft_conv_bwd")
+def ema_fft_conv_bwd_op(dy: Tensor, xf: Tensor, kf: Tensor, K: int, bidirectional: bool,
+                        x_dtype: torch.dtype) -> list[Tensor]:
+    """[dx in x_dtype, dkernel [Dk, K] float32] for the output gradient dy."""
+    from longmixer.ops.ema import fft
+
+    dx, dk = fft.conv_bwd(dy, xf, kf, K, bidirectional, fft_length(dy.shape[1] + K - 1), x_dtype)
+    return [dx, dk]
+
+
+@ema_fft_conv_bwd_op.register_fake
+def _(dy, xf, kf, K, bidirectional, x_dtype):
+    B, L, D = dy.shape
+    return [dy.new_empty(B, L, D, dtype=x_dtype), dy.new_empty(2 * D if bidirectional else D, K, dtype=torch.float32)]
+
+
+def _ema_fft_conv_setup(ctx, inputs, output):
+    x, kernel, bidirectional = inputs
+    _, xf, kf = output
+    no_gradient_for(ctx, xf, kf)
+    ctx.save_for_backward(xf, kf)
+    ctx.K, ctx.bidirectional, ctx.x_dtype, ctx.k_dtype = kernel.shape[1], bidirectional, x.dtype, kernel.dtype
+
+
+def _ema_fft_conv_backward(ctx, grads):
+    xf, kf = ctx.saved_tensors
+    if grads[0] is None:
+        return None, None, None
+    dx, dk = backward_call(ctx, ema_fft_conv_bwd_op, grads[0], xf, kf, ctx.K, ctx.bidirectional, ctx.x_dtype)
+    return dx, dk.to(ctx.k_dtype), None  # x, kernel, bidirectional
+
+
+register_autograd(ema_fft_conv_op, _ema_fft_conv_backward, _ema_fft_conv_setup)
 
 
 def _check(coef_in: torch.Tensor, decay: torch.Tensor, coef_out: torch.Tensor, length: int) -> None:
@@ -232,9 +255,9 @@ def ema(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: t
 def ema_fft(x: torch.Tensor, coef_in: torch.Tensor, decay: torch.Tensor, coef_out: torch.Tensor, *,
             bidirectional: bool = False, truncation: int | None = None) -> torch.Tensor:
     """The Triton path for any truncation: the kernel generated in Triton (no (Dk, N, K) tensor), the convolution
-    by cuFFT at the smallest safe size (`ema_conv_fast`). `ema` takes it for truncated kernels (K < L), where the
-    chunked state-passing kernels do not apply."""
+    by cuFFT at the smallest safe size with its backward written out (`ema_fft_conv_op`, fft.py). `ema` takes it
+    for truncated kernels (K < L), where the chunked state-passing kernels do not apply."""
     L = x.shape[1]
     K = L if truncation is None else min(truncation, L)
     kernel = call(ema_kernel_fwd_op, coef_in * coef_out, decay, K)  # [Dk, K]
-    return ema_conv_fast(x, kernel, bidirectional).to(x.dtype)
+    return call(ema_fft_conv_op, x, kernel, bidirectional)[0]
