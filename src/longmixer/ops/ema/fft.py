@@ -8,9 +8,9 @@ circular correlation, so with G = rfft of dy zero-padded to n:
     dx = irfft(G conj(Kf))[:L],    dkc = irfft(sum_b G conj(X)),
 
 and the kernel taps' gradient is read back from dkc's circular layout (`kernel_grad`). Every transform is a real
-one (r2c / c2r). Autograd through `torch.fft` instead runs the backward of each r2c as a complex transform of size
-n over a zero-padded copy, and the transposes between [B, L, D] and the [B, D, n] rows cuFFT transforms were torch
-copies of strided tensors: at MEGA's Text shape (B8 L4096 D128 K1024) those took more GPU time than the
+one (r2c / c2r). Autograd through `torch.fft` instead runs the backward of each r2c as a complex transform of
+size n over a zero-padded copy, and the transposes between [B, L, D] and the [B, D, n] rows cuFFT transforms were
+torch copies of strided tensors: at MEGA's Text shape (B8 L4096 D128 K1024) those took more GPU time than the
 transforms (docs/benchmarks.md). Here one Triton pass moves x into the zero-padded rows, casting to float32
 (`pad_rows`), and one moves the first L columns back, casting to the output dtype (`unpad_rows`).
 """
