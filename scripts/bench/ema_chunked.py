@@ -60,29 +60,40 @@ def parity(device, quick) -> dict:
 
 
 
+def time_paths(paths, ins, quick, device) -> dict:
+    """{name: (fwd ms, fwd+bwd ms, peak GiB)} of each (name, fn); NaN where a path runs out of memory."""
+    res = {}
+    for name, fn in paths:
+        try:
+            with torch.no_grad():
+                f_ms = bench(fn, quick)
+            fb = fwd_bwd(fn, ins)
+            res[name] = (f_ms, bench(fb, quick), peak_mem(fb, device))
+        except torch.OutOfMemoryError:
+            res[name] = (float("nan"),) * 3
+            torch.cuda.empty_cache()
+    return res
+
+
+def report(bidir: bool, shape: str, res: dict) -> None:
+    """One table row per path, with its speed-up over the official torch path."""
+    ref = res["official torch"]
+    for name, (f_ms, fb_ms, mem) in res.items():
+        row(f"| {'bidir' if bidir else 'causal'} | {shape} | {name} | {f_ms:.3f} | {fb_ms:.3f} | "
+            f"{ref[0] / f_ms:.2f}x / {ref[1] / fb_ms:.2f}x | {mem:.2f} |")
+
+
 def speed(device, quick, dtype):
     shapes = [(1, 64, 16)] if quick else [(8, 1024, 1024), (8, 4096, 1024), (8, 16384, 1024), (1, 16384, 1024),
                                           (1, 65536, 1024)]
     for B, L, D in shapes:
         for bidir in (False, True):
             ins = inputs(B, L, D, 16, bidir, device, dtype)
-            res = {}
-            fns = {"official torch": lambda: ema_ref(*ins, bidirectional=bidir),
-                   "kernel-gen + cuFFT": lambda: ema_fft(*ins, bidirectional=bidir),
-                   "chunked (ema)": lambda: ema(*ins, bidirectional=bidir, backend="triton")}
-            for name, fn in fns.items():
-                try:
-                    with torch.no_grad():
-                        f_ms = bench(fn, quick)
-                    fb = fwd_bwd(fn, ins)
-                    res[name] = (f_ms, bench(fb, quick), peak_mem(fb, device))
-                except torch.OutOfMemoryError:
-                    res[name] = (float("nan"),) * 3
-                    torch.cuda.empty_cache()
-            ref = res["official torch"]
-            for name, (f_ms, fb_ms, mem) in res.items():
-                row(f"| {'bidir' if bidir else 'causal'} | B{B} L{L} D{D} N16 {str(dtype)[6:]} | {name} | "
-                    f"{f_ms:.3f} | {fb_ms:.3f} | {ref[0] / f_ms:.2f}x / {ref[1] / fb_ms:.2f}x | {mem:.2f} |")
+            res = time_paths([("official torch", lambda: ema_ref(*ins, bidirectional=bidir)),
+                              ("kernel-gen + cuFFT", lambda: ema_fft(*ins, bidirectional=bidir)),
+                              ("chunked (ema)", lambda: ema(*ins, bidirectional=bidir, backend="triton"))],
+                             ins, quick, device)
+            report(bidir, f"B{B} L{L} D{D} N16 {str(dtype)[6:]}", res)
 
 
 def speed_truncated(device, quick):
@@ -92,18 +103,10 @@ def speed_truncated(device, quick):
     for B, L, D, K in shapes:
         for bidir in (False, True):
             ins = inputs(B, L, D, 16, bidir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-            res = {}
-            for name, fn in (("official torch", lambda: ema_ref(*ins, bidirectional=bidir, truncation=K)),
-                             ("truncated (ema)", lambda: ema(*ins, bidirectional=bidir, truncation=K,
-                                                             backend="triton"))):
-                with torch.no_grad():
-                    f_ms = bench(fn, quick)
-                fb = fwd_bwd(fn, ins)
-                res[name] = (f_ms, bench(fb, quick), peak_mem(fb, device))
-            ref = res["official torch"]
-            for name, (f_ms, fb_ms, mem) in res.items():
-                row(f"| {'bidir' if bidir else 'causal'} | B{B} L{L} D{D} K{K} N16 | {name} | {f_ms:.3f} | "
-                    f"{fb_ms:.3f} | {ref[0] / f_ms:.2f}x / {ref[1] / fb_ms:.2f}x | {mem:.2f} |")
+            res = time_paths([("official torch", lambda: ema_ref(*ins, bidirectional=bidir, truncation=K)),
+                              ("truncated (ema)", lambda: ema(*ins, bidirectional=bidir, truncation=K,
+                                                              backend="triton"))], ins, quick, device)
+            report(bidir, f"B{B} L{L} D{D} K{K} N16", res)
 
 
 def sweep(device, quick):
@@ -167,18 +170,11 @@ def speed_fp32_row(device):
     """float32 x (3xTF32 dots) at B8 L4096 D1024: the training dtype of MEGA's fp32 recipes."""
     for bidir in (False, True):
         ins = inputs(8, 4096, 1024, 16, bidir, device, torch.float32)
-        res = {}
-        for name, fn in (("official torch", lambda: ema_ref(*ins, bidirectional=bidir)),
-                         ("kernel-gen + cuFFT", lambda: ema_fft(*ins, bidirectional=bidir)),
-                         ("chunked (ema)", lambda: ema(*ins, bidirectional=bidir, backend="triton"))):
-            with torch.no_grad():
-                f_ms = bench(fn, False)
-            fb = fwd_bwd(fn, ins)
-            res[name] = (f_ms, bench(fb, False), peak_mem(fb, device))
-        ref = res["official torch"]
-        for name, (f_ms, fb_ms, mem) in res.items():
-            row(f"| {'bidir' if bidir else 'causal'} | B8 L4096 D1024 N16 float32 | {name} | {f_ms:.3f} | "
-                f"{fb_ms:.3f} | {ref[0] / f_ms:.2f}x / {ref[1] / fb_ms:.2f}x | {mem:.2f} |")
+        res = time_paths([("official torch", lambda: ema_ref(*ins, bidirectional=bidir)),
+                          ("kernel-gen + cuFFT", lambda: ema_fft(*ins, bidirectional=bidir)),
+                          ("chunked (ema)", lambda: ema(*ins, bidirectional=bidir, backend="triton"))],
+                         ins, False, device)
+        report(bidir, "B8 L4096 D1024 N16 float32", res)
 
 
 if __name__ == "__main__":
