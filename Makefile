@@ -6,12 +6,13 @@ STAMP := $(VENV)/.installed
 TASK ?= listops_gen
 ARGS ?=
 
-.PHONY: help venv train test test-fast data sweep bench lint clean-venv
+.PHONY: help venv train test test-fast test-gpu data sweep bench lint clean-venv
 
 help:
 	@echo "make train            train the embedded default (experiment=quickstart); ARGS='key=value ...' to override"
 	@echo "make test             run the whole test suite (CI; CPU, Triton kernels under the interpreter)"
 	@echo "make test-fast        the quick tier: everything not marked slow (about 2 minutes on 2 cores)"
+	@echo "make test-gpu         the tests marked gpu, with compiled Triton kernels (needs a CUDA GPU)"
 	@echo "make data TASK=name   download / generate / verify one task's data (listops, text, pathfinder_gen, ...)"
 	@echo "make sweep            an example multi-run: quickstart over three seeds"
 	@echo "make bench            model-level and kernel benchmarks (needs a CUDA GPU for the kernel numbers)"
@@ -34,6 +35,9 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow" --durations=15 $(ARGS)
+
+test-gpu: $(STAMP)
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -m gpu $(ARGS)
 
 data: $(STAMP)
 	$(PY) scripts/prepare_data.py $(TASK) $(ARGS)

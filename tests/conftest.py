@@ -1,4 +1,4 @@
-"""Shared test setup: Triton's CPU interpreter when no GPU is present, one torch thread per xdist worker, and a
+"""Shared test setup: Triton's CPU interpreter (unless TRITON_INTERPRET=0), one torch thread per xdist worker, and a
 `compose` fixture that builds a run config pointing at temporary data and log dirs."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import os
 import sys
 from pathlib import Path
 
-# Must be set before any module applies @triton.jit: kernels then run on CPU tensors.
-if os.environ.get("CUDA_VISIBLE_DEVICES", "") == "" or not os.path.exists("/dev/nvidia0"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Must be set before any module applies @triton.jit: kernels then run on CPU tensors, which is what the op tests
+# build, on any machine. The `gpu` tier needs compiled kernels: `make test-gpu` (TRITON_INTERPRET=0 -m gpu).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
@@ -45,13 +45,20 @@ OPS_DIR = Path(__file__).resolve().parent / "ops"
 
 def pytest_collection_modifyitems(config, items):
     """Tiers: every op test is an interpreter parity sweep on a CPU (marked `slow`, out of `make test-fast`);
-    `gpu` tests skip where no CUDA device is present, so `make test` runs everything else everywhere."""
+    `gpu` tests skip where no CUDA device is present, and under the interpreter (they launch compiled kernels and
+    capture CUDA graphs): `make test` runs everything else everywhere, `make test-gpu` the `gpu` tier."""
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    interpreted = pytest.mark.skip(reason="needs compiled Triton kernels: run `make test-gpu` "
+                                          "(TRITON_INTERPRET=0 python -m pytest -m gpu) on a CUDA machine")
+    interpreter_on = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     for item in items:
         if OPS_DIR in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
-            item.add_marker(no_gpu)
+        if item.get_closest_marker("gpu") is not None:
+            if not torch.cuda.is_available():
+                item.add_marker(no_gpu)
+            elif interpreter_on:
+                item.add_marker(interpreted)
 
 
 @pytest.fixture
