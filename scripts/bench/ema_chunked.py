@@ -155,13 +155,11 @@ def main() -> int:
     if not args.truncated_only:
         speed(device, args.quick, torch.bfloat16 if device.type == "cuda" else torch.float32)
     speed_truncated(device, args.quick)
-    if args.truncated_only:
-        print("\n".join(["", "summary:"] + ROWS))
-        return 1 if any(v > (1e-5 if "float32" in k else 2e-2) for k, v in worst.items()) else 0
-    if device.type == "cuda" and not args.quick:
-        speed_fp32_row(device)
-    if not args.skip_sweep:
-        sweep(device, args.quick)
+    if not args.truncated_only:
+        if device.type == "cuda" and not args.quick:
+            speed_fp32_row(device)
+        if not args.skip_sweep:
+            sweep(device, args.quick)
     print("\n".join(["", "summary:"] + ROWS))
     return 1 if any(v > (1e-5 if "float32" in k else 2e-2) for k, v in worst.items()) else 0
 

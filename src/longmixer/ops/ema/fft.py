@@ -11,53 +11,32 @@ and the kernel taps' gradient is read back from dkc's circular layout (`kernel_g
 one (r2c / c2r). Autograd through `torch.fft` instead runs the backward of each r2c as a complex transform of
 size n over a zero-padded copy, and the transposes between [B, L, D] and the [B, D, n] rows cuFFT transforms were
 torch copies of strided tensors: at MEGA's Text shape (B8 L4096 D128 K1024) those took more GPU time than the
-transforms (docs/benchmarks.md). Here one Triton pass moves x into the zero-padded rows, casting to float32
-(`pad_rows`), and one moves the first L columns back, casting to the output dtype (`unpad_rows`).
+transforms (docs/benchmarks.md). Here one pass of the chunked EMA's transpose kernel moves x into the zero-padded
+rows, casting to float32 (`pad_rows`), and one moves the first L columns back, casting to the output dtype
+(`unpad_rows`).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-
-@triton.jit
-def _transpose_pad_kernel(src_ptr, dst_ptr, R_in, R_out, S, src_b, src_r, dst_b, dst_s,
-                          BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-    # dst[b, s, r] = src[b, r, s] for r < R_in, 0 for R_in <= r < R_out (s < S); src's s and dst's r are unit-stride
-    i_s, i_r, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    m_s = o_s[None, :] < S
-    b_t = tl.load(src_ptr + i_b.to(tl.int64) * src_b + o_r[:, None] * src_r + o_s[None, :],
-                  mask=(o_r[:, None] < R_in) & m_s, other=0.)
-    tl.store(dst_ptr + i_b.to(tl.int64) * dst_b + o_s[None, :] * dst_s + o_r[:, None],
-             b_t.to(dst_ptr.dtype.element_ty), mask=(o_r[:, None] < R_out) & m_s)
-
-
-def _launch(src: torch.Tensor, dst: torch.Tensor, R_in: int, R_out: int, S: int, src_r: int, dst_s: int) -> None:
-    B = src.shape[0]
-    grid = (triton.cdiv(S, 64), triton.cdiv(R_out, 64), B)
-    _transpose_pad_kernel[grid](src, dst, R_in, R_out, S, src.stride(0), src_r, dst.stride(0), dst_s,
-                                BLOCK_R=64, BLOCK_S=64, num_warps=4)
+from longmixer.ops.ema.chunked import transpose_into
 
 
 def pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x [B, L, D] (contiguous) -> [B, D, n] float32: row (b, d) is x[b, :, d] followed by n - L zeros."""
+    """x [B, L, D] -> [B, D, n] float32: row (b, d) is x[b, :, d] followed by n - L zeros."""
     x = x.contiguous()
     B, L, D = x.shape
     out = torch.empty(B, D, n, device=x.device, dtype=torch.float32)
-    _launch(x, out, L, n, D, D, n)
+    transpose_into(x, out, L, n, D, D, n)
     return out
 
 
 def unpad_rows(y: torch.Tensor, L: int, dtype: torch.dtype) -> torch.Tensor:
     """y [B, D, n] (contiguous) -> [B, L, D] in dtype: the first L columns of every row, transposed back."""
-    y = y.contiguous()
     B, D, n = y.shape
     out = torch.empty(B, L, D, device=y.device, dtype=dtype)
-    _launch(y, out, D, D, L, n, D)
+    transpose_into(y.contiguous(), out, D, D, L, n, D)
     return out
 
 
@@ -96,7 +75,7 @@ def conv_bwd(dy: torch.Tensor, xf: torch.Tensor, kf: torch.Tensor, K: int, bidir
              x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [B, L, D] in x_dtype, dkernel [Dk, K] float32) for the output gradient dy [B, L, D]."""
     L = dy.shape[1]
-    gf = torch.fft.rfft(pad_rows(dy.contiguous(), n))
+    gf = torch.fft.rfft(pad_rows(dy, n))
     dx = unpad_rows(torch.fft.irfft(gf * kf.conj(), n=n), L, x_dtype)
     dkc = torch.fft.irfft((gf * xf.conj()).sum(0), n=n)  # [D, n]
     return dx, kernel_grad(dkc, K, bidirectional)
