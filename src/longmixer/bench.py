@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from longmixer.utils.compile import COMPILE_MODES, capture_train_step, compile_blocks
+from longmixer.utils.compile import COMPILE_MODES, STEP_GRAPH, capture_train_step, compile_blocks
 from longmixer.utils.compose import CONFIG_DIR, compose, family_of
 
 log = logging.getLogger(__name__)
@@ -45,9 +45,9 @@ CONFIGS = Path(CONFIG_DIR)
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 TEXT_LENGTH = 4096  # the papers' efficiency setting; the length sweep's 4K point is this setting's row
 TOKENS_PER_STEP = 32768
-STEP_GRAPH = "step-graph"  # a bench-only mode: blocks compiled as "default", the whole step in one CUDA graph
-# "auto" is a training default, not a measurement
-BENCH_COMPILE_MODES = (*COMPILE_MODES[1:], STEP_GRAPH)
+# "auto" is a training default, not a measurement; step-graph: blocks compiled as "default", the whole step in one
+# CUDA graph (training's `task.compile=step-graph` replays the same step, `TrainStepGraph`)
+BENCH_COMPILE_MODES = COMPILE_MODES[1:]
 STEP_GRAPH_WARMUP = 3  # eager steps before capture, at least (PyTorch's whole-network capture example uses 3)
 # Untimed steps of a compiled model, at least: a model that recompiles once after its first training step (LongVQ,
 # when its codebook's data init has run) compiles again and records new CUDA graphs (reduce-overhead) on the next
@@ -135,7 +135,7 @@ def compile_model(model, mode: str):
     "step-graph" compiles them as "default" (`measure` then captures the whole step)."""
     if mode not in BENCH_COMPILE_MODES:
         raise ValueError(f"--compile {mode!r} is not one of {BENCH_COMPILE_MODES}")
-    return compile_blocks(model, "default" if mode == STEP_GRAPH else mode)
+    return compile_blocks(model, mode)
 
 
 def gpu_profile(step, steps: int, top: int = 0) -> dict:

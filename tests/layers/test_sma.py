@@ -57,7 +57,8 @@ def test_gumbel_annealing_schedule():
     assert gumbel_temperature(10_000_000) == 0.5
     conf = LatentConfigurator(8, router="gumbel")
     conf.set_progress(200_000, 400_000)
-    assert conf.gumbel_tau == gumbel_temperature(200_000)
+    assert math.isclose(float(conf.gumbel_tau), gumbel_temperature(200_000), rel_tol=1e-6)
+    assert "gumbel_tau" not in conf.state_dict(), "derived from the step: not a checkpoint entry"
     conf.eval()
     h = torch.randn(2, 5, 8)
     torch.testing.assert_close(conf(h)[1], conf(h)[1]), "no noise in eval mode"
@@ -120,3 +121,22 @@ def test_attention_span_prefix_sum_reads_no_row_count(window, chunk, causal):
     scans = [n for n in graph.nodes if n.target == torch.ops.aten.cumsum.default]
     assert scans
     assert not any(reads(scan, count_input) for scan in scans)
+
+
+def test_gumbel_temperature_is_read_by_a_compiled_router_without_recompiling():
+    """The annealed temperature is a buffer updated in place, so a compiled router follows it step by step from one
+    graph (a float attribute would be a constant of the graph: a recompile per step, frozen under CUDA graphs)."""
+    torch._dynamo.reset()
+    conf = LatentConfigurator(8, router="gumbel").eval()  # eval: no noise, outputs comparable
+    h = torch.randn(2, 5, 8)
+    graphs = []
+
+    def counting_backend(gm, example_inputs):  # called once per graph compiled
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(conf.probabilities, backend=counting_backend)
+    for step in (0, 300_000, 600_000):
+        conf.set_progress(step, 1_000_000)
+        torch.testing.assert_close(compiled(h), conf.probabilities(h))
+    assert len(graphs) == 1, f"{len(graphs)} graphs compiled for 3 temperatures"

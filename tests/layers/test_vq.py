@@ -37,6 +37,27 @@ def test_ema_update_matches_formula():
     torch.testing.assert_close(vq.codebook, vq.sums / vq.counts[:, None])
 
 
+def test_a_replayed_step_leaves_its_statistics_pending():
+    """Under `task.compile=step-graph` a replay adds the step's statistics to the pending buffers on the GPU without
+    the Python that records it; `after_replay` records it, so the next step applies them (and without it they would
+    sit there unapplied). Here the replay's addition is written by hand."""
+    vq = quantizer()
+    vq.set_progress(0, 10)
+    vq(KEYS)
+    vq.set_progress(1, 10)  # applies step 0's statistics; nothing is pending
+    n_batch = torch.tensor([2.0, 1.0, 0.0, 1.0])
+    for replayed in (False, True):
+        counts = vq.counts.clone()
+        vq.pending_counts += n_batch  # what a replay's captured `absorb_stats` does
+        if replayed:
+            vq.after_replay()
+        vq.set_progress(2 + replayed, 10)
+        if replayed:
+            torch.testing.assert_close(vq.counts, 0.9 * counts + 0.1 * (2 * n_batch))  # both steps' statistics
+        else:
+            torch.testing.assert_close(vq.counts, counts)
+
+
 def test_accumulated_micro_batches_make_one_ema_step():
     """Gradient accumulation: two micro-batches of one optimizer step = one EMA step on their summed stats."""
     acc, whole = quantizer(), quantizer()

@@ -14,7 +14,7 @@ class StatsMixer(nn.Module):
         super().__init__()
         self.lin = nn.Linear(d_model, d_model)
         self.progress = None
-        self.after_forward_calls = 0
+        self.after_forward_calls = self.after_replay_calls = 0
 
     def forward(self, x, mask=None, residual=None):
         return residual + self.lin(x), {"loss/extra": x.new_tensor(0.5), "stats/rate": x.new_tensor(0.25)}
@@ -24,6 +24,9 @@ class StatsMixer(nn.Module):
 
     def after_forward(self):
         self.after_forward_calls += 1
+
+    def after_replay(self):
+        self.after_replay_calls += 1
 
 
 def test_aux_losses_sum_and_stats_are_per_layer():
@@ -44,6 +47,10 @@ def test_after_forward_reaches_every_layer_once():
     submodule that defines it, once per call."""
     model = SequenceModel(StatsMixer, d_model=8, n_layers=2, vocab_size=5, num_classes=2)
     model.after_forward()
+    assert [block.mixer.after_forward_calls for block in model.blocks] == [1, 1]
+    model.after_replay()
+    model.after_replay()  # the modules found at the first call are reused
+    assert [block.mixer.after_replay_calls for block in model.blocks] == [2, 2]
     assert [block.mixer.after_forward_calls for block in model.blocks] == [1, 1]
 
 

@@ -64,7 +64,9 @@ class LatentConfigurator(nn.Module):
         if init_temp_scale <= 0:
             raise ValueError(f"init_temp_scale={init_temp_scale} must be > 0 (Table 4 uses 0.3 to 1.0)")
         self.router, self.num_modules = router, num_modules
-        self.gumbel_tau = gumbel_temperature(0)
+        # a tensor updated in place: a float attribute would be a constant of each compiled graph (a recompile per
+        # step, and frozen in a replayed CUDA graph); not in checkpoints (`set_progress` sets it from the step)
+        self.register_buffer("gumbel_tau", torch.tensor(gumbel_temperature(0)), persistent=False)
         if router == "moe":
             self.proj = nn.Linear(d_model, moe_dim, bias=False)
             self.experts = nn.Parameter(torch.empty(num_modules, 2, moe_dim))
@@ -86,7 +88,7 @@ class LatentConfigurator(nn.Module):
 
     def set_progress(self, step: int, total_steps: int) -> None:
         """Anneal the Gumbel temperature (A.4); the schedule depends on the step only, not on total_steps."""
-        self.gumbel_tau = gumbel_temperature(step)
+        self.gumbel_tau.fill_(gumbel_temperature(step))
 
     def probabilities(self, h: Tensor) -> Tensor:
         """p(on) and p(off) per module: [B, L, M, 2] float32 (index 1 = activate)."""

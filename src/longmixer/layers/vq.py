@@ -164,6 +164,12 @@ class VectorQuantizer(nn.Module):
         """The hook `SequenceModel.after_forward()` calls after each forward: `absorb_stats()`."""
         self.absorb_stats()
 
+    def after_replay(self) -> None:
+        """After a training step replayed from a CUDA graph (`task.compile=step-graph`): its captured
+        `absorb_stats()` added this step's statistics to the pending buffers on the GPU, without the Python that
+        records it, so record it here; the next `set_progress` applies them."""
+        self._has_pending = True
+
     @torch.no_grad()
     def apply_update(self) -> None:
         """One EMA step with the pending statistics (summed over DDP ranks): n <- eta n + (1 - eta) n_batch,

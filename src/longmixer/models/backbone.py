@@ -185,14 +185,23 @@ class SequenceModel(nn.Module):
         """Call every submodule's `after_forward()` (LongVQ's quantizer adds its batch statistics to its buffers).
         The task calls it right after each forward, eagerly: outside the compiled graph, whose forward then mutates no
         buffer (CUDA graphs skip a graph that does), and before the next forward, whose CUDA-graph replay would
-        overwrite what this one left. It runs every step, so the modules that define the hook are found once (the
-        module tree is fixed after construction; compiling blocks in place keeps it)."""
-        hooked = self.__dict__.get("_after_forward_modules")
-        if hooked is None:
-            hooked = [m for m in self.modules() if m is not self and hasattr(m, "after_forward")]
-            self._after_forward_modules = hooked  # a plain list: not registered as submodules
-        for module in hooked:
-            module.after_forward()
+        overwrite what this one left."""
+        self._call_hook("after_forward")
+
+    def after_replay(self) -> None:
+        """Call every submodule's `after_replay()`: the host-side bookkeeping of one training step whose kernels were
+        replayed from a CUDA graph (`task.compile=step-graph`), where `after_forward` ran once, at the capture. The
+        quantizer marks its statistics pending: the replay added them on the GPU."""
+        self._call_hook("after_replay")
+
+    def _call_hook(self, name: str) -> None:
+        """Call `name()` on every submodule that defines it. It runs every step, so the modules are found once per
+        hook (the module tree is fixed after construction; compiling blocks in place keeps it)."""
+        hooked = self.__dict__.setdefault("_hooked_modules", {})  # plain dict: not registered as submodules
+        if name not in hooked:
+            hooked[name] = [m for m in self.modules() if m is not self and hasattr(m, name)]
+        for module in hooked[name]:
+            getattr(module, name)()
 
     def reparameterize(self) -> "SequenceModel":
         """Fuse training-time branches for inference in every submodule that supports it (CHELA short-long conv)."""

@@ -16,7 +16,7 @@ from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
-from longmixer.utils.compile import COMPILE_MODES, compile_blocks, resolve_compile_mode
+from longmixer.utils.compile import COMPILE_MODES, STEP_GRAPH, TrainStepGraph, compile_blocks, resolve_compile_mode
 from longmixer.utils.optim import build_optimizer, clip_grad_norm
 from longmixer.utils.strategies import ZeroDDPStrategy
 
@@ -43,8 +43,13 @@ class SequenceTask(pl.LightningModule):
             checkpoint callback, early stopping and hparams_search).
         mode: "max" or "min" for `monitor`.
         compile: torch.compile mode of the model's blocks (`compile_blocks`): "none" | "default" |
-            "reduce-overhead" | "max-autotune", or "auto": "default" on CUDA, "none" elsewhere (decided in
-            `configure_model` from the trainer's device).
+            "reduce-overhead" | "max-autotune", "step-graph" (blocks as "default", and each training step replayed
+            from one CUDA graph: `TrainStepGraph`, single-GPU runs), or "auto": on CUDA "reduce-overhead" where the
+            batches come in few shapes and "default" otherwise, "none" elsewhere (decided in `configure_model` from
+            the trainer's device).
+
+    Subclasses define `forward_loss` (the model's call and the task loss, no logging) and `log_step` (the metrics
+    of one step); `training_step`, `validation_step` and `test_step` are built from the two.
     """
 
     def __init__(self, model: nn.Module, optim: Callable[..., torch.optim.Optimizer],
@@ -66,6 +71,40 @@ class SequenceTask(pl.LightningModule):
         self.best_score: float | None = None
         self._first_bad_step: torch.Tensor | None = None  # the divergence guard's device-side record
         self.total_steps = 1
+        self.step_graph: TrainStepGraph | None = None  # task.compile=step-graph during fit (`on_fit_start`)
+
+    # --- the steps ------------------------------------------------------------------------------------------------
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The model on `batch` and the task's loss, without logging: (loss, outputs), where outputs holds the
+        model's `aux` dict and whatever `log_step` reads."""
+        raise NotImplementedError
+
+    def log_step(self, batch: dict[str, torch.Tensor], stage: str, loss: torch.Tensor,
+                 outputs: dict[str, Any]) -> None:
+        """Log one step's metrics from `forward_loss`'s detached loss and outputs."""
+        raise NotImplementedError
+
+    def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        loss, outputs = self.forward_loss(batch)
+        self.log_step(batch, stage, loss.detach(), outputs)
+        self.log_aux(outputs["aux"], stage, _batch_size(batch))
+        return self.with_aux_losses(loss, outputs["aux"])
+
+    def training_step(self, batch, batch_idx):
+        if self.step_graph is None:
+            return self._step(batch, "train")
+        out = self.step_graph(batch)  # forward, backward and the optimizer step, replayed
+        # the graph's outputs are overwritten by the next replay: logged scalars are copied
+        aux = {key: value.clone() for key, value in out["aux"].items()}
+        self.log_step(batch, "train", out["loss"].clone(), out)
+        self.log_aux(aux, "train", _batch_size(batch))
+        return out["total"].clone()
+
+    def validation_step(self, batch, batch_idx):
+        self._step(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._step(batch, "test")
 
     # --- torch.compile (the `task.compile` switch) ------------------------------------------------------------------
     compile_entry = "forward"  # what the task calls on the model (utils/compile.py: one CUDA graph around it)
@@ -81,6 +120,69 @@ class SequenceTask(pl.LightningModule):
         few_shapes = getattr(getattr(self._trainer, "datamodule", None), "few_shapes", False)
         self.compiled_as = resolve_compile_mode(self.compile_mode, device, few_shapes=few_shapes)
         compile_blocks(self.model, self.compiled_as, entry=self.compile_entry)
+
+    def on_fit_start(self) -> None:
+        if self.compiled_as == STEP_GRAPH:
+            self._check_step_graph()
+            optimizer = self.trainer.optimizers[0]
+            self.step_graph = TrainStepGraph(self._graph_update, optimizer, after_replay=self._after_replay)
+
+    def on_fit_end(self) -> None:
+        self.step_graph = None  # the graph and its memory pool
+
+    def _check_step_graph(self) -> None:
+        """What `task.compile=step-graph` needs, each with the override that provides it."""
+        trainer = self.trainer
+        problems = []
+        if self.device.type != "cuda":
+            problems.append(f"a CUDA GPU (the model is on {self.device}): use trainer=gpu, or task.compile=auto")
+        if type(trainer.strategy) is not SingleDeviceStrategy:
+            problems.append(f"one device (the strategy is {type(trainer.strategy).__name__}): set trainer.devices=1, "
+                            "or task.compile=auto for data-parallel runs")
+        if trainer.accumulate_grad_batches != 1:
+            problems.append(f"one batch per optimizer step (trainer.accumulate_grad_batches="
+                            f"{trainer.accumulate_grad_batches}): set trainer.accumulate_grad_batches=1")
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            problems.append("no gradient scaler (16-mixed has one): set trainer.precision=bf16-mixed or 32-true")
+        if trainer.gradient_clip_val and (trainer.gradient_clip_algorithm or "norm") != "norm":
+            problems.append("clipping by norm: set trainer.gradient_clip_algorithm=norm")
+        if len(trainer.optimizers) != 1:
+            problems.append(f"one optimizer (there are {len(trainer.optimizers)})")
+        if problems:
+            raise ValueError(f"task.compile={STEP_GRAPH} needs " + "; ".join(problems))
+
+    def _graph_update(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """One whole training step for `TrainStepGraph`: forward (under the trainer's autocast, which wraps
+        `training_step`), loss, backward, clipping by norm (`trainer.gradient_clip_val`) and the optimizer step."""
+        loss, outputs = self.forward_loss(batch)
+        total = self.with_aux_losses(loss, outputs["aux"])
+        with torch.autocast(self.device.type, enabled=False):
+            total.backward()
+        optimizer = self.trainer.optimizers[0]
+        if self.trainer.gradient_clip_val:
+            clip_grad_norm((p for group in optimizer.param_groups for p in group["params"]),
+                           float(self.trainer.gradient_clip_val))
+        optimizer.step()
+        detached = {key: value.detach() if torch.is_tensor(value) else value for key, value in outputs.items()}
+        detached["aux"] = {key: value.detach() for key, value in outputs["aux"].items()}
+        return {**detached, "loss": loss.detach(), "total": total.detach()}
+
+    def _after_replay(self) -> None:
+        if hasattr(self.model, "after_replay"):
+            self.model.after_replay()
+
+    # Lightning's automatic optimization around a replayed step: its closure runs `training_step` (which replays
+    # the forward, backward and optimizer step) and the hooks around backward (the divergence guard), and nothing
+    # else: no second backward, no optimizer.step(). (Its zero_grad, after the step, only drops the Python
+    # references to the graph's gradients; the next replay writes them again.)
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        if self.step_graph is None:
+            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        optimizer_closure()
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        if self.step_graph is None:
+            super().backward(loss, *args, **kwargs)
 
     # --- optimization ------------------------------------------------------------------------------------------
     def configure_optimizers(self):
@@ -207,17 +309,24 @@ class SequenceTask(pl.LightningModule):
         self.on_test_start()
 
     # --- aux losses and statistics (docs/architecture.md) ----------------------------------------------------------
-    def add_aux(self, loss: torch.Tensor, aux: Mapping[str, torch.Tensor], stage: str, batch_size: int):
+    @staticmethod
+    def with_aux_losses(loss: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The task loss plus every `loss/...` entry of the model's aux dict."""
+        for key, value in aux.items():
+            if key.startswith("loss/"):
+                loss = loss + value
+        return loss
+
+    def log_aux(self, aux: Mapping[str, torch.Tensor], stage: str, batch_size: int) -> None:
+        """Log aux losses as `<stage>/aux/<name>` and statistics as `<stage>/stats/<name>`."""
         for key, value in aux.items():
             kind, name = key.split("/", 1)
             if kind == "loss":
-                loss = loss + value
                 self.log(f"{stage}/aux/{name}", value.detach(), on_step=stage == "train", on_epoch=True,
                          batch_size=batch_size, sync_dist=stage != "train")
             else:
                 self.log(f"{stage}/stats/{name}", value.detach().float(), on_step=False, on_epoch=True,
                          batch_size=batch_size, sync_dist=stage != "train")
-        return loss
 
     def track_best(self) -> None:
         """Log `<monitor>_best` (e.g. val/acc_best), the best value of the monitored metric so far."""
@@ -261,6 +370,10 @@ class SequenceTask(pl.LightningModule):
                         "the state of rank r %% %d, and the run does not continue exactly as it would have",
                         len(states), self.trainer.world_size, len(states))
         _set_rng_state(states[self.global_rank % len(states)])
+
+
+def _batch_size(batch: Mapping[str, torch.Tensor]) -> int:
+    return int(batch["inputs"].shape[0])
 
 
 def _rng_state() -> dict:

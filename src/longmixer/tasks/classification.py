@@ -36,24 +36,16 @@ class Classification(SequenceTask):
         self.accuracy = nn.ModuleDict({f"{stage}_acc": MulticlassAccuracy(num_classes, average="micro")
                                        for stage in STAGES})
 
-    def _step(self, batch: dict[str, torch.Tensor], stage: str):
+    def forward_loss(self, batch: dict[str, torch.Tensor]):
         logits, aux = self.model(batch["inputs"], batch.get("mask"), batch.get("inputs2"), batch.get("mask2"))
         self.after_forward()
+        return F.cross_entropy(logits.float(), batch["labels"]), {"logits": logits, "aux": aux}
+
+    def log_step(self, batch, stage, loss, outputs):
         labels = batch["labels"]
-        loss = F.cross_entropy(logits.float(), labels)
         n = labels.shape[0]
-        self.log(f"{stage}/loss", loss.detach(), on_step=stage == "train", on_epoch=True, prog_bar=stage != "train",
+        self.log(f"{stage}/loss", loss, on_step=stage == "train", on_epoch=True, prog_bar=stage != "train",
                  batch_size=n, sync_dist=stage != "train")
         accuracy = self.accuracy[f"{stage}_acc"]
-        accuracy(logits.detach(), labels)
+        accuracy(outputs["logits"].detach(), labels)
         self.log(f"{stage}/acc", accuracy, on_step=False, on_epoch=True, prog_bar=True, batch_size=n)
-        return self.add_aux(loss, aux, stage, n)
-
-    def training_step(self, batch, batch_idx):
-        return self._step(batch, "train")
-
-    def validation_step(self, batch, batch_idx):
-        self._step(batch, "val")
-
-    def test_step(self, batch, batch_idx):
-        self._step(batch, "test")

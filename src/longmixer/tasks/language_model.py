@@ -69,18 +69,18 @@ class LanguageModel(SequenceTask):
         nll = F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
         return nll.view(targets.shape), aux
 
-    def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+    def forward_loss(self, batch: dict[str, torch.Tensor]):
         nll, aux = self.token_nll(batch)
         count = (batch["targets"] != IGNORE_INDEX).sum()
-        loss = nll.sum() / count.clamp_min(1)
+        return nll.sum() / count.clamp_min(1), {"count": count, "aux": aux}
+
+    def log_step(self, batch, stage, loss, outputs):
         n = batch["targets"].shape[0]
         if stage == "train":
-            self.log("train/loss", loss.detach(), on_step=True, on_epoch=True, batch_size=n)
-            self.log(f"train/{self.metric}", report(loss.detach(), self.metric), on_step=True, on_epoch=False,
-                     batch_size=n)
+            self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=n)
+            self.log(f"train/{self.metric}", report(loss, self.metric), on_step=True, on_epoch=False, batch_size=n)
         else:
-            self.eval_nll[stage].update(loss.detach().double(), weight=count.double())
-        return self.add_aux(loss, aux, stage, n)
+            self.eval_nll[stage].update(loss.double(), weight=outputs["count"].double())
 
     def _log_eval(self, stage: str) -> None:
         meter = self.eval_nll[stage]
@@ -90,15 +90,6 @@ class LanguageModel(SequenceTask):
         meter.reset()
         self.log(f"{stage}/loss", loss.float(), prog_bar=True, sync_dist=False)
         self.log(f"{stage}/{self.metric}", report(loss, self.metric).float(), prog_bar=True, sync_dist=False)
-
-    def training_step(self, batch, batch_idx):
-        return self._step(batch, "train")
-
-    def validation_step(self, batch, batch_idx):
-        self._step(batch, "val")
-
-    def test_step(self, batch, batch_idx):
-        self._step(batch, "test")
 
     def on_validation_epoch_end(self):
         self._log_eval("val")

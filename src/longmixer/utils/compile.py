@@ -1,17 +1,20 @@
 """The `task.compile` switch: which torch.compile mode a run uses, and compiling a model's blocks in place; and
-capturing a whole training step in one CUDA graph (`capture_train_step`, the benchmark's `step-graph` mode).
+capturing a whole training step in one CUDA graph: `capture_train_step` (the benchmark's `step-graph` mode) and
+`TrainStepGraph` (training's `task.compile=step-graph`).
 
 Shared by the tasks (training and evaluation) and the benchmark, so both measure the same compiled model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-COMPILE_MODES = ("auto", "none", "default", "reduce-overhead", "max-autotune")
+STEP_GRAPH = "step-graph"  # blocks compiled as "default", the whole training step replayed from one CUDA graph
+COMPILE_MODES = ("auto", "none", "default", "reduce-overhead", "max-autotune", STEP_GRAPH)
 
 
 def resolve_compile_mode(mode: str, device: torch.device, few_shapes: bool = True) -> str:
@@ -33,7 +36,7 @@ def resolve_compile_mode(mode: str, device: torch.device, few_shapes: bool = Tru
 def compile_blocks(model: nn.Module, mode: str, backend: str = "inductor", entry: str = "forward") -> nn.Module:
     """Compile `model` in place for `mode` (parameter names and checkpoints unchanged); "none" leaves it eager.
 
-    "default" / "max-autotune": each block (norm, mixer, FFN) is compiled (`nn.Module.compile`). The blocks hold
+    "default" / "max-autotune" (and "step-graph", whose CUDA graph is the whole step's, `TrainStepGraph`): each block (norm, mixer, FFN) is compiled (`nn.Module.compile`). The blocks hold
     nearly all of a step's kernels and are what every path runs through: `model(...)`, and `model.encode(...)` +
     head in the language-model task. Embedding, pooling and heads stay eager (the adaptive softmax gathers
     data-dependent rows per cluster). Identical blocks share one compiled graph.
@@ -51,6 +54,8 @@ def compile_blocks(model: nn.Module, mode: str, backend: str = "inductor", entry
         raise ValueError(f"compile mode {mode!r} is not one of {COMPILE_MODES[1:]}")
     if entry not in ("forward", "encode"):
         raise ValueError(f"compile entry {entry!r} is not forward or encode")
+    if mode == STEP_GRAPH:
+        mode = "default"
     options = dict(**({"mode": mode} if backend == "inductor" else {}), backend=backend)
     if mode == "reduce-overhead":
         if entry == "encode" and hasattr(model, "encode"):
@@ -109,3 +114,148 @@ def capture_train_step(step_fn: Callable[[], object], optimizer: torch.optim.Opt
     with torch.cuda.graph(graph):
         step_fn()
     return graph.replay
+
+
+def _batch_key(batch: Mapping[str, Any]) -> tuple:
+    """What a captured graph is specialized to: every tensor entry's name, shape, dtype and device, and every other
+    entry's value (a replay reads the tensors captured, so a batch of another shape cannot be replayed)."""
+    return tuple(sorted((k, (tuple(v.shape), v.dtype, v.device) if torch.is_tensor(v) else repr(v))
+                        for k, v in batch.items()))
+
+
+def make_capturable(optimizer: torch.optim.Optimizer) -> None:
+    """Prepare `optimizer` for steps inside a CUDA graph: capturable groups, each group's learning rate a 0-dim
+    tensor on its parameters' device (read by the step's kernels, so a new value reaches a replay), step counts on
+    that device. Idempotent; `TrainStepGraph` calls it before each eager step, so that it also holds after a
+    checkpoint's optimizer state (saved by another compile mode: float learning rates, groups not capturable) was
+    loaded into the optimizer."""
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+        device = group["params"][0].device
+        if not (torch.is_tensor(group["lr"]) and group["lr"].device == device):
+            group["lr"] = torch.tensor(float(group["lr"]), device=device)
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if torch.is_tensor(state.get("step")) and state["step"].device != p.device:
+                state["step"] = state["step"].to(p.device, torch.float32)
+
+
+def sync_learning_rates(optimizer: torch.optim.Optimizer, lrs: list[torch.Tensor]) -> None:
+    """Put each group's current learning rate into the tensor a captured step reads (`lrs`, one per group). torch's
+    schedulers fill a tensor learning rate in place; one that assigns a new float or tensor instead (an older
+    torch, a user's scheduler) has it copied here, and the captured tensor goes back into the group."""
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        value = group["lr"]
+        if value is not lr:
+            if torch.is_tensor(value):
+                lr.copy_(value)
+            else:
+                lr.fill_(float(value))
+            group["lr"] = lr
+
+
+class TrainStepGraph:
+    """Training steps replayed from one CUDA graph: what `task.compile=step-graph` runs (tasks/base.py).
+
+    `step_fn(batch)` is one whole training step on a batch dict: forward, loss, backward, gradient clipping and the
+    optimizer step, returning the tensors the task logs. The first `warmup` batches of a shape run it eagerly, on a
+    side stream (compilation, autotuning and the optimizer's lazy state happen there); the next batch of that shape
+    is copied into static tensors and the step is captured once (`torch.cuda.graph`, with the gradients set to None
+    so that the captured backward allocates them from the graph's pool), then every batch of that shape is copied
+    in place and replayed: one launch for the step's hundreds of kernels, no Python between them. Batches of any
+    other shape (a short last batch) run the step eagerly on the current stream, so nothing is skipped or padded.
+    Memory: the graph's pool holds one step's activations and gradients for the whole run, beside what validation
+    and such eager steps allocate.
+
+    Host values that a replay would freeze are kept on the device: each parameter group's learning rate becomes a
+    0-dim tensor that the step reads (a scheduler's new value is copied into it before each replay, whichever way the
+    scheduler stored it), and the optimizer is made capturable (its step counts stay on the GPU). Everything else
+    the step reads from the host must be a tensor updated in place; a model with per-step Python state says what a
+    replay did through `after_replay` (`SequenceModel.after_replay`).
+
+    Args:
+        step_fn: the training step, called with a batch dict; returns a dict of tensors (valid until the next call).
+        optimizer: the optimizer `step_fn` steps; one with a `capturable` option (Adam, AdamW, ...).
+        warmup: eager steps of the captured shape before the capture, at least 1.
+        after_replay: called after each replay (Python bookkeeping the replay did not run).
+
+    Raises:
+        ValueError: `warmup` < 1, or the optimizer has no capturable implementation.
+        RuntimeError: no CUDA GPU.
+    """
+
+    def __init__(self, step_fn: Callable[[dict], dict], optimizer: torch.optim.Optimizer, warmup: int = 3,
+                 after_replay: Callable[[], None] | None = None):
+        if warmup < 1:
+            raise ValueError(f"warmup={warmup} must be >= 1: compiling and the optimizer's lazy state cannot be "
+                             "captured")
+        if "capturable" not in optimizer.defaults:
+            raise ValueError(f"task.compile={STEP_GRAPH} needs an optimizer that can run inside a CUDA graph "
+                             f"(capturable: Adam, AdamW, ...); {type(optimizer).__name__} is not. Set "
+                             "optim=adamw or another task.compile")
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"task.compile={STEP_GRAPH} needs a CUDA GPU (it replays CUDA graphs); use "
+                               "task.compile=auto")
+        self.step_fn, self.optimizer, self.warmup, self.after_replay = step_fn, optimizer, warmup, after_replay
+        self.key: tuple | None = None  # the shape captured (or, before the capture, warmed up)
+        self.eager_steps = 0  # eager steps of that shape so far
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_batch: dict | None = None
+        self.static_out: dict | None = None
+        self.lrs: list[torch.Tensor] = []
+        self.side: torch.cuda.Stream | None = None  # the warm-up steps' stream
+        self.replays = 0
+
+    def __call__(self, batch: dict) -> dict:
+        key = _batch_key(batch)
+        if self.graph is not None and key == self.key:
+            for name, value in self.static_batch.items():
+                if torch.is_tensor(value):
+                    value.copy_(batch[name], non_blocking=True)
+            sync_learning_rates(self.optimizer, self.lrs)
+            self.graph.replay()
+            self.replays += 1
+            if self.after_replay is not None:
+                self.after_replay()
+            return self.static_out
+        if self.key is None:
+            self.key = key
+        if self.graph is None and key == self.key and self.eager_steps >= self.warmup:
+            return self._capture(batch)
+        out = self._eager(batch)
+        if key == self.key:
+            self.eager_steps += 1
+        return out
+
+    def _eager(self, batch: dict) -> dict:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.graph is not None:  # a batch of another shape, after the capture: an ordinary step
+            sync_learning_rates(self.optimizer, self.lrs)
+            return self.step_fn(batch)
+        make_capturable(self.optimizer)
+        # before the capture, on one side stream (PyTorch's recipe for warming up what a graph will capture). One
+        # stream for every such step: the caching allocator keeps freed blocks per stream, so a new stream per step
+        # would reserve the step's memory anew each time.
+        if self.side is None:
+            self.side = torch.cuda.Stream()
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            out = self.step_fn(batch)
+        torch.cuda.current_stream().wait_stream(self.side)
+        return out
+
+    def _capture(self, batch: dict) -> dict:
+        make_capturable(self.optimizer)
+        self.lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self.static_batch = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+        self.optimizer.zero_grad(set_to_none=True)  # the captured backward allocates .grad from the graph's pool
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.static_out = self.step_fn(self.static_batch)
+        self.graph = graph
+        torch.cuda.empty_cache()  # the warm-up steps' blocks, cached for the side stream, which no step uses again
+        graph.replay()  # capturing records the step without running it: this batch's step runs now
+        self.replays += 1
+        if self.after_replay is not None:
+            self.after_replay()
+        return self.static_out

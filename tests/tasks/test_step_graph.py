@@ -1,0 +1,182 @@
+"""`task.compile=step-graph`: each training step replayed from one CUDA graph (utils/compile.py: `TrainStepGraph`),
+driven by Lightning's automatic optimization (tasks/base.py)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+import longmixer.tasks.base as base
+from longmixer.tasks.classification import Classification
+from longmixer.utils.compile import TrainStepGraph, make_capturable, sync_learning_rates
+from longmixer.utils.optim import LinearDecay
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, inputs, mask=None, inputs2=None, mask2=None):
+        h = torch.relu(self.proj(inputs))
+        return self.out(h), {"loss/l2": 1e-3 * h.pow(2).mean(), "stats/mean": h.mean()}
+
+
+def _batches(n: int, last: int, seed: int = 0):
+    """n batches of 8 and a short last one (another shape: it runs eagerly)."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [8] * n + [last]
+    return [{"inputs": 3 * torch.randn(b, 4, generator=g), "labels": torch.randint(0, 3, (b,), generator=g)}
+            for b in sizes]
+
+
+class _CountingAdamW(torch.optim.AdamW):
+    calls = 0
+
+    def step(self, closure=None):
+        type(self).calls += 1
+        return super().step(closure)
+
+
+def _fit(tmp_path, compile_mode: str, accelerator: str, data, epochs: int = 1, callbacks=(), **trainer_kw):
+    torch.manual_seed(0)
+    _CountingAdamW.calls = 0
+    optim = (partial(_CountingAdamW, lr=1e-2, weight_decay=0.1), partial(LinearDecay, warmup_steps=3))
+    task = Classification(_Net(), *optim, num_classes=3, compile=compile_mode)
+    logged = []
+    log = task.log
+    task.log = lambda name, value, **kw: (logged.append((name, float(value) if torch.is_tensor(value) else None)),
+                                          log(name, value, **kw))
+    trainer = pl.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, gradient_clip_val=0.5, logger=False,
+                         callbacks=list(callbacks),
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, default_root_dir=tmp_path, **trainer_kw)
+    trainer.fit(task, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    return task, trainer, [v for name, v in logged if name == "train/loss"]
+
+
+class _EagerRunner:
+    """Runs the task's whole-step function as `TrainStepGraph`'s eager steps do, without a GPU: the Lightning wiring
+    around a replayed step, checked on a CPU."""
+
+    def __init__(self, step_fn, optimizer, after_replay=None, **kw):
+        self.step_fn, self.optimizer, self.calls = step_fn, optimizer, 0
+
+    def __call__(self, batch):
+        self.calls += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.step_fn(batch)
+
+
+def test_a_replayed_step_trains_as_automatic_optimization_does(tmp_path, monkeypatch):
+    """With `step-graph`, Lightning's closure runs the task's whole step (forward, backward, clipping, optimizer
+    step) once per batch and nothing else: no second backward, no zero_grad between, no second optimizer step. So
+    the run ends with the weights, step count and logged losses of an ordinary run (here both eager on a CPU; the
+    captured graph's own run is `test_step_graph_matches_eager_training_on_a_gpu`)."""
+    monkeypatch.setattr(base, "compile_blocks", lambda model, mode, **kw: model)
+    data = _batches(4, 5)
+    eager, eager_trainer, eager_losses = _fit(tmp_path, "none", "cpu", data)
+    assert _CountingAdamW.calls == len(data)
+
+    runners = []
+    monkeypatch.setattr(base, "TrainStepGraph", lambda *a, **kw: runners.append(_EagerRunner(*a, **kw)) or runners[-1])
+    monkeypatch.setattr(base.SequenceTask, "_check_step_graph", lambda self: None)  # it asks for a GPU
+    graphed, trainer, losses = _fit(tmp_path, "step-graph", "cpu", data)
+
+    assert len(runners) == 1 and runners[0].calls == len(data)
+    assert _CountingAdamW.calls == len(data), "the optimizer is stepped inside the replayed step only"
+    assert trainer.global_step == eager_trainer.global_step == len(data)
+    state = trainer.optimizers[0].state
+    assert all(int(s["step"]) == len(data) for s in state.values()), "one optimizer step per batch"
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+    for p, q in zip(graphed.model.parameters(), eager.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert graphed.step_graph is None, "released at the end of fit"
+
+
+def test_step_graph_names_what_it_cannot_replay(tmp_path):
+    with pytest.raises(ValueError, match="task.compile=step-graph needs") as err:
+        _fit(tmp_path, "step-graph", "cpu", _batches(2, 8), accumulate_grad_batches=2)
+    message = str(err.value)
+    assert "trainer=gpu" in message and "trainer.accumulate_grad_batches=1" in message
+
+
+def test_an_optimizer_without_a_capturable_step_is_refused():
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="capturable.*optim=adamw"):
+        TrainStepGraph(lambda batch: {}, opt)
+
+
+def test_learning_rates_live_in_the_tensors_a_replay_reads():
+    """A captured optimizer step reads each group's learning rate from device memory: `make_capturable` makes them
+    tensors, a torch scheduler then fills them in place, and `sync_learning_rates` puts back the captured tensor
+    where something assigned a new value instead (a plateau schedule in an older torch, a user's scheduler)."""
+    net = nn.Linear(3, 2)
+    opt = torch.optim.AdamW([{"params": [net.weight], "lr": 1e-2, "initial_lr": 1e-2},
+                             {"params": [net.bias], "lr": 5e-3, "initial_lr": 5e-3}])
+    schedule = LinearDecay(opt, total_steps=10, warmup_steps=4)
+    make_capturable(opt)
+    lrs = [group["lr"] for group in opt.param_groups]
+    assert all(torch.is_tensor(lr) and lr.ndim == 0 for lr in lrs)
+    assert all(group["capturable"] for group in opt.param_groups)
+    expected = [schedule.factor(0) * 1e-2, schedule.factor(0) * 5e-3]
+    assert [float(lr) for lr in lrs] == pytest.approx(expected)
+    schedule.step()
+    assert [group["lr"] is lr for group, lr in zip(opt.param_groups, lrs)] == [True, True], "filled in place"
+    assert [float(lr) for lr in lrs] == pytest.approx([schedule.factor(1) * 1e-2, schedule.factor(1) * 5e-3])
+    opt.param_groups[0]["lr"] = 0.123  # assigned, not filled
+    opt.param_groups[1]["lr"] = torch.tensor(0.456)
+    sync_learning_rates(opt, lrs)
+    assert [group["lr"] is lr for group, lr in zip(opt.param_groups, lrs)] == [True, True]
+    assert [float(lr) for lr in lrs] == pytest.approx([0.123, 0.456])
+    make_capturable(opt)
+    assert [group["lr"] is lr for group, lr in zip(opt.param_groups, lrs)] == [True, True], "idempotent"
+
+
+class _ReservedMemory(pl.Callback):
+    """The CUDA caching allocator's reserved bytes at the end of each training epoch."""
+
+    def __init__(self):
+        self.reserved = []
+
+    def on_train_epoch_end(self, trainer, task):
+        torch.cuda.synchronize()
+        self.reserved.append(torch.cuda.memory_reserved())
+
+
+@pytest.mark.gpu
+def test_step_graph_matches_eager_training_on_a_gpu(tmp_path):
+    """On a GPU, over three epochs of 7 full batches and a short one: three eager warm-up steps, one capture, replays
+    of every later full batch, each short batch eagerly; the learning rate changes every step (warm-up, then decay)
+    and the gradients are clipped. The run ends where an eager run ends, in float32, and its eager steps after the
+    capture reserve no new memory (a new stream per step would)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    data = _batches(7, 5)
+    eager, _, eager_losses = _fit(tmp_path, "none", "gpu", data, epochs=3, precision="32-true")
+    replays = []
+    original = TrainStepGraph.__call__
+
+    def counting(self, batch):
+        out = original(self, batch)
+        replays.append(self.replays)
+        return out
+
+    memory = _ReservedMemory()
+    TrainStepGraph.__call__ = counting
+    try:
+        graphed, trainer, losses = _fit(tmp_path, "step-graph", "gpu", data, epochs=3, callbacks=[memory],
+                                        precision="32-true")
+    finally:
+        TrainStepGraph.__call__ = original
+    # epoch 1: 3 eager steps, capture + 4 replays, the short batch eagerly; epochs 2 and 3: 7 replays, 1 eager
+    assert replays == [0, 0, 0, 1, 2, 3, 4, 4] + list(range(5, 12)) + [11] + list(range(12, 19)) + [18]
+    assert trainer.global_step == 3 * len(data)
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    for p, q in zip(graphed.model.parameters(), eager.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert memory.reserved[2] == memory.reserved[1], memory.reserved
