@@ -112,6 +112,29 @@ def test_an_optimizer_without_a_capturable_step_is_refused():
         TrainStepGraph(lambda batch: {}, opt)
 
 
+def test_the_captured_shape_is_the_one_warmed_up_in_a_row():
+    """Before the capture, `warmup` consecutive batches of one shape run eagerly and the next is captured; a batch of
+    another shape starts the count again. So a run resumed just before an epoch's short last batch still captures
+    the full batches' shape (had the first batch fixed the shape, every full batch would run eagerly). After the
+    capture, that shape replays and any other runs eagerly."""
+    step = TrainStepGraph(lambda batch: {}, torch.optim.AdamW(nn.Linear(2, 2).parameters()), warmup=2)
+    short, full = ("short",), ("full",)
+    actions = [step._action(key) for key in (short, full, full)]
+    assert actions == ["eager", "eager", "eager"]
+    assert step._action(full) == "capture" and step.key == full
+    step.graph = object()  # what `_capture` leaves; no GPU here to record one
+    assert [step._action(key) for key in (full, short, full)] == ["replay", "eager", "replay"]
+    fresh = TrainStepGraph(lambda batch: {}, torch.optim.AdamW(nn.Linear(2, 2).parameters()), warmup=2)
+    assert [fresh._action(key) for key in (full, short, full, full, full)] == ["eager"] * 4 + ["capture"]
+
+
+def test_a_step_without_a_gpu_names_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    step = TrainStepGraph(lambda batch: {}, torch.optim.AdamW(nn.Linear(2, 2).parameters()))
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU.*task.compile=auto"):
+        step({"inputs": torch.zeros(2, 2)})
+
+
 def test_learning_rates_live_in_the_tensors_a_replay_reads():
     """A captured optimizer step reads each group's learning rate from device memory: `make_capturable` makes them
     tensors, a torch scheduler then fills them in place, and `sync_learning_rates` puts back the captured tensor

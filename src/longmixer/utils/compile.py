@@ -158,8 +158,8 @@ class TrainStepGraph:
     """Training steps replayed from one CUDA graph: what `task.compile=step-graph` runs (tasks/base.py).
 
     `step_fn(batch)` is one whole training step on a batch dict: forward, loss, backward, gradient clipping and the
-    optimizer step, returning the tensors the task logs. The first `warmup` batches of a shape run it eagerly, on a
-    side stream (compilation, autotuning and the optimizer's lazy state happen there); the next batch of that shape
+    optimizer step, returning the tensors the task logs. The first `warmup` consecutive batches of one shape run it
+    eagerly, on a side stream (compilation, autotuning and the optimizer's lazy state happen there); the next one
     is copied into static tensors and the step is captured once (`torch.cuda.graph`, with the gradients set to None
     so that the captured backward allocates them from the graph's pool), then every batch of that shape is copied
     in place and replayed: one launch for the step's hundreds of kernels, no Python between them. Batches of any
@@ -181,7 +181,7 @@ class TrainStepGraph:
 
     Raises:
         ValueError: `warmup` < 1, or the optimizer has no capturable implementation.
-        RuntimeError: no CUDA GPU.
+        RuntimeError: (at the first step) no CUDA GPU.
     """
 
     def __init__(self, step_fn: Callable[[dict], dict], optimizer: torch.optim.Optimizer, warmup: int = 3,
@@ -193,12 +193,9 @@ class TrainStepGraph:
             raise ValueError(f"task.compile={STEP_GRAPH} needs an optimizer that can run inside a CUDA graph "
                              f"(capturable: Adam, AdamW, ...); {type(optimizer).__name__} is not. Set "
                              "optim=adamw or another task.compile")
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"task.compile={STEP_GRAPH} needs a CUDA GPU (it replays CUDA graphs); use "
-                               "task.compile=auto")
         self.step_fn, self.optimizer, self.warmup, self.after_replay = step_fn, optimizer, warmup, after_replay
         self.key: tuple | None = None  # the shape captured (or, before the capture, warmed up)
-        self.eager_steps = 0  # eager steps of that shape so far
+        self.eager_steps = 0  # consecutive eager steps of that shape before the capture
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_batch: dict | None = None
         self.static_out: dict | None = None
@@ -207,27 +204,40 @@ class TrainStepGraph:
         self.replays = 0
 
     def __call__(self, batch: dict) -> dict:
-        key = _batch_key(batch)
-        if self.graph is not None and key == self.key:
+        action = self._action(_batch_key(batch))
+        if action == "replay":
             for name, value in self.static_batch.items():
                 if torch.is_tensor(value):
                     value.copy_(batch[name], non_blocking=True)
             sync_learning_rates(self.optimizer, self.lrs)
             self.graph.replay()
-            self.replays += 1
-            if self.after_replay is not None:
-                self.after_replay()
-            return self.static_out
-        if self.key is None:
-            self.key = key
-        if self.graph is None and key == self.key and self.eager_steps >= self.warmup:
-            return self._capture(batch)
-        out = self._eager(batch)
-        if key == self.key:
-            self.eager_steps += 1
-        return out
+            return self._replayed()
+        return self._capture(batch) if action == "capture" else self._eager(batch)
+
+    def _action(self, key: tuple) -> str:
+        """What a batch of shape `key` gets: after the capture, "replay" for the captured shape and "eager" for any
+        other; before it, "eager" for the first `warmup` consecutive batches of one shape and "capture" for the next.
+        A batch of another shape starts the count again, so a short batch first (a run resumed before an epoch's
+        last batch) does not decide the shape that is captured."""
+        if self.graph is not None:
+            return "replay" if key == self.key else "eager"
+        if key != self.key:
+            self.key, self.eager_steps = key, 0
+        if self.eager_steps >= self.warmup:
+            return "capture"
+        self.eager_steps += 1
+        return "eager"
+
+    def _replayed(self) -> dict:
+        self.replays += 1
+        if self.after_replay is not None:
+            self.after_replay()
+        return self.static_out
 
     def _eager(self, batch: dict) -> dict:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"task.compile={STEP_GRAPH} needs a CUDA GPU (it replays CUDA graphs); use "
+                               "task.compile=auto")
         self.optimizer.zero_grad(set_to_none=True)
         if self.graph is not None:  # a batch of another shape, after the capture: an ordinary step
             sync_learning_rates(self.optimizer, self.lrs)
@@ -250,12 +260,10 @@ class TrainStepGraph:
         self.static_batch = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
         self.optimizer.zero_grad(set_to_none=True)  # the captured backward allocates .grad from the graph's pool
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local, as Inductor's own CUDA graphs: the DataLoader's pin-memory thread may call CUDA meanwhile
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.static_out = self.step_fn(self.static_batch)
         self.graph = graph
         torch.cuda.empty_cache()  # the warm-up steps' blocks, cached for the side stream, which no step uses again
         graph.replay()  # capturing records the step without running it: this batch's step runs now
-        self.replays += 1
-        if self.after_replay is not None:
-            self.after_replay()
-        return self.static_out
+        return self._replayed()
