@@ -203,3 +203,44 @@ def test_step_graph_matches_eager_training_on_a_gpu(tmp_path):
     for p, q in zip(graphed.model.parameters(), eager.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert memory.reserved[2] == memory.reserved[1], memory.reserved
+
+
+def test_a_model_with_data_dependent_shapes_is_refused(tmp_path, monkeypatch):
+    """WikiText-103's adaptive input and softmax select rows by value (`nonzero`): a capture would fail deep inside
+    CUDA, so the run stops before it, naming the module and the mode to use."""
+    from longmixer.models.adaptive import AdaptiveInput
+
+    class _WithAdaptive(_Net):
+        def __init__(self):
+            super().__init__()
+            self.embed = AdaptiveInput(8, 20, [10])
+
+    monkeypatch.setattr(base, "compile_blocks", lambda model, mode, **kw: model)
+    task = Classification(_WithAdaptive(), partial(torch.optim.AdamW, lr=1e-3), partial(LinearDecay), num_classes=3,
+                          compile="step-graph")
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="AdaptiveInput select rows by value.*task.compile=auto"):
+        trainer.fit(task, train_dataloaders=torch.utils.data.DataLoader(_batches(1, 8), batch_size=None))
+
+
+def test_checkpoints_keep_the_optimizer_loadable_by_any_mode():
+    """A step-graph run's optimizer groups hold device-tensor learning rates and `capturable=True`; its checkpoints
+    store floats and the constructor's `capturable`, so a CPU (or another compile mode) resumes from them: a
+    capturable AdamW step on CPU parameters fails torch's device check."""
+    net = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    make_capturable(opt)
+    checkpoint = {"optimizer_states": [opt.state_dict()]}
+    base._portable_optimizer_states(checkpoint, [opt])
+    group = checkpoint["optimizer_states"][0]["param_groups"][0]
+    assert group["lr"] == pytest.approx(1e-3) and isinstance(group["lr"], float) and group["capturable"] is False
+    assert torch.is_tensor(opt.param_groups[0]["lr"]), "the live groups keep what the replays read"
+    resumed_net = nn.Linear(3, 2)
+    resumed = torch.optim.AdamW(resumed_net.parameters(), lr=1e-3)
+    resumed.load_state_dict(checkpoint["optimizer_states"][0])
+    resumed_net(torch.randn(4, 3)).sum().backward()
+    resumed.step()
+    assert int(resumed.state[resumed_net.weight]["step"]) == 2

@@ -65,7 +65,9 @@ class LatentConfigurator(nn.Module):
             raise ValueError(f"init_temp_scale={init_temp_scale} must be > 0 (Table 4 uses 0.3 to 1.0)")
         self.router, self.num_modules = router, num_modules
         # a tensor updated in place: a float attribute would be a constant of each compiled graph (a recompile per
-        # step, and frozen in a replayed CUDA graph); not in checkpoints (`set_progress` sets it from the step)
+        # step, and frozen in a replayed CUDA graph); not in checkpoints (`set_progress` sets it from the step). As a
+        # buffer it is averaged by `callbacks=ema` with the weights (the averaged model is evaluated at the averaged
+        # temperature, which lags the annealed one by the average's horizon: about 0.5% at decay 0.999)
         self.register_buffer("gumbel_tau", torch.tensor(gumbel_temperature(0)), persistent=False)
         if router == "moe":
             self.proj = nn.Linear(d_model, moe_dim, bias=False)

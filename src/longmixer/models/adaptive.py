@@ -56,6 +56,9 @@ class AdaptiveInput(nn.Module):
         scale_embedding: multiply the output by sqrt(D) (fairseq's embed scale, used by MEGA).
     """
 
+    # its gathers have data-dependent sizes (`nonzero`): no CUDA-graph capture (`task.compile=step-graph` refuses it)
+    cuda_graph_capturable = False
+
     def __init__(self, d_model: int, vocab_size: int, cutoffs: list[int], factor: float = 4.0,
                  padding_idx: int | None = 0, scale_embedding: bool = False):
         super().__init__()
@@ -109,6 +112,9 @@ class AdaptiveSoftmax(nn.Module):
         tie_projections: also share the tail projections (Q_b = P_b^T for b >= 1).
         embedding: the model's input embedding (needed when tying).
     """
+
+    # data-dependent row selections and a host check of the targets: no CUDA-graph capture (see AdaptiveInput)
+    cuda_graph_capturable = False
 
     def __init__(self, d_model: int, vocab_size: int, cutoffs: list[int], factor: float = 4.0, dropout: float = 0.0,
                  tie_weights: bool = False, tie_projections: bool = False, embedding: nn.Module | None = None):

@@ -148,6 +148,11 @@ class SequenceTask(pl.LightningModule):
             problems.append("clipping by norm: set trainer.gradient_clip_algorithm=norm")
         if len(trainer.optimizers) != 1:
             problems.append(f"one optimizer (there are {len(trainer.optimizers)})")
+        uncapturable = sorted({type(m).__name__ for m in self.model.modules()
+                               if getattr(m, "cuda_graph_capturable", True) is False})
+        if uncapturable:
+            problems.append(f"a model without data-dependent shapes ({', '.join(uncapturable)} select rows by value, "
+                            "e.g. model.embedding=adaptive / model.head=adaptive): use task.compile=auto")
         if problems:
             raise ValueError(f"task.compile={STEP_GRAPH} needs " + "; ".join(problems))
 
@@ -174,7 +179,9 @@ class SequenceTask(pl.LightningModule):
     # Lightning's automatic optimization around a replayed step: its closure runs `training_step` (which replays
     # the forward, backward and optimizer step) and the hooks around backward (the divergence guard), and nothing
     # else: no second backward, no optimizer.step(). (Its zero_grad, after the step, only drops the Python
-    # references to the graph's gradients; the next replay writes them again.)
+    # references to the graph's gradients; the next replay writes them again.) So under step-graph no
+    # `on_before_optimizer_step` hook runs and `on_after_backward` sees no gradients: a callback that reads
+    # gradients needs another compile mode.
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         if self.step_graph is None:
             return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
@@ -355,6 +362,8 @@ class SequenceTask(pl.LightningModule):
             states = [None] * dist.get_world_size()
             dist.all_gather_object(states, _rng_state())
         checkpoint["longmixer"] = {"best_score": self.best_score, "rng": states}
+        if checkpoint.get("optimizer_states"):
+            _portable_optimizer_states(checkpoint, self.trainer.optimizers)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("longmixer")
@@ -370,6 +379,20 @@ class SequenceTask(pl.LightningModule):
                         "the state of rank r %% %d, and the run does not continue exactly as it would have",
                         len(states), self.trainer.world_size, len(states))
         _set_rng_state(states[self.global_rank % len(states)])
+
+
+def _portable_optimizer_states(checkpoint: dict, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Save the optimizer groups as another compile mode or a CPU would load them: under `task.compile=step-graph`
+    `make_capturable` turned each learning rate into a device tensor and each group capturable for the replays; the
+    file gets floats and the constructor's `capturable` (a capturable group on CPU parameters fails torch's device
+    check). A resumed step-graph run makes them capturable again before its first step."""
+    for state, optimizer in zip(checkpoint.get("optimizer_states", []), optimizers, strict=False):
+        capturable = optimizer.defaults.get("capturable", False)
+        for group in state.get("param_groups", []):
+            if torch.is_tensor(group.get("lr")):
+                group["lr"] = float(group["lr"])  # one host read per checkpoint
+            if "capturable" in group:
+                group["capturable"] = capturable
 
 
 def _batch_size(batch: Mapping[str, torch.Tensor]) -> int:

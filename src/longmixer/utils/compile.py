@@ -261,8 +261,14 @@ class TrainStepGraph:
         self.optimizer.zero_grad(set_to_none=True)  # the captured backward allocates .grad from the graph's pool
         graph = torch.cuda.CUDAGraph()
         # thread_local, as Inductor's own CUDA graphs: the DataLoader's pin-memory thread may call CUDA meanwhile
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.static_out = self.step_fn(self.static_batch)
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.static_out = self.step_fn(self.static_batch)
+        except RuntimeError as err:
+            raise RuntimeError(f"task.compile={STEP_GRAPH}: the training step could not be captured in a CUDA graph "
+                               f"({err}). A step that reads a GPU value on the host (.item(), a branch on a tensor) "
+                               "or has data-dependent shapes (nonzero, boolean indexing) cannot be replayed: use "
+                               "task.compile=auto") from err
         self.graph = graph
         torch.cuda.empty_cache()  # the warm-up steps' blocks, cached for the side stream, which no step uses again
         graph.replay()  # capturing records the step without running it: this batch's step runs now
