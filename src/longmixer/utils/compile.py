@@ -36,8 +36,9 @@ def resolve_compile_mode(mode: str, device: torch.device, few_shapes: bool = Tru
 def compile_blocks(model: nn.Module, mode: str, backend: str = "inductor", entry: str = "forward") -> nn.Module:
     """Compile `model` in place for `mode` (parameter names and checkpoints unchanged); "none" leaves it eager.
 
-    "default" / "max-autotune" (and "step-graph", whose CUDA graph is the whole step's, `TrainStepGraph`): each block (norm, mixer, FFN) is compiled (`nn.Module.compile`). The blocks hold
-    nearly all of a step's kernels and are what every path runs through: `model(...)`, and `model.encode(...)` +
+    "default" / "max-autotune" (and "step-graph", whose CUDA graph is the whole step's, `TrainStepGraph`): each
+    block (norm, mixer, FFN) is compiled (`nn.Module.compile`). The blocks hold nearly all of a step's kernels and
+    are what every path runs through: `model(...)`, and `model.encode(...)` +
     head in the language-model task. Embedding, pooling and heads stay eager (the adaptive softmax gathers
     data-dependent rows per cluster). Identical blocks share one compiled graph.
 
