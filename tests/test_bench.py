@@ -187,3 +187,10 @@ def _count_after_forward(monkeypatch):
 
     monkeypatch.setattr("hydra.utils.instantiate", instantiate)
     return cfg, calls
+
+
+def test_out_naming_a_directory_is_refused_with_the_fix(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--quick", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "is a directory" in err and str(tmp_path / "model_bench.json") in err

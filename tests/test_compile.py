@@ -271,7 +271,9 @@ def _custom_op_cases():
          (_leaf(1, 2, 16, 16), _leaf(1, 2, 16, 16, seed=1), _leaf(1, 2, 16, 16, seed=2), alpha, 3, -1, -1)),
         ("las_smooth_values", las_smooth_values_op, (_leaf(1, 2, 16, 16), alpha, 3, -2, 0)),
         ("las_attention", las_attention_fwd_op,
-         (_leaf(1, 2, 16, 16), _leaf(1, 2, 16, 16, seed=1), _leaf(1, 2, 16, 16, seed=2), alpha, 0.25)),
+         (_leaf(1, 2, 16, 16), _leaf(1, 2, 16, 16, seed=1), _leaf(1, 2, 16, 16, seed=2), alpha, 0.25, True)),
+        ("las_attention_causal", las_attention_fwd_op,  # decay off: after the prep pass, heads of 8
+         (_leaf(1, 2, 16, 8), _leaf(1, 2, 16, 8, seed=1), _leaf(1, 2, 16, 8, seed=2), alpha, 0.25, False)),
         ("sparse_local_attention", sparse_local_attention_fwd_op,
          (_leaf(1, 16, 16), _leaf(1, 16, 16, seed=1), _leaf(1, 16, 16, seed=2), idx, cnt, _leaf(31), 4, None,
           False, "softmax", "original")),
@@ -284,8 +286,8 @@ def _custom_op_cases():
 
 
 OP_CASES = ["ema_kernel", "ema_chunk", "ema_fft_conv", "local_attention", "linear_attention", "las_prep",
-            "las_smooth_values", "las_attention", "sparse_local_attention", "vq_search", "vq_attention",
-            "vq_attention_causal"]
+            "las_smooth_values", "las_attention", "las_attention_causal", "sparse_local_attention", "vq_search",
+            "vq_attention", "vq_attention_causal"]
 
 
 @pytest.mark.parametrize("case", OP_CASES)

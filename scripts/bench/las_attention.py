@@ -2,8 +2,11 @@
 
 (1) Parity of both Triton paths (prep + SDPA; flash kernel) against the float64 materialized reference, forward and
 backward, at several shapes with ragged tails. (2) Times with `triton.testing.do_bench` (median, ms), fwd and
-fwd+bwd, T = 1K..16K, 8 heads, d 64, 32K tokens per call: ours vs the materialized reference, the separable form in
-plain torch ops, FlexAttention (compiled, same score_mod + causal block mask) and causal SDPA without the decay.
+fwd+bwd, T = 1K..16K, 8 heads, d 64 (`--heads`, `--head-dim`), 32K tokens per call: ours (prep + SDPA, prep + the
+flash kernel without the decay, the flash kernel; each Triton backward with dq by atomics where the op takes them and
+from its own kernel, `*_dq_kernel`; `ours_dispatch` is what `las_attention` picks) vs the materialized reference, the
+separable form in plain torch ops, FlexAttention (compiled, same score_mod + causal block mask) and causal SDPA
+without the decay.
 (3) Peak memory of one fwd+bwd. (4) A markdown table at the end.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/las_attention.py            # GPU
@@ -21,7 +24,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from longmixer.ops.las_attention import las_attention_ref, las_attention_separable_ref, smooth_values
+from longmixer.ops.las_attention import las_attention, las_attention_ref, las_attention_separable_ref, smooth_values
 from longmixer.ops.las_attention.function import las_attention_flash, las_attention_separable
 
 from _common import peak_mem  # scripts/bench/_common.py (this folder is sys.path[0])
@@ -50,8 +53,11 @@ def parity(device: str, shapes, dtypes, b_values, pool_size: int) -> list[dict]:
             do = torch.randn_like(ref)
             refs = [ref, *torch.autograd.grad(ref, (q, k, v), do)]
             for dtype in dtypes:
-                for name, fn in (("separable", las_attention_separable), ("flash", las_attention_flash)):
-                    if name == "separable" and b * (L - 1) / 2 > 30:
+                for name, fn in (("separable", las_attention_separable),
+                                 ("separable_triton", lambda *a, **kw: las_attention_separable(*a, attention="triton",
+                                                                                               **kw)),
+                                 ("flash", las_attention_flash)):
+                    if name.startswith("separable") and b * (L - 1) / 2 > 30:
                         continue  # out of the separable path's range: `las_attention` would pick flash
                     x = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
                     out = fn(*x, alpha, pool_size=pool_size)
@@ -92,7 +98,13 @@ def methods(alpha: torch.Tensor, P: int, use_flex: bool, sdpa_backends):
                                                                                                   is_causal=True), be)
         out[f"ours_separable[{tag}]"] = with_backend(lambda q, k, v: las_attention_separable(q, k, v, alpha,
                                                                                              pool_size=P), be)
+    out["ours_separable_triton"] = lambda q, k, v: las_attention_separable(q, k, v, alpha, pool_size=P,
+                                                                           attention="triton")
+    out["ours_separable_triton_dq_kernel"] = out["ours_separable_triton"]  # `speed` sets ONE_PASS_MAX_K = 0
     out["ours_flash"] = lambda q, k, v: las_attention_flash(q, k, v, alpha, pool_size=P)
+    out["ours_flash_dq_kernel"] = out["ours_flash"]
+    max_alpha = float(alpha.max())  # the LaS mixer's bound, a Python float
+    out["ours_dispatch"] = lambda q, k, v: las_attention(q, k, v, alpha, pool_size=P, max_alpha=max_alpha)
     out["separable_unfused"] = lambda q, k, v: las_attention_separable_ref(q, k, v, alpha, pool_size=P)
     out["materialized"] = lambda q, k, v: las_attention_ref(q, k, v, alpha, pool_size=P)
     if use_flex:
@@ -120,6 +132,8 @@ def methods(alpha: torch.Tensor, P: int, use_flex: bool, sdpa_backends):
 
 def speed(device: str, lengths, tokens: int, dtype, b: float, P: int, use_flex: bool, sdpa_backends,
           skip_materialized_above: int, only: list[str]) -> list[dict]:
+    from longmixer.ops.las_attention import kernel
+
     alpha = alphas(H, b).to(device)
     rows = []
     for L in lengths:
@@ -135,6 +149,9 @@ def speed(device: str, lengths, tokens: int, dtype, b: float, P: int, use_flex: 
                 row.update(fwd_ms=None, fwdbwd_ms=None, peak_gib=None, note="skipped (O(L^2) memory)")
                 rows.append(row)
                 continue
+            one_pass_max_k = kernel.ONE_PASS_MAX_K
+            if name.endswith("_dq_kernel"):  # the backward's dq from its own kernel at every head width
+                kernel.ONE_PASS_MAX_K = 0
             try:
                 def fwd():
                     with torch.no_grad():
@@ -150,6 +167,7 @@ def speed(device: str, lengths, tokens: int, dtype, b: float, P: int, use_flex: 
                 row.update(fwd_ms=None, fwdbwd_ms=None, peak_gib=None, note="OOM")
             except Exception as e:  # noqa: BLE001 - a baseline that fails on this machine is reported, not fatal
                 row.update(fwd_ms=None, fwdbwd_ms=None, peak_gib=None, note=f"{type(e).__name__}: {str(e)[:120]}")
+            kernel.ONE_PASS_MAX_K = one_pass_max_k
             q.grad = k.grad = v.grad = None
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -193,6 +211,7 @@ def table(rows: list[dict], baseline_prefix: str) -> str:
 
 
 def main() -> None:
+    global H, K
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU, TRITON_INTERPRET=1)")
     ap.add_argument("--lengths", type=int, nargs="*", default=[1024, 2048, 4096, 8192, 16384])
@@ -203,15 +222,21 @@ def main() -> None:
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time the flash backward at several tile configs")
     ap.add_argument("--only", default="", help="comma-separated substrings: time only the methods matching one")
+    ap.add_argument("--heads", type=int, default=H)
+    ap.add_argument("--head-dim", type=int, default=K, help="K = V per head (LaS Text: 8 heads of 8)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="dtype of the timed calls")
     args = ap.parse_args()
+    H, K = args.heads, args.head_dim
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     if cuda:
         import triton
         from torch.nn.attention import SDPBackend
         print(f"GPU {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
-              f"cuDNN {torch.backends.cudnn.version()}")
-        backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+              f"cuDNN {torch.backends.cudnn.version()}; {H} heads of {K}, {args.dtype}")
+        # cuDNN and FlashAttention take 16-bit inputs only; float32 runs the memory-efficient kernel
+        backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] if args.dtype == "bfloat16" else \
+            [SDPBackend.EFFICIENT_ATTENTION]
     else:
         from torch.nn.attention import SDPBackend
         backends = [SDPBackend.MATH]
@@ -221,12 +246,13 @@ def main() -> None:
         shapes, dtypes, lengths, tokens = [(2, 1000), (1, 2085)], [torch.float32, torch.bfloat16], args.lengths, \
             args.tokens
     prows = [] if args.skip_parity else parity(device, shapes, dtypes, [args.b, 0.05], args.pool)
-    srows = speed(device, lengths, tokens, torch.bfloat16 if cuda else torch.float32, args.b, args.pool,
+    srows = speed(device, lengths, tokens, getattr(torch, args.dtype) if cuda else torch.float32, args.b, args.pool,
                   use_flex=cuda and not args.no_flex, sdpa_backends=backends, skip_materialized_above=8192,
                   only=[o for o in args.only.split(",") if o])
-    sweep_configs = [(64, 32, 4, 2), (128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 2), (128, 32, 8, 3)]
+    sweep_configs = [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 2), (128, 32, 8, 3)]
     wrows = bwd_sweep(device, [4096, 16384], tokens, args.b, sweep_configs) if args.sweep and cuda else []
-    md = table(srows, "sdpa_causal[" + ("cudnn" if cuda else "math"))
+    baseline = "sdpa_causal[" + str(backends[0]).split(".")[-1].lower().replace("_attention", "")
+    md = table(srows, baseline)
     worst = max((max(r[n] for n in ("o", "dq", "dk", "dv")) for r in prows), default=float("nan"))
     summary = f"parity: {len(prows)} checks, worst relative error {worst:.2e}, all finite: " \
               f"{all(r['finite'] for r in prows)}"

@@ -497,6 +497,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "unmasked path) or full (an all-true mask, the path of a padded task's batches)")
     parser.add_argument("--merge", default=None, help="an earlier JSON: its rows stay for what is not measured again")
     args = parser.parse_args(argv)
+    if Path(args.out).is_dir():
+        parser.error(f"--out {args.out} is a directory; give the JSON file to write, e.g. "
+                     f"--out {Path(args.out) / 'model_bench.json'}")
     if args.compile is None:
         args.compile = ["none", "default"] if torch.cuda.is_available() else ["none"]
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")

@@ -88,12 +88,28 @@ def test_decay_multiplies_logits_not_adds():
 TRITON_CASES = [
     pytest.param(1, 2, 37, 20, 3, False, (0.0, 0.05), id="B1-H2-L37-K20-P3"),
     pytest.param(2, 1, 64, 16, 5, True, (0.02,), id="B2-H1-L64-K16-P5-causalpool"),
+    pytest.param(1, 2, 45, 8, 5, False, (0.0, 0.03), id="B1-H2-L45-K8-P5"),  # LaS Text's head width
 ]
 
+PATHS = {
+    "separable-sdpa": las_attention_separable,
+    "separable-triton": lambda *a, **kw: las_attention_separable(*a, attention="triton", **kw),
+    "flash": las_attention_flash,
+}
 
-@pytest.mark.parametrize("path", [las_attention_separable, las_attention_flash], ids=["separable", "flash"])
+
+@pytest.mark.parametrize("path,one_pass", [("separable-sdpa", False), ("separable-triton", True),
+                                           ("separable-triton", False), ("flash", True), ("flash", False)],
+                         ids=["separable-sdpa", "separable-triton-dq-atomic", "separable-triton-dq-kernel",
+                              "flash-dq-atomic", "flash-dq-kernel"])
 @pytest.mark.parametrize("B,H,L,K,P,causal_pool,alphas", TRITON_CASES)
-def test_triton_parity_fwd_bwd(path, B, H, L, K, P, causal_pool, alphas):
+def test_triton_parity_fwd_bwd(path, one_pass, B, H, L, K, P, causal_pool, alphas, monkeypatch):
+    """Every Triton path, with the flash backward's dq taken either way (`one_pass`: atomics in the dk/dv kernel, or
+    the dq kernel), against the float64 reference. SDPA's backward is PyTorch's, so it runs once."""
+    from longmixer.ops.las_attention import kernel
+
+    monkeypatch.setattr(kernel, "one_pass_backward", lambda K, dtype: one_pass)
+    path = PATHS[path]
     q, k, v = (t.requires_grad_() for t in _qkv(B, H, L, K, seed=1))
     alpha = torch.tensor(alphas, dtype=torch.float64)
     ref = las_attention_ref(q, k, v, alpha, pool_size=P, causal_pool=causal_pool)
@@ -141,6 +157,57 @@ def test_errors_name_the_value(kwargs, match):
     kwargs = {"alpha": torch.zeros(2), **kwargs}
     with pytest.raises(ValueError, match=match):
         las_attention(q, k, v, **kwargs)
+
+
+def test_one_pass_backward_matches_two_kernels(monkeypatch):
+    """dq by atomics from the dk/dv kernel equals dq from its own kernel, and the one-pass backward launches no dq
+    kernel."""
+    from longmixer.ops.las_attention import kernel
+
+    q, k, v = (t.float().contiguous() for t in _qkv(1, 2, 40, 8, seed=4))
+    alpha = torch.tensor([0.0, 0.1])
+    o, lse = kernel.las_attention_fwd(q, k, v, alpha, 8 ** -0.5)
+    do = torch.randn_like(o)
+    launched = []
+    real = kernel._las_attention_bwd_dq_kernel
+    monkeypatch.setattr(kernel, "_las_attention_bwd_dq_kernel",
+                        type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
+    grads = {one_pass: kernel.las_attention_bwd(q, k, v, alpha, o, lse, do, 8 ** -0.5, one_pass=one_pass)
+             for one_pass in (True, False)}
+    assert len(launched) == 1, "only the two-kernel backward runs the dq kernel"
+    for name, a, b in zip(("dq", "dk", "dv"), grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_one_pass_rule(monkeypatch):
+    """Atomics for 16-bit inputs with narrow heads; the dq kernel for float32, wide heads and deterministic mode."""
+    from longmixer.ops.las_attention.kernel import ONE_PASS_MAX_K, one_pass_backward
+
+    assert one_pass_backward(8, torch.bfloat16) and one_pass_backward(ONE_PASS_MAX_K, torch.float16)
+    assert not one_pass_backward(ONE_PASS_MAX_K + 1, torch.bfloat16)
+    assert not one_pass_backward(8, torch.float32)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert not one_pass_backward(8, torch.bfloat16)
+
+
+def test_narrow_heads_take_the_triton_causal_kernel(monkeypatch):
+    """In the separable range, heads up to TRITON_CAUSAL_MAX_K wide run the flash kernel without the decay; wider
+    heads run SDPA. Decided from the head width, a size."""
+    import longmixer.ops.las_attention.function as las_function
+
+    taken = []
+    monkeypatch.setattr(las_function, "las_attention_separable",
+                        lambda *a, attention, **kw: taken.append(attention))
+    for K in (8, las_function.TRITON_CAUSAL_MAX_K, las_function.TRITON_CAUSAL_MAX_K + 1, 64):
+        q, k, v = _qkv(1, 2, 9, K, dtype=torch.float32)
+        las_function.las_attention(q, k, v, torch.zeros(2), max_alpha=0.0, backend="triton")
+    assert taken == ["triton", "triton", "sdpa", "sdpa"]
+
+
+def test_separable_rejects_an_unknown_attention():
+    q, k, v = _qkv(1, 2, 9, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="attention='flex'"):
+        las_attention_separable(q, k, v, torch.zeros(2), attention="flex")
 
 
 def test_path_is_chosen_from_max_alpha_only(monkeypatch):

@@ -22,6 +22,12 @@ from longmixer.ops.las_attention.reference import las_attention_ref
 # from subnormals. float16 tops out at 65504, so its factors must stay within exp(+-3) ~ 20.
 SEPARABLE_EXPONENT_LIMIT = {torch.float16: 3.0, torch.bfloat16: 30.0, torch.float32: 30.0, torch.float64: 30.0}
 
+# Widest head for which the separable path runs its causal attention on the flash kernel (decay off) rather than
+# SDPA. PyTorch's fused kernels are built for heads of 32 or more and pad narrower ones; the flash kernel pads K to
+# 16 only, and its backward takes dq by atomics at these widths (kernel.ONE_PASS_MAX_K). LaS's Text recipe has
+# heads of 8 (d_model 64, 8 heads). Measured in docs/benchmarks.md (LaS records, "narrow heads").
+TRITON_CAUSAL_MAX_K = 16
+
 
 def _pool_offsets(pool_size: int, causal_pool: bool) -> tuple[int, int]:
     """First window offset of V' = M V (forward) and of M^T (backward)."""
@@ -88,55 +94,62 @@ register_autograd(las_smooth_values_op, _smooth_backward, _las_prep_setup)
 
 
 @define("longmixer::las_attention_fwd")
-def las_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, scale: float) -> list[Tensor]:
-    """Causal softmax attention with logits scale * exp(-alpha_h (i - j)) q_i . k_j, flash-style, O(L) memory:
-    [o, the log2-domain logsumexp [B, H, L] float32]."""
+def las_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, scale: float, decay: bool) -> list[Tensor]:
+    """Causal softmax attention with logits scale * exp(-alpha_h (i - j)) q_i . k_j (scale * q_i . k_j without
+    `decay`), flash-style, O(L) memory: [o, the log2-domain logsumexp [B, H, L] float32]."""
     from longmixer.ops.las_attention.kernel import las_attention_fwd
 
-    return list(las_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), alpha, scale))
+    return list(las_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), alpha, scale, decay))
 
 
 @las_attention_fwd_op.register_fake
-def _(q, k, v, alpha, scale):
+def _(q, k, v, alpha, scale, decay):
     B, H, L, _ = q.shape
     return [q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=torch.float32)]
 
 
 @define("longmixer::las_attention_bwd")
 def las_attention_bwd_op(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, o: Tensor, lse: Tensor, do: Tensor,
-                         scale: float) -> list[Tensor]:
+                         scale: float, decay: bool) -> list[Tensor]:
     """[dq, dk, dv] of `las_attention_fwd_op`."""
     from longmixer.ops.las_attention.kernel import las_attention_bwd
 
-    return list(las_attention_bwd(q.contiguous(), k.contiguous(), v.contiguous(), alpha, o, lse, do, scale))
+    return list(las_attention_bwd(q.contiguous(), k.contiguous(), v.contiguous(), alpha, o, lse, do, scale, decay))
 
 
 @las_attention_bwd_op.register_fake
-def _(q, k, v, alpha, o, lse, do, scale):
+def _(q, k, v, alpha, o, lse, do, scale, decay):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
 
 
 def _las_attention_setup(ctx, inputs, output):
-    q, k, v, alpha, scale = inputs
+    q, k, v, alpha, scale, decay = inputs
     no_gradient_for(ctx, output[1])
     ctx.save_for_backward(q, k, v, alpha, *output)
-    ctx.scale = scale
+    ctx.scale, ctx.decay = scale, decay
 
 
 def _las_attention_backward(ctx, grads):
     q, k, v, alpha, o, lse = ctx.saved_tensors
-    dq, dk, dv = backward_call(ctx, las_attention_bwd_op, q, k, v, alpha, o, lse, grads[0], ctx.scale)
-    return dq, dk, dv, None, None  # q, k, v, alpha, scale
+    dq, dk, dv = backward_call(ctx, las_attention_bwd_op, q, k, v, alpha, o, lse, grads[0], ctx.scale, ctx.decay)
+    return dq, dk, dv, None, None, None  # q, k, v, alpha, scale, decay
 
 
 register_autograd(las_attention_fwd_op, _las_attention_backward, _las_attention_setup)
 
 
 def las_attention_separable(q, k, v, alpha, *, pool_size: int = 1, causal_pool: bool = False,
-                            scale: float | None = None) -> torch.Tensor:
-    """Triton path 1: the fused prep pass, then causal SDPA. Valid while alpha (L - 1) / 2 is within
+                            scale: float | None = None, attention: str = "sdpa") -> torch.Tensor:
+    """Triton path 1: the fused prep pass, then causal attention on the scaled q, k and smoothed V: PyTorch's SDPA
+    (`attention="sdpa"`) or the flash kernel without the decay (`"triton"`), which is faster for narrow heads
+    (`las_attention` picks it up to TRITON_CAUSAL_MAX_K). Valid while alpha (L - 1) / 2 is within
     SEPARABLE_EXPONENT_LIMIT for the dtype; `las_attention` checks that."""
     qs, ks, vs = call(las_prep_op, q, k, v, alpha, pool_size, *_pool_offsets(pool_size, causal_pool))
+    if attention == "triton":
+        return call(las_attention_fwd_op, qs, ks, vs, alpha, q.shape[-1] ** -0.5 if scale is None else scale,
+                    False)[0]
+    if attention != "sdpa":
+        raise ValueError(f"attention={attention!r} must be 'sdpa' or 'triton'")
     return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
 
 
@@ -144,7 +157,7 @@ def las_attention_flash(q, k, v, alpha, *, pool_size: int = 1, causal_pool: bool
                         scale: float | None = None) -> torch.Tensor:
     """Triton path 2: smooth V, then the flash-style kernel with the decay rebased per tile (any alpha >= 0)."""
     vs = call(las_smooth_values_op, v, alpha, pool_size, *_pool_offsets(pool_size, causal_pool)) if pool_size > 1 else v
-    return call(las_attention_fwd_op, q, k, vs, alpha, q.shape[-1] ** -0.5 if scale is None else scale)[0]
+    return call(las_attention_fwd_op, q, k, vs, alpha, q.shape[-1] ** -0.5 if scale is None else scale, True)[0]
 
 
 def las_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, *, pool_size: int = 1,
@@ -192,5 +205,7 @@ def las_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torc
     alpha = alpha.to(torch.float32)
     limit = SEPARABLE_EXPONENT_LIMIT.get(q.dtype, 0.0)
     if max_alpha is not None and max_alpha * (q.shape[-2] - 1) / 2 <= limit:
-        return las_attention_separable(q, k, v, alpha, pool_size=pool_size, causal_pool=causal_pool, scale=scale)
+        attention = "triton" if q.shape[-1] <= TRITON_CAUSAL_MAX_K else "sdpa"
+        return las_attention_separable(q, k, v, alpha, pool_size=pool_size, causal_pool=causal_pool, scale=scale,
+                                       attention=attention)
     return las_attention_flash(q, k, v, alpha, pool_size=pool_size, causal_pool=causal_pool, scale=scale)

@@ -78,13 +78,21 @@ def las_prep(q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor, al
 
 
 @triton.jit
-def _decayed_scores(q_blk, k_blk, o_i, o_j, j_ref, b_na, qk_scale, DIAG: tl.constexpr, PRECISION: tl.constexpr):
+def _decayed_scores(q_blk, k_blk, o_i, o_j, j_ref, b_na, qk_scale, DIAG: tl.constexpr, DECAY: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """scale * exp(-alpha (i - j)) * q_i . k_j for one tile, in log2 units (qk_scale = scale * log2 e). Off the
     diagonal (every i > every j) the decay is rebased on j_ref = j0 + BLOCK_N - 1 into row and column factors that
     are both <= 1, so no alpha can overflow them; on the diagonal it is computed per element and future keys get
-    -inf. b_na = -alpha * log2 e. Returns the logits and the factor d(logit)/d(q.k) (both [BM, BN], float32)."""
+    -inf. b_na = -alpha * log2 e. Returns the logits and the factor d(logit)/d(q.k) (both [BM, BN], float32).
+    Without DECAY (q and k already carry the separable factors) the logits are scale * q_i . k_j and the factor is
+    the scalar qk_scale."""
     b_s = tl.dot(q_blk, k_blk, input_precision=PRECISION)  # [BM, BN]
-    if DIAG:
+    if not DECAY:
+        b_g = qk_scale
+        b_s = b_s * b_g
+        if DIAG:
+            b_s = tl.where(o_i[:, None] >= o_j[None, :], b_s, float("-inf"))
+    elif DIAG:
         d = o_i[:, None] - o_j[None, :]
         b_g = tl.exp2(b_na * tl.maximum(d, 0).to(tl.float32)) * qk_scale
         b_s = tl.where(d >= 0, b_s * b_g, float("-inf"))
@@ -110,7 +118,8 @@ def _online_softmax_step(b_s, b_v, b_m, b_l, b_o, PRECISION: tl.constexpr):
 @triton.jit
 def _las_attention_fwd_kernel(q, k, v, alpha, o, lse, L, H, qk_scale,
                               K: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
+                              BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DECAY: tl.constexpr,
+                              PRECISION: tl.constexpr):
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     b_na = -tl.load(alpha + i_bh % H).to(tl.float32) * _LOG2E
     i0 = i_m * BLOCK_M
@@ -128,14 +137,14 @@ def _las_attention_fwd_kernel(q, k, v, alpha, o, lse, L, H, qk_scale,
         o_j = j0 + tl.arange(0, BLOCK_N)
         b_k = tl.load(k + o_j[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.)  # [BK, BN]
         b_v = tl.load(v + o_j[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.)  # [BN, BV]
-        b_s, _ = _decayed_scores(b_q, b_k, o_i, o_j, j0 + BLOCK_N - 1, b_na, qk_scale, False, PRECISION)
+        b_s, _ = _decayed_scores(b_q, b_k, o_i, o_j, j0 + BLOCK_N - 1, b_na, qk_scale, False, DECAY, PRECISION)
         b_m, b_l, b_o = _online_softmax_step(b_s, b_v, b_m, b_l, b_o, PRECISION)
     for j0 in range(i0, i0 + BLOCK_M, BLOCK_N):  # key tiles on the diagonal: per-element decay, causal mask
         o_j = j0 + tl.arange(0, BLOCK_N)
         m_j = o_j < L
         b_k = tl.load(k + o_j[None, :] * K + o_k[:, None], mask=m_j[None, :] & m_k[:, None], other=0.)
         b_v = tl.load(v + o_j[:, None] * V + o_v[None, :], mask=m_j[:, None] & m_v[None, :], other=0.)
-        b_s, _ = _decayed_scores(b_q, b_k, o_i, o_j, j0 + BLOCK_N - 1, b_na, qk_scale, True, PRECISION)
+        b_s, _ = _decayed_scores(b_q, b_k, o_i, o_j, j0 + BLOCK_N - 1, b_na, qk_scale, True, DECAY, PRECISION)
         b_s = tl.where(m_j[None, :], b_s, float("-inf"))
         b_m, b_l, b_o = _online_softmax_step(b_s, b_v, b_m, b_l, b_o, PRECISION)
     m_i = o_i < L
@@ -146,10 +155,12 @@ def _las_attention_fwd_kernel(q, k, v, alpha, o, lse, L, H, qk_scale,
 
 
 @triton.jit
-def _dkdv_step(q, do, lse, delta, b_kt, b_vt, b_dk, b_dv, i0, o_j, j_ref, b_na, qk_scale, L,
+def _dkdv_step(q, do, lse, delta, dq, b_kt, b_vt, b_dk, b_dv, i0, o_j, j_ref, b_na, qk_scale, L,
                K: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_V: tl.constexpr, DIAG: tl.constexpr, PRECISION: tl.constexpr):
-    """Accumulate one query tile's contribution to dk, dv of a key tile (FlashAttention-2 backward)."""
+               BLOCK_V: tl.constexpr, DIAG: tl.constexpr, DECAY: tl.constexpr, ONE_PASS: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """Accumulate one query tile's contribution to dk, dv of a key tile (FlashAttention-2 backward); with ONE_PASS
+    also add the tile's share of dq into the float32 buffer `dq` by atomics."""
     o_i = i0 + tl.arange(0, BLOCK_M)
     o_k, o_v = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
     m_i = o_i < L
@@ -157,21 +168,28 @@ def _dkdv_step(q, do, lse, delta, b_kt, b_vt, b_dk, b_dv, i0, o_j, j_ref, b_na, 
     b_do = tl.load(do + o_i[:, None] * V + o_v[None, :], mask=m_i[:, None] & (o_v < V)[None, :], other=0.)
     b_lse = tl.load(lse + o_i, mask=m_i, other=float("inf"))
     b_delta = tl.load(delta + o_i, mask=m_i, other=0.)
-    b_s, b_g = _decayed_scores(b_q, b_kt, o_i, o_j, j_ref, b_na, qk_scale, DIAG, PRECISION)
+    b_s, b_g = _decayed_scores(b_q, b_kt, o_i, o_j, j_ref, b_na, qk_scale, DIAG, DECAY, PRECISION)
     b_p = tl.exp2(b_s - b_lse[:, None])  # [BM, BN]; 0 on rows past L (lse = inf) and on future keys (s = -inf)
     b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PRECISION)
     b_dp = tl.dot(b_do, b_vt, input_precision=PRECISION)
     # d(q.k) = P (dP - delta) scale exp(-alpha (i - j)); b_g carries scale log2(e), hence the division
-    b_du = b_p * (b_dp - b_delta[:, None]) * (b_g / _LOG2E)
-    b_dk += tl.dot(tl.trans(b_du.to(b_q.dtype)), b_q, input_precision=PRECISION)
+    b_du = (b_p * (b_dp - b_delta[:, None]) * (b_g / _LOG2E)).to(b_q.dtype)
+    b_dk += tl.dot(tl.trans(b_du), b_q, input_precision=PRECISION)
+    if ONE_PASS:
+        b_dq = tl.dot(b_du, tl.trans(b_kt), input_precision=PRECISION)  # [BM, BK]
+        tl.atomic_add(dq + o_i[:, None] * K + o_k[None, :], b_dq, mask=m_i[:, None] & (o_k < K)[None, :],
+                      sem="relaxed")
     return b_dk, b_dv
 
 
 @triton.jit
-def _las_attention_bwd_dkdv_kernel(q, k, v, alpha, do, lse, delta, dk, dv, L, H, qk_scale,
+def _las_attention_bwd_dkdv_kernel(q, k, v, alpha, do, lse, delta, dk, dv, dq, L, H, qk_scale,
                                    K: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
-    """One tile of keys (BLOCK_N) against every later query tile (BLOCK_M; BLOCK_N a multiple of BLOCK_M)."""
+                                   BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DECAY: tl.constexpr,
+                                   ONE_PASS: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys (BLOCK_N) against every later query tile (BLOCK_M; BLOCK_N a multiple of BLOCK_M). With
+    ONE_PASS it also adds dq ([B, H, L, K] float32, zeroed) by atomics, and `_las_attention_bwd_dq_kernel` is not
+    run: each score tile is computed once instead of twice."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b_na = -tl.load(alpha + i_bh % H).to(tl.float32) * _LOG2E
     j0 = i_n * BLOCK_N
@@ -182,17 +200,18 @@ def _las_attention_bwd_dkdv_kernel(q, k, v, alpha, do, lse, delta, dk, dv, L, H,
     do += i_bh * L * V
     lse += i_bh * L
     delta += i_bh * L
+    dq += i_bh * L * K
     b_kt = tl.load(k + i_bh * L * K + o_j[None, :] * K + o_k[:, None], mask=m_j[None, :] & m_k[:, None], other=0.)
     b_vt = tl.load(v + i_bh * L * V + o_j[None, :] * V + o_v[:, None], mask=m_j[None, :] & m_v[:, None], other=0.)
     b_dk = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     j_ref = j0 + BLOCK_N - 1
     for i0 in range(j0, j0 + BLOCK_N, BLOCK_M):  # query tiles on the diagonal
-        b_dk, b_dv = _dkdv_step(q, do, lse, delta, b_kt, b_vt, b_dk, b_dv, i0, o_j, j_ref, b_na, qk_scale, L,
-                                K, V, BLOCK_M, BLOCK_K, BLOCK_V, True, PRECISION)
+        b_dk, b_dv = _dkdv_step(q, do, lse, delta, dq, b_kt, b_vt, b_dk, b_dv, i0, o_j, j_ref, b_na, qk_scale, L,
+                                K, V, BLOCK_M, BLOCK_K, BLOCK_V, True, DECAY, ONE_PASS, PRECISION)
     for i0 in range(j0 + BLOCK_N, L, BLOCK_M):  # query tiles wholly after the key tile
-        b_dk, b_dv = _dkdv_step(q, do, lse, delta, b_kt, b_vt, b_dk, b_dv, i0, o_j, j_ref, b_na, qk_scale, L,
-                                K, V, BLOCK_M, BLOCK_K, BLOCK_V, False, PRECISION)
+        b_dk, b_dv = _dkdv_step(q, do, lse, delta, dq, b_kt, b_vt, b_dk, b_dv, i0, o_j, j_ref, b_na, qk_scale, L,
+                                K, V, BLOCK_M, BLOCK_K, BLOCK_V, False, DECAY, ONE_PASS, PRECISION)
     tl.store(dk + (i_bh * L + o_j[:, None]) * K + o_k[None, :], b_dk.to(dk.dtype.element_ty),
              mask=m_j[:, None] & m_k[None, :])
     tl.store(dv + (i_bh * L + o_j[:, None]) * V + o_v[None, :], b_dv.to(dv.dtype.element_ty),
@@ -202,14 +221,14 @@ def _las_attention_bwd_dkdv_kernel(q, k, v, alpha, do, lse, delta, dk, dv, L, H,
 @triton.jit
 def _dq_step(k, v, b_q, b_do, b_lse, b_delta, b_dq, j0, o_i, b_na, qk_scale, L,
              K: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             BLOCK_V: tl.constexpr, DIAG: tl.constexpr, PRECISION: tl.constexpr):
+             BLOCK_V: tl.constexpr, DIAG: tl.constexpr, DECAY: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate one key tile's contribution to dq of a query tile."""
     o_j = j0 + tl.arange(0, BLOCK_N)
     o_k, o_v = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
     m_j = o_j < L
     b_kt = tl.load(k + o_j[None, :] * K + o_k[:, None], mask=m_j[None, :] & (o_k < K)[:, None], other=0.)
     b_vt = tl.load(v + o_j[None, :] * V + o_v[:, None], mask=m_j[None, :] & (o_v < V)[:, None], other=0.)
-    b_s, b_g = _decayed_scores(b_q, b_kt, o_i, o_j, j0 + BLOCK_N - 1, b_na, qk_scale, DIAG, PRECISION)
+    b_s, b_g = _decayed_scores(b_q, b_kt, o_i, o_j, j0 + BLOCK_N - 1, b_na, qk_scale, DIAG, DECAY, PRECISION)
     if DIAG:
         b_s = tl.where(m_j[None, :], b_s, float("-inf"))
     b_p = tl.exp2(b_s - b_lse[:, None])
@@ -222,7 +241,8 @@ def _dq_step(k, v, b_q, b_do, b_lse, b_delta, b_dq, j0, o_i, b_na, qk_scale, L,
 @triton.jit
 def _las_attention_bwd_dq_kernel(q, k, v, alpha, do, lse, delta, dq, L, H, qk_scale,
                                  K: tl.constexpr, V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
+                                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DECAY: tl.constexpr,
+                                 PRECISION: tl.constexpr):
     """One tile of queries (BLOCK_M) against every earlier key tile (BLOCK_N; BLOCK_M a multiple of BLOCK_N)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     b_na = -tl.load(alpha + i_bh % H).to(tl.float32) * _LOG2E
@@ -239,12 +259,25 @@ def _las_attention_bwd_dq_kernel(q, k, v, alpha, do, lse, delta, dq, L, H, qk_sc
     b_dq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for j0 in range(0, i0, BLOCK_N):  # key tiles wholly before the query tile
         b_dq = _dq_step(k, v, b_q, b_do, b_lse, b_delta, b_dq, j0, o_i, b_na, qk_scale, L,
-                        K, V, BLOCK_N, BLOCK_K, BLOCK_V, False, PRECISION)
+                        K, V, BLOCK_N, BLOCK_K, BLOCK_V, False, DECAY, PRECISION)
     for j0 in range(i0, i0 + BLOCK_M, BLOCK_N):  # key tiles on the diagonal
         b_dq = _dq_step(k, v, b_q, b_do, b_lse, b_delta, b_dq, j0, o_i, b_na, qk_scale, L,
-                        K, V, BLOCK_N, BLOCK_K, BLOCK_V, True, PRECISION)
+                        K, V, BLOCK_N, BLOCK_K, BLOCK_V, True, DECAY, PRECISION)
     tl.store(dq + (i_bh * L + o_i[:, None]) * K + o_k[None, :], b_dq.to(dq.dtype.element_ty),
              mask=m_i[:, None] & m_k[None, :])
+
+
+# Largest head width for which the backward adds dq by atomics in the dk/dv kernel (`las_attention_bwd`): the atomics
+# move [tile, K] float32 a tile pair, which is cheap against recomputing the scores while K is small. On an H100 the
+# one-pass backward won in bfloat16 at K 8, 16 and 32 and lost at 64, and lost in float32 (its full-precision dots
+# in one kernel) at K 8 (docs/benchmarks.md, LaS records, "narrow heads"): float32 keeps the dq kernel.
+ONE_PASS_MAX_K = 32
+
+
+def one_pass_backward(K: int, dtype: torch.dtype) -> bool:
+    """Whether `las_attention_bwd` takes dq by atomics from the dk/dv kernel: 16-bit inputs with heads up to
+    ONE_PASS_MAX_K wide, unless torch's deterministic algorithms are on (float atomics add in a varying order)."""
+    return K <= ONE_PASS_MAX_K and dtype != torch.float32 and not torch.are_deterministic_algorithms_enabled()
 
 
 def _launch_args(q: torch.Tensor, v: torch.Tensor) -> dict:
@@ -253,36 +286,44 @@ def _launch_args(q: torch.Tensor, v: torch.Tensor) -> dict:
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
 
-def las_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flash-style forward. q, k: [B, H, L, K], v: [B, H, L, V] (contiguous), alpha: [H] float32.
-    Returns o [B, H, L, V] and the log2-domain logsumexp [B, H, L] (float32)."""
+def las_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, scale: float,
+                      decay: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash-style forward. q, k: [B, H, L, K], v: [B, H, L, V] (contiguous), alpha: [H] float32 (read only with
+    `decay`; without it the op is plain causal softmax attention). Returns o [B, H, L, V] and the log2-domain
+    logsumexp [B, H, L] (float32)."""
     B, H, L, _ = q.shape
     o = torch.empty(B, H, L, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
-    BLOCK_M, BLOCK_N, warps, stages = (128, 64, 8, 3) if q.is_cuda else (32, 16, 4, 1)
+    # 64 x 64 tiles, 4 warps: the fastest of a sweep on an H100 at K 8, 16 and 64 (docs/benchmarks.md, LaS records)
+    BLOCK_M, BLOCK_N, warps, stages = (64, 64, 4, 3) if q.is_cuda else (32, 16, 4, 1)
     grid = (triton.cdiv(L, BLOCK_M), B * H)
     _las_attention_fwd_kernel[grid](q, k, v, alpha, o, lse, L, H, scale * LOG2E, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                    num_warps=warps, num_stages=stages, **_launch_args(q, v))
+                                    DECAY=decay, num_warps=warps, num_stages=stages, **_launch_args(q, v))
     return o, lse
 
 
-def las_attention_bwd(q, k, v, alpha, o, lse, do, scale: float, config: tuple[int, int, int, int] | None = None):
+def las_attention_bwd(q, k, v, alpha, o, lse, do, scale: float, decay: bool = True,
+                      config: tuple[int, int, int, int] | None = None, one_pass: bool | None = None):
     """Flash-style backward: returns dq, dk, dv (shapes of q, k, v). `delta = rowsum(o * do)` is formed here.
     config: (outer tile, inner tile, num_warps, num_stages) of both kernels; None picks the default for the device
-    (scripts/bench/las_attention.py sweeps the alternatives)."""
-    B, H, L, _ = q.shape
+    (scripts/bench/las_attention.py sweeps the alternatives). one_pass: dq by atomics from the dk/dv kernel (each
+    score tile computed once) instead of a second kernel that recomputes the scores; None: `one_pass_backward`."""
+    B, H, L, K = q.shape
     do = do.contiguous()
     delta = (o.float() * do.float()).sum(-1)  # [B, H, L]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    args = _launch_args(q, v)
-    # (128, 32, 4, 3): the fastest of the sweep on an H200 (bf16, d 64; docs/benchmarks.md, kernel measurement records)
-    big, small, warps, stages = config or ((128, 32, 4, 3) if q.is_cuda else (32, 16, 4, 1))
+    if one_pass is None:
+        one_pass = one_pass_backward(K, q.dtype)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if one_pass else torch.empty_like(q)
+    args = dict(_launch_args(q, v), DECAY=decay)
+    # (64, 64, 4, 2): the fastest of a sweep on an H100 at K 8, 16 and 64 (docs/benchmarks.md, LaS records)
+    big, small, warps, stages = config or ((64, 64, 4, 2) if q.is_cuda else (32, 16, 4, 1))
     _las_attention_bwd_dkdv_kernel[(triton.cdiv(L, big), B * H)](
-        q, k, v, alpha, do, lse, delta, dk, dv, L, H, scale * LOG2E, BLOCK_M=small, BLOCK_N=big,
-        num_warps=warps, num_stages=stages, **args)
+        q, k, v, alpha, do, lse, delta, dk, dv, dq, L, H, scale * LOG2E, BLOCK_M=small, BLOCK_N=big,
+        ONE_PASS=one_pass, num_warps=warps, num_stages=stages, **args)
+    if one_pass:
+        return dq.to(q.dtype), dk, dv
     _las_attention_bwd_dq_kernel[(triton.cdiv(L, big), B * H)](
         q, k, v, alpha, do, lse, delta, dq, L, H, scale * LOG2E, BLOCK_M=big, BLOCK_N=small,
         num_warps=warps, num_stages=stages, **args)
     return dq, dk, dv
-
