@@ -86,9 +86,10 @@ def test_decay_multiplies_logits_not_adds():
 
 # Triton paths under the interpreter: float32 against the float64 reference. Small shapes; ragged tails.
 TRITON_CASES = [
-    pytest.param(1, 2, 37, 20, 3, False, (0.0, 0.05), id="B1-H2-L37-K20-P3"),
-    pytest.param(2, 1, 64, 16, 5, True, (0.02,), id="B2-H1-L64-K16-P5-causalpool"),
-    pytest.param(1, 2, 45, 8, 5, False, (0.0, 0.03), id="B1-H2-L45-K8-P5"),  # LaS Text's head width
+    pytest.param(1, 2, 37, 20, 20, 3, False, (0.0, 0.05), id="B1-H2-L37-K20-P3"),
+    pytest.param(2, 1, 64, 16, 16, 5, True, (0.02,), id="B2-H1-L64-K16-P5-causalpool"),
+    pytest.param(1, 2, 45, 8, 8, 5, False, (0.0, 0.03), id="B1-H2-L45-K8-P5"),  # LaS Text's head width
+    pytest.param(1, 2, 33, 8, 24, 3, False, (0.0, 0.03), id="B1-H2-L33-K8-V24-P3"),  # values wider than keys
 ]
 
 PATHS = {
@@ -102,15 +103,15 @@ PATHS = {
                                            ("separable-triton", False), ("flash", True), ("flash", False)],
                          ids=["separable-sdpa", "separable-triton-dq-atomic", "separable-triton-dq-kernel",
                               "flash-dq-atomic", "flash-dq-kernel"])
-@pytest.mark.parametrize("B,H,L,K,P,causal_pool,alphas", TRITON_CASES)
-def test_triton_parity_fwd_bwd(path, one_pass, B, H, L, K, P, causal_pool, alphas, monkeypatch):
+@pytest.mark.parametrize("B,H,L,K,V,P,causal_pool,alphas", TRITON_CASES)
+def test_triton_parity_fwd_bwd(path, one_pass, B, H, L, K, V, P, causal_pool, alphas, monkeypatch):
     """Every Triton path, with the flash backward's dq taken either way (`one_pass`: atomics in the dk/dv kernel, or
     the dq kernel), against the float64 reference. SDPA's backward is PyTorch's, so it runs once."""
     from longmixer.ops.las_attention import kernel
 
     monkeypatch.setattr(kernel, "one_pass_backward", lambda K, dtype: one_pass)
     path = PATHS[path]
-    q, k, v = (t.requires_grad_() for t in _qkv(B, H, L, K, seed=1))
+    q, k, v = (t.requires_grad_() for t in _qkv(B, H, L, K, seed=1, Kv=V))
     alpha = torch.tensor(alphas, dtype=torch.float64)
     ref = las_attention_ref(q, k, v, alpha, pool_size=P, causal_pool=causal_pool)
     do = torch.randn_like(ref)
@@ -179,13 +180,67 @@ def test_one_pass_backward_matches_two_kernels(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("decay", [True, False], ids=["decay", "no-decay"])
+@pytest.mark.parametrize("one_pass", [True, False], ids=["dq-atomic", "dq-kernel"])
+def test_cuda_default_tiles(decay, one_pass):
+    """The GPU's 64 x 64 tiles (the interpreter's default is 32 x 16) against the float64 reference: plain causal
+    attention without the decay, LaS attention without smoothing with it. L 130 leaves a ragged last tile."""
+    from longmixer.ops.las_attention import kernel
+
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 130, 8, seed=5, Kv=12))
+    alpha = torch.tensor([0.0, 0.05], dtype=torch.float64)
+    ref = las_attention_ref(q, k, v, alpha if decay else torch.zeros(2, dtype=torch.float64))
+    do = torch.randn_like(ref)
+    refs = [ref, *torch.autograd.grad(ref, (q, k, v), do)]
+    x = [t.detach().float().contiguous() for t in (q, k, v)]
+    o, lse = kernel.las_attention_fwd(*x, alpha.float(), 8 ** -0.5, decay, config=(64, 64, 4, 1))
+    grads = kernel.las_attention_bwd(*x, alpha.float(), o, lse, do.float(), 8 ** -0.5, decay,
+                                     config=(64, 64, 4, 1), one_pass=one_pass)
+    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), refs):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_tiles_must_nest():
+    from longmixer.ops.las_attention import kernel
+
+    q = torch.zeros(1, 1, 8, 8)
+    with pytest.raises(ValueError, match=r"outer tile \(32\) must be a multiple of the inner \(64\)"):
+        kernel.las_attention_fwd(q, q, q, torch.zeros(1), 1.0, config=(32, 64, 4, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("one_pass", [True, False], ids=["dq-atomic", "dq-kernel"])
+@pytest.mark.parametrize("path", ["separable-triton", "flash"])
+def test_narrow_heads_on_a_gpu(path, one_pass, dtype, monkeypatch):
+    """The compiled kernels at LaS Text's head width in 16-bit, the backward each way, against float64: the path
+    training takes (atomics, 64 x 64 tiles), which the interpreter cannot run."""
+    from longmixer.ops.las_attention import kernel
+
+    monkeypatch.setattr(kernel, "one_pass_backward", lambda K, dtype: one_pass)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 1000, 8, device="cuda", dtype=torch.float64, generator=g).requires_grad_()
+               for _ in range(3))
+    alpha = torch.linspace(0, 1e-3, 8, device="cuda")
+    ref = las_attention_ref(q, k, v, alpha.double(), pool_size=5)
+    do = torch.randn_like(ref)
+    refs = [ref, *torch.autograd.grad(ref, (q, k, v), do)]
+    x = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out = PATHS[path](*x, alpha, pool_size=5)
+    got = [out, *torch.autograd.grad(out, x, do.to(dtype))]
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, refs):
+        assert a.dtype == dtype, name
+        err = float((a.double() - b).norm() / b.norm())
+        assert err < 2e-2, f"{name}: relative L2 error {err:.2e}"
+
+
 def test_one_pass_rule(monkeypatch):
     """Atomics for 16-bit inputs with narrow heads; the dq kernel for float32, wide heads and deterministic mode."""
     from longmixer.ops.las_attention.kernel import ONE_PASS_MAX_K, one_pass_backward
 
     assert one_pass_backward(8, torch.bfloat16) and one_pass_backward(ONE_PASS_MAX_K, torch.float16)
     assert not one_pass_backward(ONE_PASS_MAX_K + 1, torch.bfloat16)
-    assert not one_pass_backward(8, torch.float32)
+    assert not one_pass_backward(8, torch.float32) and not one_pass_backward(8, torch.float64)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert not one_pass_backward(8, torch.bfloat16)
 

@@ -7,6 +7,7 @@ send itself the signal at a given step. The tiny run has 6 steps per epoch, vali
 """
 
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -138,3 +139,42 @@ def test_plateau_schedule_resumes_to_the_uninterrupted_result(tmp_path, fault):
     sched = [torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["lr_schedulers"][0] for d in (ref_dir, run_dir)]
     assert sched[0]["last_epoch"] == 2 and sched[1] == sched[0]
     assert_same_run(ref_dir, run_dir, mid_epoch=fault.startswith("SIGTERM"))
+
+
+def _close_rows(got: list[tuple], ref: list[tuple]) -> bool:
+    """metric_rows of two runs: the same rows with the same columns, values within float32 rounding."""
+    if len(got) != len(ref):
+        return False
+    for g, r in zip(got, ref):
+        if [k for k, _ in g] != [k for k, _ in r]:
+            return False
+        if any(a != b and not math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) for (_, a), (_, b) in zip(g, r)):
+            return False
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_step_graph_run_stopped_mid_epoch_resumes_on_a_gpu(tmp_path):
+    """`task.compile=step-graph` on a GPU: a run stopped by SIGTERM mid-epoch, after its capture, checkpoints float
+    learning rates, and the rerun warms up, captures again and ends where the uninterrupted run ends. GPU kernels may
+    add in a varying order, so weights and metrics are compared within float32 rounding, the rows exactly."""
+    gpu = ["trainer=gpu", "trainer.precision=32-true", "task.compile=step-graph"]
+    ref = run_train(tmp_path / "reference", gpu, timeout=600)
+    assert ref.returncode == 0, describe(ref)
+    stopped = run_train(tmp_path / "stopped", gpu, fault="SIGTERM:train:9", timeout=600)
+    assert stopped.returncode == 143, describe(stopped)
+    run_dir = run_dir_of(tmp_path / "stopped")
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 10
+    assert all(isinstance(g["lr"], float) for g in ckpt["optimizer_states"][0]["param_groups"])
+    resumed = run_train(tmp_path / "stopped", gpu, timeout=600)
+    assert resumed.returncode == 0, describe(resumed)
+    ref_dir = run_dir_of(tmp_path / "reference")
+    ref_w, got_w = (weights(d / "checkpoints" / "last.ckpt") for d in (ref_dir, run_dir))
+    assert ref_w.keys() == got_w.keys()
+    for name in ref_w:
+        torch.testing.assert_close(got_w[name], ref_w[name], rtol=1e-4, atol=1e-6, msg=name)
+    got, want = (json.loads((d / "results.json").read_text())["metrics"] for d in (run_dir, ref_dir))
+    assert got.keys() == want.keys() and all(math.isclose(got[k], want[k], rel_tol=1e-4, abs_tol=1e-6) for k in want)
+    assert _close_rows(metric_rows(run_dir, EPOCH_AGGREGATES), metric_rows(ref_dir, EPOCH_AGGREGATES))

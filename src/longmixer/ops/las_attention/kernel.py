@@ -274,10 +274,18 @@ def _las_attention_bwd_dq_kernel(q, k, v, alpha, do, lse, delta, dq, L, H, qk_sc
 ONE_PASS_MAX_K = 32
 
 
+def _check_tiles(outer: int, inner: int) -> None:
+    """The kernels walk the diagonal in inner tiles of one outer tile, so the outer must be a multiple of the inner
+    (else scores on the diagonal would be counted twice or skipped)."""
+    if outer % inner:
+        raise ValueError(f"LaS attention tiles: the outer tile ({outer}) must be a multiple of the inner ({inner})")
+
+
 def one_pass_backward(K: int, dtype: torch.dtype) -> bool:
     """Whether `las_attention_bwd` takes dq by atomics from the dk/dv kernel: 16-bit inputs with heads up to
     ONE_PASS_MAX_K wide, unless torch's deterministic algorithms are on (float atomics add in a varying order)."""
-    return K <= ONE_PASS_MAX_K and dtype != torch.float32 and not torch.are_deterministic_algorithms_enabled()
+    return (K <= ONE_PASS_MAX_K and dtype in (torch.float16, torch.bfloat16)
+            and not torch.are_deterministic_algorithms_enabled())
 
 
 def _launch_args(q: torch.Tensor, v: torch.Tensor) -> dict:
@@ -287,15 +295,18 @@ def _launch_args(q: torch.Tensor, v: torch.Tensor) -> dict:
 
 
 def las_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, scale: float,
-                      decay: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      decay: bool = True, config: tuple[int, int, int, int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-style forward. q, k: [B, H, L, K], v: [B, H, L, V] (contiguous), alpha: [H] float32 (read only with
-    `decay`; without it the op is plain causal softmax attention). Returns o [B, H, L, V] and the log2-domain
-    logsumexp [B, H, L] (float32)."""
+    `decay`; without it the op is plain causal softmax attention). config: (query tile, key tile, num_warps,
+    num_stages), the query tile a multiple of the key tile; None picks the device's default. Returns o [B, H, L, V]
+    and the log2-domain logsumexp [B, H, L] (float32)."""
     B, H, L, _ = q.shape
     o = torch.empty(B, H, L, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     # 64 x 64 tiles, 4 warps: the fastest of a sweep on an H100 at K 8, 16 and 64 (docs/benchmarks.md, LaS records)
-    BLOCK_M, BLOCK_N, warps, stages = (64, 64, 4, 3) if q.is_cuda else (32, 16, 4, 1)
+    BLOCK_M, BLOCK_N, warps, stages = config or ((64, 64, 4, 3) if q.is_cuda else (32, 16, 4, 1))
+    _check_tiles(BLOCK_M, BLOCK_N)
     grid = (triton.cdiv(L, BLOCK_M), B * H)
     _las_attention_fwd_kernel[grid](q, k, v, alpha, o, lse, L, H, scale * LOG2E, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                     DECAY=decay, num_warps=warps, num_stages=stages, **_launch_args(q, v))
@@ -318,6 +329,7 @@ def las_attention_bwd(q, k, v, alpha, o, lse, do, scale: float, decay: bool = Tr
     args = dict(_launch_args(q, v), DECAY=decay)
     # (64, 64, 4, 2): the fastest of a sweep on an H100 at K 8, 16 and 64 (docs/benchmarks.md, LaS records)
     big, small, warps, stages = config or ((64, 64, 4, 2) if q.is_cuda else (32, 16, 4, 1))
+    _check_tiles(big, small)
     _las_attention_bwd_dkdv_kernel[(triton.cdiv(L, big), B * H)](
         q, k, v, alpha, do, lse, delta, dk, dv, dq, L, H, scale * LOG2E, BLOCK_M=small, BLOCK_N=big,
         ONE_PASS=one_pass, num_warps=warps, num_stages=stages, **args)
