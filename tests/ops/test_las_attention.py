@@ -300,3 +300,16 @@ def test_compiles_as_one_graph_without_reading_alpha(backend, max_alpha):
     for name, g_c, g_e in zip(("dq", "dk", "dv"), grads[1], grads[0]):
         torch.testing.assert_close(g_c, g_e, msg=name)
     torch._dynamo.reset()
+
+
+def test_backward_tiles_avoid_float32_spills():
+    """float32 heads wider than 16 take 64 x 32 backward tiles (64 x 64 spilled: 4-6x slower on an H100)."""
+    from longmixer.ops.las_attention.kernel import _backward_tiles
+
+    def on_cuda(dtype, K):
+        t = torch.empty(1, 1, 1, K, dtype=dtype)
+        return _backward_tiles(type("CudaLike", (), {"is_cuda": True, "dtype": t.dtype, "shape": t.shape})())
+
+    assert on_cuda(torch.bfloat16, 64) == on_cuda(torch.float32, 16) == (64, 64, 4, 2)
+    assert on_cuda(torch.float32, 32) == on_cuda(torch.float32, 64) == (64, 32, 4, 1)
+    assert _backward_tiles(torch.empty(1, 1, 1, 64)) == (32, 16, 4, 1)  # the interpreter's

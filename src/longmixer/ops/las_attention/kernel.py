@@ -274,6 +274,18 @@ def _las_attention_bwd_dq_kernel(q, k, v, alpha, do, lse, delta, dq, L, H, qk_sc
 ONE_PASS_MAX_K = 32
 
 
+def _backward_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
+    """Default (outer tile, inner tile, num_warps, num_stages) of the backward kernels. On an H100 (docs/benchmarks.md,
+    LaS records): 64 x 64 with 4 warps was the fastest in 16-bit at K 8, 16 and 64 and in float32 at K 8 and 16; in
+    float32 with wider heads its tiles spill (K 32: 52.5 ms against 12.0 ms for 64 x 32 at B16 L2048; K 64: 150.8
+    against 23.1 ms), so those take 64 x 32 tiles and one stage."""
+    if not q.is_cuda:
+        return 32, 16, 4, 1
+    if q.dtype == torch.float32 and q.shape[-1] > 16:
+        return 64, 32, 4, 1
+    return 64, 64, 4, 2
+
+
 def _check_tiles(outer: int, inner: int) -> None:
     """The kernels walk the diagonal in inner tiles of one outer tile, so the outer must be a multiple of the inner
     (else scores on the diagonal would be counted twice or skipped)."""
@@ -327,8 +339,7 @@ def las_attention_bwd(q, k, v, alpha, o, lse, do, scale: float, decay: bool = Tr
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if one_pass else torch.empty_like(q)
     args = dict(_launch_args(q, v), DECAY=decay)
-    # (64, 64, 4, 2): the fastest of a sweep on an H100 at K 8, 16 and 64 (docs/benchmarks.md, LaS records)
-    big, small, warps, stages = config or ((64, 64, 4, 2) if q.is_cuda else (32, 16, 4, 1))
+    big, small, warps, stages = config or _backward_tiles(q)
     _check_tiles(big, small)
     _las_attention_bwd_dkdv_kernel[(triton.cdiv(L, big), B * H)](
         q, k, v, alpha, do, lse, delta, dk, dv, dq, L, H, scale * LOG2E, BLOCK_M=small, BLOCK_N=big,
