@@ -76,13 +76,14 @@ class SequenceTask(pl.LightningModule):
     # --- the steps ------------------------------------------------------------------------------------------------
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         """The model on `batch` and the task's loss, without logging: (loss, outputs), where outputs holds the
-        model's `aux` dict and whatever `log_step` reads."""
-        raise NotImplementedError
+        model's `aux` dict and whatever `log_step` reads. The interface each task defines (Classification,
+        LanguageModel)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no forward_loss: a task subclass defines it")
 
     def log_step(self, batch: dict[str, torch.Tensor], stage: str, loss: torch.Tensor,
                  outputs: dict[str, Any]) -> None:
-        """Log one step's metrics from `forward_loss`'s detached loss and outputs."""
-        raise NotImplementedError
+        """Log one step's metrics from `forward_loss`'s detached loss and outputs (defined by each task subclass)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no log_step: a task subclass defines it")
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         loss, outputs = self.forward_loss(batch)

@@ -144,12 +144,12 @@ def las_attention_separable(q, k, v, alpha, *, pool_size: int = 1, causal_pool: 
     (`attention="sdpa"`) or the flash kernel without the decay (`"triton"`), which is faster for narrow heads
     (`las_attention` picks it up to TRITON_CAUSAL_MAX_K). Valid while alpha (L - 1) / 2 is within
     SEPARABLE_EXPONENT_LIMIT for the dtype; `las_attention` checks that."""
+    if attention not in ("sdpa", "triton"):
+        raise ValueError(f"attention={attention!r} must be 'sdpa' or 'triton'")
     qs, ks, vs = call(las_prep_op, q, k, v, alpha, pool_size, *_pool_offsets(pool_size, causal_pool))
     if attention == "triton":
         return call(las_attention_fwd_op, qs, ks, vs, alpha, q.shape[-1] ** -0.5 if scale is None else scale,
                     False)[0]
-    if attention != "sdpa":
-        raise ValueError(f"attention={attention!r} must be 'sdpa' or 'triton'")
     return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
 
 
