@@ -531,26 +531,15 @@ def test_longvq_codebook_compiled_equals_eager(compose, lm, accumulate):
     assert not torch.equal(vqs[0].counts, torch.ones_like(vqs[0].counts))  # the EMA steps did run
 
 
-def test_capture_train_step_refuses_what_cannot_be_captured(monkeypatch):
-    from longmixer.utils.compile import capture_train_step
-
-    params = [torch.nn.Parameter(torch.ones(2))]
-    with pytest.raises(ValueError, match="capturable=True"):
-        capture_train_step(lambda: None, torch.optim.AdamW(params), warmup=3)
-    with pytest.raises(ValueError, match="warmup=0"):
-        capture_train_step(lambda: None, torch.optim.SGD(params), warmup=0)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        capture_train_step(lambda: None, torch.optim.SGD(params), warmup=3)  # SGD has no capturable option
-
-
-def test_capture_train_step_follows_the_whole_network_recipe(monkeypatch):
-    """The order PyTorch's whole-network capture needs, with torch.cuda's stream and graph objects faked on a CPU:
-    every warm-up step on the side stream and the captured step start from `.grad = None` (so the captured backward
-    allocates the gradients from the graph's pool), exactly one step is captured, and the replay is returned."""
+def test_step_graph_follows_the_whole_network_recipe(monkeypatch):
+    """The order PyTorch's whole-network capture needs, as `TrainStepGraph` (training's and the bench's step-graph
+    mode) runs it, with torch.cuda's stream and graph objects faked on a CPU: every warm-up step on the side stream
+    and the captured step start from `.grad = None` (so the captured backward allocates the gradients from the
+    graph's pool), exactly one step is captured and then run by a replay, and each later step copies its batch into
+    the captured inputs and replays, keeping the captured `.grad`."""
     import contextlib
 
-    from longmixer.utils.compile import capture_train_step
+    from longmixer.utils.compile import TrainStepGraph
 
     events: list[str] = []
 
@@ -573,50 +562,73 @@ def test_capture_train_step_follows_the_whole_network_recipe(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", Stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: scope("side stream"))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g: scope("graph"))
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: scope("graph"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    class Plain(torch.optim.AdamW):  # AdamW's capturable option, with a step a CPU can take once it is set
+        @torch.no_grad()
+        def step(self, closure=None):
+            for p in layer.parameters():
+                p.sub_(0.1 * p.grad)
+
     layer = torch.nn.Linear(2, 1)
-    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    opt = Plain(layer.parameters(), lr=0.1)
+    seen = []
 
-    def step():
+    def step(batch):
         events.append("step, grads " + ("None" if all(p.grad is None for p in layer.parameters()) else "kept"))
-        layer(torch.ones(1, 2)).sum().backward()
+        seen.append(batch["x"])
+        layer(batch["x"]).sum().backward()
         opt.step()
+        return {}
 
-    replay = capture_train_step(step, opt, warmup=2)
-    assert events == ["wait", "enter side stream", "step, grads None", "step, grads None", "exit side stream",
-                      "wait", "enter graph", "step, grads None", "exit graph"]
+    replays = []
+    graphed = TrainStepGraph(step, opt, warmup=2, after_replay=lambda: replays.append(len(events)))
+    batches = [{"x": torch.full((1, 2), float(i))} for i in range(4)]
+    for batch in batches[:3]:
+        graphed(batch)
+    assert events == ["wait", "enter side stream", "step, grads None", "exit side stream", "wait",
+                      "wait", "enter side stream", "step, grads None", "exit side stream", "wait",
+                      "enter graph", "step, grads None", "exit graph", "replay"]
     assert all(p.grad is not None for p in layer.parameters())  # the captured .grad stay for the replays
-    replay()
-    assert events[-1] == "replay"
+    captured = seen[-1]
+    assert captured is not batches[2]["x"] and torch.equal(captured, batches[2]["x"])  # the graph's own input
+    graphed(batches[3])
+    assert events[-1] == "replay" and len(seen) == 3  # no Python step ran: the replay did it
+    assert torch.equal(captured, batches[3]["x"]), "the batch is copied into the captured input"
+    assert replays == [14, 15] and graphed.replays == 2
+    with pytest.raises(ValueError, match="warmup=0"):
+        TrainStepGraph(step, opt, warmup=0)
 
 
 @pytest.mark.gpu
 def test_captured_step_replays_the_eager_steps():
-    """On a GPU: replaying the captured whole step (a tiny eager model, fused capturable AdamW) gives the weights
-    that the same number of eager steps give."""
-    from longmixer.utils.compile import capture_train_step
+    """On a GPU: `TrainStepGraph`'s replays of the captured whole step (a tiny eager model, fused capturable AdamW,
+    a new batch each step) give the weights that the same number of eager steps give."""
+    from longmixer.utils.compile import TrainStepGraph
 
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1)).cuda()
     graphed = copy.deepcopy(eager)
-    x, y = torch.randn(4, 8, device="cuda"), torch.randn(4, 1, device="cuda")
+    batches = [{"x": torch.randn(4, 8, device="cuda"), "y": torch.randn(4, 1, device="cuda")} for _ in range(8)]
 
     def stepper(model, capturable):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=capturable)
 
-        def step():
-            torch.nn.functional.mse_loss(model(x), y).backward()
+        def step(batch):
+            torch.nn.functional.mse_loss(model(batch["x"]), batch["y"]).backward()
             opt.step()
+            return {}
         return opt, step
 
     opt, step = stepper(eager, False)
-    for _ in range(3 + 4):  # 3 warm-up steps and 4 replays (capturing records the step without running it)
+    for batch in batches:  # 3 warm-up steps, the captured one and 4 replays
         opt.zero_grad(set_to_none=True)
-        step()
+        step(batch)
     opt, step = stepper(graphed, True)
-    replay = capture_train_step(step, opt, warmup=3)
-    for _ in range(4):
-        replay()
+    run = TrainStepGraph(step, opt, warmup=3)
+    for batch in batches:
+        run(batch)
     torch.cuda.synchronize()
+    assert run.replays == 5
     for a, b in zip(eager.parameters(), graphed.parameters(), strict=True):
         torch.testing.assert_close(a, b)

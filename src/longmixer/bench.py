@@ -7,7 +7,7 @@ evaluation throughput, against a Transformer with materialized attention (the pa
 Each model is measured eager and compiled (`--compile`), and on CUDA one profiled pass gives the GPU-kernel time
 and kernel launches per step: GPU busy = kernel time / wall-clock step time. `--compile step-graph` compiles the
 blocks as `default` does and captures the whole training step (forward, loss, backward, optimizer step) in one CUDA
-graph, replayed per step (utils/compile.py, `capture_train_step`); it needs a CUDA GPU. Without a GPU the benchmark
+graph, replayed per step by training's own `TrainStepGraph` (utils/compile.py); it needs a CUDA GPU. Without a GPU the benchmark
 runs `--quick` toy models (labelled as such in the table) so the command still finishes within its budget, and
 records step-graph rows as skipped.
 
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from longmixer.utils.compile import COMPILE_MODES, STEP_GRAPH, capture_train_step, compile_blocks
+from longmixer.utils.compile import COMPILE_MODES, STEP_GRAPH, TrainStepGraph, compile_blocks
 from longmixer.utils.compose import CONFIG_DIR, compose, family_of
 
 log = logging.getLogger(__name__)
@@ -179,9 +179,11 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
 
     The step is what a training run does: forward under bf16 autocast (on CUDA), loss, backward and a fused AdamW
     step; `compile_mode` compiles the model (not the optimizer), as `task.compile` does in training. A model's
-    callable `after_forward` attribute, if any, runs right after each training forward. "step-graph" captures the
-    whole step once (`capture_train_step`: warm-up, then one CUDA graph; `after_forward` runs at capture and its GPU
-    work is replayed) and times its replay; evaluation then runs the blocks compiled as "default".
+    callable `after_forward` attribute, if any, runs right after each training forward. "step-graph" runs the step
+    as `task.compile=step-graph` does in training (`TrainStepGraph`: eager warm-up steps on a side stream, one
+    capture, then per step the batch copied into the captured inputs, the learning rates synced and one replay;
+    `after_forward` runs at capture, its GPU work is replayed and the model's `after_replay` runs after each replay)
+    and times those steps; evaluation then runs the blocks compiled as "default".
     """
     from hydra.utils import instantiate
 
@@ -196,16 +198,24 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     net = compile_model(model, compile_mode)
 
-    def update():  # forward, loss, backward, optimizer step; the gradients stay (the graph refills them in place)
+    def update(batch: dict) -> dict:  # forward, loss, backward, optimizer step; the gradients stay
         with amp:
-            out, aux = _forward(net, cfg, x, mask)  # with the model's after_forward hook
-            loss = F.cross_entropy(out.float(), y)
+            out, aux = _forward(net, cfg, batch["x"], batch["mask"])  # with the model's after_forward hook
+            loss = F.cross_entropy(out.float(), batch["y"])
             loss = loss + sum(v for k, v in aux.items() if k.startswith("loss/"))
         loss.backward()
         opt.step()
+        return {"loss": loss.detach()}
+
+    batch_dict = {"x": x, "mask": mask, "y": y}
+    graph_step = (TrainStepGraph(update, opt, warmup=max(warmup, STEP_GRAPH_WARMUP),
+                                 after_replay=getattr(model, "after_replay", None)) if graphed else None)
 
     def train_step():
-        update()
+        if graph_step is not None:  # zeroes the gradients before its eager steps; a replay refills them in place
+            graph_step(batch_dict)
+            return
+        update(batch_dict)
         opt.zero_grad(set_to_none=True)
 
     def timed(fn, n):
@@ -219,15 +229,17 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
 
     model.train()
     compile_start = time.perf_counter()
-    step = capture_train_step(update, opt, max(warmup, STEP_GRAPH_WARMUP)) if graphed else train_step
-    for _ in range(warmup if compile_mode == "none" or graphed else max(warmup, COMPILED_WARMUP)):
-        step()
+    # step-graph: its eager warm-up steps, the capture (which also runs that step) and `warmup` replays
+    untimed = (graph_step.warmup + 1 + warmup if graphed else
+               warmup if compile_mode == "none" else max(warmup, COMPILED_WARMUP))
+    for _ in range(untimed):
+        train_step()
         _check_budget(deadline)
     _sync(device)
     first_ms = (time.perf_counter() - compile_start) * 1e3
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    train_ms = timed(step, iters)
+    train_ms = timed(train_step, iters)
     # CUDA graphs allocate their memory pool during warm-up or capture, before the reset: the peak after it is not
     # the step's
     peak = (torch.cuda.max_memory_allocated() / 2**20
@@ -235,9 +247,9 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
     row = {"params": params, "compile": compile_mode, "warmup_ms": first_ms, "train_ms": train_ms,
            "train_tokens_per_s": batch * length / train_ms * 1e3, "peak_mem_mib": peak}
     if device.type == "cuda" and profile_steps:
-        prof = gpu_profile(step, profile_steps, top_kernels)
+        prof = gpu_profile(train_step, profile_steps, top_kernels)
         row.update(prof, gpu_busy=min(1.0, prof["gpu_kernel_ms"] / train_ms))
-    del step  # a captured graph and its pool go before the optimizer state it reads
+    graph_step = None  # the captured graph and its pool go before the optimizer state it reads
     opt.zero_grad(set_to_none=True)
     opt.state.clear()  # free the Adam moments before timing evaluation (train_step still names opt)
 

@@ -1,6 +1,6 @@
 """The `task.compile` switch: which torch.compile mode a run uses, and compiling a model's blocks in place; and
-capturing a whole training step in one CUDA graph: `capture_train_step` (the benchmark's `step-graph` mode) and
-`TrainStepGraph` (training's `task.compile=step-graph`).
+capturing a whole training step in one CUDA graph: `TrainStepGraph` (training's `task.compile=step-graph`, and the
+benchmark's `step-graph` mode).
 
 Shared by the tasks (training and evaluation) and the benchmark, so both measure the same compiled model.
 """
@@ -68,53 +68,6 @@ def compile_blocks(model: nn.Module, mode: str, backend: str = "inductor", entry
     for module in blocks if isinstance(blocks, nn.ModuleList) else [model]:
         module.compile(**options)
     return model
-
-
-def capture_train_step(step_fn: Callable[[], object], optimizer: torch.optim.Optimizer,
-                       warmup: int = 3) -> Callable[[], None]:
-    """Capture a whole training step (forward, loss, backward, optimizer step) in one CUDA graph; return its replay.
-
-    PyTorch's "whole network capture" recipe (CUDA semantics, "CUDA Graphs"): `warmup` steps on a side stream
-    (compiling, autotuning and the optimizer's lazy state happen there, not during capture), the gradients set to
-    None, then one `step_fn()` under `torch.cuda.graph`, so that its backward allocates the `.grad` tensors from the
-    graph's private pool; each replay refills them in place and steps the optimizer on them, so no `zero_grad` is
-    needed between replays. Nothing on the host runs per replay: the step must not synchronize (no `.item()`, no
-    data-dependent shapes) and its inputs are the tensors it read at capture, to be refilled in place (`copy_`).
-
-    Args:
-        step_fn: one training step on static inputs, without `zero_grad` (the replay keeps the captured `.grad`).
-            Host-side Python in it (hooks, logging) runs during warm-up and capture only.
-        optimizer: the optimizer `step_fn` steps; built with `capturable=True` (e.g. `torch.optim.AdamW(...,
-            fused=True, capturable=True)`), so its step count and learning-rate math stay on the GPU.
-        warmup: eager steps before capture, at least 1 (PyTorch's example uses 3).
-
-    Returns:
-        A callable that replays the captured step (one `CUDAGraph.replay()`); it holds the graph and its memory pool.
-
-    Raises:
-        ValueError: `warmup` < 1, or a parameter group of `optimizer` is not capturable.
-        RuntimeError: CUDA is not available (CUDA graphs need a CUDA GPU).
-    """
-    if warmup < 1:
-        raise ValueError(f"warmup={warmup} must be >= 1: compiling and the optimizer's lazy state cannot be captured")
-    # optimizers without the option (SGD) keep no step count to move to the GPU
-    if not all(group.get("capturable", True) for group in optimizer.param_groups):
-        raise ValueError(f"{type(optimizer).__name__} is not capturable: build it with capturable=True "
-                         "(e.g. torch.optim.AdamW(params, fused=True, capturable=True))")
-    if not torch.cuda.is_available():
-        raise RuntimeError("capture_train_step needs a CUDA GPU (a CUDA graph replays GPU work); none is available")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            optimizer.zero_grad(set_to_none=True)
-            step_fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    optimizer.zero_grad(set_to_none=True)  # the captured backward allocates .grad from the graph's pool
-    with torch.cuda.graph(graph):
-        step_fn()
-    return graph.replay
 
 
 def _batch_key(batch: Mapping[str, Any]) -> tuple:
