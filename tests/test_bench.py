@@ -45,6 +45,36 @@ def test_measure_a_tiny_composed_model():
     assert math.isnan(row["peak_mem_mib"])  # no CUDA here
 
 
+def test_each_job_starts_from_its_seed(monkeypatch):
+    """A row's model and batch come from `seed`, not from whatever the jobs before it drew: the same seed gives the
+    same initial weights and batch after other random draws, another seed other ones."""
+    from longmixer import bench
+
+    drawn = []
+    real_make_batch = bench.make_batch
+
+    def make_batch(*args, **kwargs):  # after the model is built, before it is compiled
+        x, mask, y = real_make_batch(*args, **kwargs)
+        drawn.append([x.clone(), y.clone()])
+        return x, mask, y
+
+    def compile_model(model, mode):
+        drawn[-1] += [p.detach().clone() for p in model.parameters()]
+        return model
+
+    monkeypatch.setattr(bench, "compile_model", compile_model)
+    monkeypatch.setattr(bench, "make_batch", make_batch)
+    _, overrides = model_specs("text", quick=True)[1]
+    cfg = compose_model_config([*overrides, "data.seq_len=16"])
+    for seed in (0, 0, 1):
+        torch.rand(7)  # another job's draws
+        row = measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=1, seed=seed)
+        assert row["seed"] == seed
+    same, other = zip(drawn[0], drawn[1], strict=True), zip(drawn[0], drawn[2], strict=True)
+    assert all(torch.equal(a, b) for a, b in same)
+    assert not all(torch.equal(a, b) for a, b in other)
+
+
 def test_slots_tell_settings_apart():
     text = {"setting": "text", "model": "mega", "length": 4096}
     sweep = {"setting": "length", "model": "mega", "length": 4096}

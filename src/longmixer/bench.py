@@ -173,7 +173,7 @@ def gpu_profile(step, steps: int, top: int = 0) -> dict:
 
 def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compile_mode: str = "none",
             profile_steps: int = 0, deadline: float | None = None, top_kernels: int = 0,
-            key_mask: str = "none") -> dict:
+            key_mask: str = "none", seed: int = 0) -> dict:
     """Training-step ms, tokens/s and peak memory; evaluation ms and tokens/s; parameters; on CUDA with
     `profile_steps`, kernels per step and GPU-busy %. `key_mask`: see `make_batch`.
 
@@ -184,6 +184,10 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
     capture, then per step the batch copied into the captured inputs, the learning rates synced and one replay;
     `after_forward` runs at capture, its GPU work is replayed and the model's `after_replay` runs after each replay)
     and times those steps; evaluation then runs the blocks compiled as "default".
+
+    The initial weights and the batch are drawn from `seed` (`--seed`), so a row does not depend on the jobs measured
+    before it in the process: a model whose work follows its weights (SeqBoat's router activates a share of the
+    tokens that depends on them) starts from the same initialization in every run.
     """
     from hydra.utils import instantiate
 
@@ -191,6 +195,7 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
     if graphed and device.type != "cuda":
         raise ValueError(f"--compile {STEP_GRAPH} needs a CUDA GPU (it captures the step in a CUDA graph); "
                          f"the device is {device}")
+    torch.manual_seed(seed)  # every device's generator: the initial weights, the batch, dropout masks
     model = instantiate(cfg.model).to(device)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda", capturable=graphed)
@@ -244,7 +249,7 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
     # the step's
     peak = (torch.cuda.max_memory_allocated() / 2**20
             if device.type == "cuda" and compile_mode not in ("reduce-overhead", STEP_GRAPH) else float("nan"))
-    row = {"params": params, "compile": compile_mode, "warmup_ms": first_ms, "train_ms": train_ms,
+    row = {"params": params, "compile": compile_mode, "seed": seed, "warmup_ms": first_ms, "train_ms": train_ms,
            "train_tokens_per_s": batch * length / train_ms * 1e3, "peak_mem_mib": peak}
     if device.type == "cuda" and profile_steps:
         prof = gpu_profile(train_step, profile_steps, top_kernels)
@@ -372,7 +377,7 @@ def run(args) -> dict:
             row.update(length=length, batch=batch, d_model=int(cfg.model.d_model), n_layers=int(cfg.model.n_layers))
             row.update(measure(cfg, batch, length, device, args.warmup, args.iters, compile_mode=job["compile"],
                                profile_steps=args.profile_steps, deadline=deadline,
-                               top_kernels=args.top_kernels, key_mask=args.mask), status="ok")
+                               top_kernels=args.top_kernels, key_mask=args.mask, seed=args.seed), status="ok")
         except BudgetExceeded:
             row["status"] = "skipped (time budget)"
         except torch.OutOfMemoryError:
@@ -508,6 +513,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the key mask of the batches, whose sequences are all full-length: none (every model's "
                              "unmasked path) or full (an all-true mask, the path of a padded task's batches)")
     parser.add_argument("--merge", default=None, help="an earlier JSON: its rows stay for what is not measured again")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="each job's model and batch are drawn from this seed (the same for every job)")
     args = parser.parse_args(argv)
     if Path(args.out).is_dir():
         parser.error(f"--out {args.out} is a directory; give the JSON file to write, e.g. "
