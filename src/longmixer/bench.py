@@ -7,8 +7,8 @@ evaluation throughput, against a Transformer with materialized attention (the pa
 Each model is measured eager and compiled (`--compile`), and on CUDA one profiled pass gives the GPU-kernel time
 and kernel launches per step: GPU busy = kernel time / wall-clock step time. `--compile step-graph` compiles the
 blocks as `default` does and captures the whole training step (forward, loss, backward, optimizer step) in one CUDA
-graph, replayed per step by training's own `TrainStepGraph` (utils/compile.py); it needs a CUDA GPU. Without a GPU the benchmark
-runs `--quick` toy models (labelled as such in the table) so the command still finishes within its budget, and
+graph, replayed per step by training's own `TrainStepGraph` (utils/compile.py); it needs a CUDA GPU. Without a GPU
+the benchmark runs `--quick` toy models (labelled as such in the table) so the command still finishes within its budget, and
 records step-graph rows as skipped.
 
 Settings, in order (a time budget skips what does not fit, recorded as "skipped"):
