@@ -75,6 +75,33 @@ def test_each_job_starts_from_its_seed(monkeypatch):
     assert not all(torch.equal(a, b) for a, b in other)
 
 
+@pytest.mark.gpu
+def test_step_graph_rows_time_replays_of_training_s_step(monkeypatch):
+    """On a GPU, `--compile step-graph` runs training's `TrainStepGraph`: its eager warm-up steps, the capture, the
+    untimed replays, then every timed and profiled step is a replay; the rows get the profiler's figures."""
+    from longmixer import bench
+    from longmixer.utils.compile import TrainStepGraph
+
+    seen = {"calls": 0}
+
+    class Recording(TrainStepGraph):
+        def __call__(self, batch):
+            seen["calls"] += 1
+            out = super().__call__(batch)
+            seen["replays"] = self.replays
+            return out
+
+    monkeypatch.setattr(bench, "TrainStepGraph", Recording)
+    _, overrides = model_specs("text", quick=True)[1]
+    cfg = compose_model_config([*overrides, "data.seq_len=16"])
+    row = measure(cfg, batch=2, length=16, device=torch.device("cuda"), warmup=1, iters=2, compile_mode="step-graph",
+                  profile_steps=2)
+    eager = max(1, bench.STEP_GRAPH_WARMUP)
+    assert seen["calls"] == eager + 1 + 1 + 2 + 2  # warm-up, capture, 1 untimed replay, 2 timed, 2 profiled
+    assert seen["replays"] == seen["calls"] - eager  # the capture's own step is a replay too
+    assert row["kernels_per_step"] > 0 and 0 < row["gpu_busy"] <= 1
+
+
 def test_slots_tell_settings_apart():
     text = {"setting": "text", "model": "mega", "length": 4096}
     sweep = {"setting": "length", "model": "mega", "length": 4096}
