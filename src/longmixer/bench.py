@@ -8,8 +8,8 @@ Each model is measured eager and compiled (`--compile`), and on CUDA one profile
 and kernel launches per step: GPU busy = kernel time / wall-clock step time. `--compile step-graph` compiles the
 blocks as `default` does and captures the whole training step (forward, loss, backward, optimizer step) in one CUDA
 graph, replayed per step by training's own `TrainStepGraph` (utils/compile.py); it needs a CUDA GPU. Without a GPU
-the benchmark runs `--quick` toy models (labelled as such in the table) so the command still finishes within its budget, and
-records step-graph rows as skipped.
+the benchmark runs `--quick` toy models (labelled as such in the table) so the command still finishes within its
+budget, and records step-graph rows as skipped.
 
 Settings, in order (a time budget skips what does not fit, recorded as "skipped"):
 1. `text`: the papers' efficiency setting (CHELA / LongVQ / LaS / SeqBoat Table 1): each family's Text recipe

@@ -126,7 +126,8 @@ class SequenceTask(pl.LightningModule):
         if self.compiled_as == STEP_GRAPH:
             self._check_step_graph()
             optimizer = self.trainer.optimizers[0]
-            self.step_graph = TrainStepGraph(self._graph_update, optimizer, after_replay=self._after_replay)
+            self.step_graph = TrainStepGraph(self._graph_update, optimizer,
+                                             after_replay=getattr(self.model, "after_replay", None))
 
     def on_fit_end(self) -> None:
         self.step_graph = None  # the graph and its memory pool
@@ -172,10 +173,6 @@ class SequenceTask(pl.LightningModule):
         detached = {key: value.detach() if torch.is_tensor(value) else value for key, value in outputs.items()}
         detached["aux"] = {key: value.detach() for key, value in outputs["aux"].items()}
         return {**detached, "loss": loss.detach(), "total": total.detach()}
-
-    def _after_replay(self) -> None:
-        if hasattr(self.model, "after_replay"):
-            self.model.after_replay()
 
     # Lightning's automatic optimization around a replayed step: its closure runs `training_step` (which replays
     # the forward, backward and optimizer step) and the hooks around backward (the divergence guard), and nothing
