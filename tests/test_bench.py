@@ -75,6 +75,26 @@ def test_each_job_starts_from_its_seed(monkeypatch):
     assert not all(torch.equal(a, b) for a, b in other)
 
 
+def test_rows_carry_the_router_s_activation_rate():
+    """SeqBoat's step time follows the share of tokens its router activates, so its rows record that share per
+    layer (from one untimed training step) and the markdown lists its mean; models without statistics get none."""
+    specs = dict(model_specs("text", quick=True))
+    rows = []
+    for name in ("seqboat", "transformer_sdpa"):
+        cfg = compose_model_config([*specs[name], "data.seq_len=16", "model.n_layers=2"])
+        row = measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=1)
+        rows.append({"setting": "text", "model": name, "length": 16, "batch": 2, "status": "ok", **row})
+    routed, plain = rows
+    assert "stats" not in plain
+    rates = [routed["stats"][f"act_rate/layer_{i:02d}"] for i in range(2)]
+    assert all(0.0 < r < 1.0 for r in rates)  # a share per layer (at initialization neither all nor none)
+    result = {"environment": {"device": "cpu", "torch": "t", "triton": "t", "cuda": None, "dtype": "d",
+                              "command": "c"}, "rows": rows}
+    table = markdown(result)
+    assert f"| seqboat | text | 16 | none | {sum(rates) / 2:.1%} |" in table
+    assert "| transformer_sdpa | text | 16 | none |" not in table
+
+
 @pytest.mark.gpu
 def test_step_graph_rows_time_replays_of_training_s_step(monkeypatch):
     """On a GPU, `--compile step-graph` runs training's `TrainStepGraph`: its eager warm-up steps, the capture, the
@@ -97,7 +117,8 @@ def test_step_graph_rows_time_replays_of_training_s_step(monkeypatch):
     row = measure(cfg, batch=2, length=16, device=torch.device("cuda"), warmup=1, iters=2, compile_mode="step-graph",
                   profile_steps=2)
     eager = max(1, bench.STEP_GRAPH_WARMUP)
-    assert seen["calls"] == eager + 1 + 1 + 2 + 2  # warm-up, capture, 1 untimed replay, 2 timed, 2 profiled
+    # warm-up, capture, 1 untimed replay, 2 timed, 2 profiled, the statistics' step
+    assert seen["calls"] == eager + 1 + 1 + 2 + 2 + 1
     assert seen["replays"] == seen["calls"] - eager  # the capture's own step is a replay too
     assert row["kernels_per_step"] > 0 and 0 < row["gpu_busy"] <= 1
 
@@ -211,8 +232,8 @@ def test_after_forward_hook_runs_after_each_training_forward(monkeypatch):
     to do."""
     cfg, calls = _count_after_forward(monkeypatch)
     measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=2)
-    assert calls[:3] == [True] * 3  # 1 warm-up + 2 timed training steps
-    assert calls[3:] == [False] * 3  # the evaluation forwards (no_grad)
+    assert calls[:4] == [True] * 4  # 1 warm-up + 2 timed training steps + the statistics' step
+    assert calls[4:] == [False] * 3  # the evaluation forwards (no_grad)
 
 
 def test_compiled_modes_warm_up_past_a_recompile(monkeypatch):
@@ -225,7 +246,7 @@ def test_compiled_modes_warm_up_past_a_recompile(monkeypatch):
     for mode, warm in (("default", bench.COMPILED_WARMUP), ("none", 1)):
         calls.clear()
         measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=2, compile_mode=mode)
-        assert calls.count(True) == warm + 2, mode
+        assert calls.count(True) == warm + 2 + 1, mode  # + the statistics' step
 
 
 def _count_after_forward(monkeypatch):

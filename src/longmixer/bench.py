@@ -210,18 +210,18 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
             loss = loss + sum(v for k, v in aux.items() if k.startswith("loss/"))
         loss.backward()
         opt.step()
-        return {"loss": loss.detach()}
+        return {"loss": loss.detach(), **{k: v.detach() for k, v in aux.items() if k.startswith("stats/")}}
 
     batch_dict = {"x": x, "mask": mask, "y": y}
     graph_step = (TrainStepGraph(update, opt, warmup=max(warmup, STEP_GRAPH_WARMUP),
                                  after_replay=getattr(model, "after_replay", None)) if graphed else None)
 
-    def train_step():
+    def train_step() -> dict:
         if graph_step is not None:  # zeroes the gradients before its eager steps; a replay refills them in place
-            graph_step(batch_dict)
-            return
-        update(batch_dict)
+            return graph_step(batch_dict)
+        out = update(batch_dict)
         opt.zero_grad(set_to_none=True)
+        return out
 
     def timed(fn, n):
         _sync(device)
@@ -254,6 +254,11 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
     if device.type == "cuda" and profile_steps:
         prof = gpu_profile(train_step, profile_steps, top_kernels)
         row.update(prof, gpu_busy=min(1.0, prof["gpu_kernel_ms"] / train_ms))
+    # the model's own statistics of one more step, untimed (SeqBoat's router activation rate per layer: its
+    # attention's work, and so its step time, follows it)
+    stats = {k.removeprefix("stats/"): float(v) for k, v in train_step().items() if k.startswith("stats/")}
+    if stats:
+        row["stats"] = stats
     graph_step = None  # the captured graph and its pool go before the optimizer state it reads
     opt.zero_grad(set_to_none=True)
     opt.state.clear()  # free the Adam moments before timing evaluation (train_step still names opt)
@@ -408,6 +413,12 @@ def _fmt(v, suffix="x", digits=2) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}{suffix}"
 
 
+def _mean_stat(row: dict, name: str) -> float | None:
+    """The mean over layers of a model statistic the bench recorded (`stats`: "<name>/layer_<i>" keys), or None."""
+    values = [v for k, v in row.get("stats", {}).items() if k.rsplit("/layer_", 1)[0] == name]
+    return sum(values) / len(values) if values else None
+
+
 def markdown(result: dict, claims: list[dict] | None = None) -> str:
     """The tables of docs/benchmarks.md "Model-level": the Text setting (eager and compiled, GPU-busy %, kernels per
     step, ratios to the SDPA and materialized Transformers of the same compile mode, the papers' claims), speed
@@ -462,6 +473,14 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
             vs = _ratio(r["train_tokens_per_s"], ref.get("train_tokens_per_s") if ref.get("status") == "ok" else None)
             texts.append(f"{_fmt(vs)} ({r['train_tokens_per_s']:,.0f})")
         lines.append(f"| {model} | {mode} | " + " | ".join(texts) + " |")
+    routed = [(r, _mean_stat(r, "act_rate")) for r in result["rows"] if r.get("status") == "ok"]
+    routed = [(r, rate) for r, rate in routed if rate is not None]
+    if routed:
+        lines += ["", "Tokens the router activated (SeqBoat's `act_rate`, mean over layers, in one training step after "
+                  "the timed ones, from the weights drawn by `--seed`): its attention's work, and so its step time, "
+                  "follows this share.", "", "| Model | Setting | Length | Compile | Activated |", "|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r.get('task') or r['setting']} | {r.get('length', '–')} | "
+                  f"{r.get('compile', 'none')} | {rate:.1%} |" for r, rate in routed]
     t6 = [r for r in result["rows"] if r["setting"] == "table6"]
     if t6:
         claims6 = {} if quick else {(c["model"], c["task"]): c for c in claims or [] if c["baseline"] == "mega"}
