@@ -187,7 +187,9 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
 
     The initial weights and the batch are drawn from `seed` (`--seed`), so a row does not depend on the jobs measured
     before it in the process: a model whose work follows its weights (SeqBoat's router activates a share of the
-    tokens that depends on them) starts from the same initialization in every run.
+    tokens that depends on them) starts from the same initialization in every run. The row's `stats`, where the model
+    reports any, holds its `stats/` aux values (per layer, e.g. SeqBoat's `act_rate/layer_00`) from one more training
+    step, untimed, after the profiled ones.
     """
     from hydra.utils import instantiate
 
