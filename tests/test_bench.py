@@ -95,6 +95,16 @@ def test_rows_carry_the_router_s_activation_rate():
     assert "| transformer_sdpa | text | 16 | none |" not in table
 
 
+def test_mean_stat_averages_one_statistic_over_layers():
+    from longmixer.bench import _mean_stat
+
+    row = {"stats": {"act_rate/layer_00": 0.2, "act_rate/layer_01": 0.4, "act_rate_ffn/layer_00": 0.9,
+                     "attn_span/layer_00": 7.0}}
+    assert _mean_stat(row, "act_rate") == pytest.approx(0.3)  # not the FFN's rate, nor another statistic
+    assert _mean_stat(row, "act_rate_ffn") == pytest.approx(0.9)
+    assert _mean_stat({}, "act_rate") is None and _mean_stat(row, "vq_perplexity") is None
+
+
 @pytest.mark.gpu
 def test_step_graph_rows_time_replays_of_training_s_step(monkeypatch):
     """On a GPU, `--compile step-graph` runs training's `TrainStepGraph`: its eager warm-up steps, the capture, the

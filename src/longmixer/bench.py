@@ -479,8 +479,9 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
     routed = [(r, rate) for r, rate in routed if rate is not None]
     if routed:
         lines += ["", "Tokens the router activated (SeqBoat's `act_rate`, mean over layers, in one training step after "
-                  "the timed ones, from the weights drawn by `--seed`): its attention's work, and so its step time, "
-                  "follows this share.", "", "| Model | Setting | Length | Compile | Activated |", "|---|---|---|---|---|"]
+                  "the timed ones, starting from the `--seed` initialization): its attention's work, and so its step "
+                  "time, follows this share.", "",
+                  "| Model | Setting | Length | Compile | Activated |", "|---|---|---|---|---|"]
         lines += [f"| {r['model']} | {r.get('task') or r['setting']} | {r.get('length', '–')} | "
                   f"{r.get('compile', 'none')} | {rate:.1%} |" for r, rate in routed]
     t6 = [r for r in result["rows"] if r["setting"] == "table6"]
