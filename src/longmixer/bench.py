@@ -475,8 +475,8 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
             vs = _ratio(r["train_tokens_per_s"], ref.get("train_tokens_per_s") if ref.get("status") == "ok" else None)
             texts.append(f"{_fmt(vs)} ({r['train_tokens_per_s']:,.0f})")
         lines.append(f"| {model} | {mode} | " + " | ".join(texts) + " |")
-    routed = [(r, _mean_stat(r, "act_rate")) for r in result["rows"] if r.get("status") == "ok"]
-    routed = [(r, rate) for r, rate in routed if rate is not None]
+    routed = [(r, rate) for r in result["rows"]
+              if r.get("status") == "ok" and (rate := _mean_stat(r, "act_rate")) is not None]
     if routed:
         lines += ["", "Tokens the router activated (SeqBoat's `act_rate`, mean over layers, in one training step after "
                   "the timed ones, starting from the `--seed` initialization): its attention's work, and so its step "

@@ -38,9 +38,9 @@ def compile_blocks(model: nn.Module, mode: str, backend: str = "inductor", entry
 
     "default" / "max-autotune" (and "step-graph", whose CUDA graph is the whole step's, `TrainStepGraph`): each
     block (norm, mixer, FFN) is compiled (`nn.Module.compile`). The blocks hold nearly all of a step's kernels and
-    are what every path runs through: `model(...)`, and `model.encode(...)` +
-    head in the language-model task. Embedding, pooling and heads stay eager (the adaptive softmax gathers
-    data-dependent rows per cluster). Identical blocks share one compiled graph.
+    are what every path runs through: `model(...)`, and `model.encode(...)` + head in the language-model task.
+    Embedding, pooling and heads stay eager (the adaptive softmax gathers data-dependent rows per cluster).
+    Identical blocks share one compiled graph.
 
     "reduce-overhead" (CUDA graphs): one graph for the whole `entry` ("forward": the model's call, "encode": the
     language-model task's encoder). Per-block graphs cannot be used there: identical blocks share one graph, and
