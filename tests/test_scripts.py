@@ -102,11 +102,23 @@ def test_long_span_skips_without_a_gpu(monkeypatch, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
-def test_long_span_split_baseline_is_the_previous_path():
-    """The script's "split" rows run the kernels the one-pass path replaced: the dq kernel and bias atomics."""
+def test_long_span_baselines_are_the_previous_paths():
+    """The script's "split" rows run the kernels the one-pass path replaced (the dq kernel and bias atomics), its
+    "one-pass" rows the backward the two-pass default replaced (dv in the same kernel, no dv pass)."""
     long_span = _bench_script("long_span")
     assert not long_span.SPLIT_BWD.get("dq_atomic") and long_span.SPLIT_BWD["BLOCK_V_MAX"] == 128
-    assert long_span.local_kernel.LONG_SPAN_K64["dq_atomic"]
+    assert long_span.ONE_PASS_BWD["dq_atomic"] and "dv_pass" not in long_span.ONE_PASS_BWD
+    assert long_span.local_kernel.LONG_SPAN_K64["dq_atomic"] and long_span.local_kernel.LONG_SPAN_K64["dv_pass"]
+    assert long_span.ONE_PASS_SPARSE["BLOCK_M"] == 32 and long_span.sparse_kernel.DV_PASS_TILES is not None
+
+
+def test_long_span_table_sets_each_path_beside_the_one_before():
+    rows = [dict(op="mega", shape="B8 L4096", what="backward", path=p, ms=ms)
+            for p, ms in (("split", 2.0), ("one-pass", 1.0), ("default", 0.8))]
+    rows.append(dict(op="seqboat-full", shape="B8 L4096", what="forward", path="one-pass", ms=0.5))
+    table = _bench_script("long_span").markdown(rows).splitlines()
+    assert table[2] == "| mega | B8 L4096 | backward | 2.000 | 1.000 | 0.800 | 2.00x | 1.25x |"
+    assert table[3] == "| seqboat-full | B8 L4096 | forward | - | 0.500 | - | - | - |"  # paths not measured
 
 
 def test_optimizer_step_skips_without_a_gpu(monkeypatch, capsys):

@@ -4,11 +4,13 @@
    laplace, bidirectional and causal, a padded row) and SeqBoat's `sparse_local_attention` in full mode (70% of the
    tokens active, compressed and original bias), float32 and bf16, o and every gradient.
 2. Times (bf16, `triton.testing.do_bench` medians) at B8 L4096 and B2 L16384:
-   - MEGA: the forward and the backward launchers with the default tiles (one pass, dq by atomics, bias partials)
-     and with the split path they replaced (`SPLIT_BWD` / `SPLIT_FWD`: a dq kernel and a dk/dv kernel per
-     128-wide value block, the bias gradient by atomics), the bias gradient on and off;
-   - SeqBoat-full: forward and forward + backward of the op, one-pass path against the split path
-     (`FUSED_BWD_MODES` emptied, which also restores the 64-wide forward).
+   - MEGA: the forward and the backward launchers with the default tiles (two passes: dk, dq by atomics and the
+     bias partials, then dv by its own kernel), with the one-pass backward they replaced (`ONE_PASS_BWD`: dv in
+     the same kernel, 32-query tiles) and with the split path before that (`SPLIT_BWD` / `SPLIT_FWD`: a dq kernel
+     and a dk/dv kernel per 128-wide value block, the bias gradient by atomics), the bias gradient on and off;
+   - SeqBoat-full: forward and forward + backward of the op: the default (the one-kernel backward without dv,
+     then a dv pass), the one-pass backward it replaced (`ONE_PASS_SPARSE`: dv in the same kernel, 32-query
+     tiles) and the split path (`FUSED_BWD_MODES` emptied, which also restores the 64-wide forward).
 
 GPU:  PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/long_span.py [--csv rows.csv]
 """
@@ -30,6 +32,10 @@ ROWS: list[dict] = []
 # the split path's tiles before the one-pass backward (forward: 128 queries, 8 warps)
 SPLIT_BWD = dict(local_kernel.SPLIT_SPAN_K64)
 SPLIT_FWD = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, BLOCK_V=256, num_warps=8, num_stages=2)
+# the one-pass backward before the dv pass: dv accumulated beside dk in the same kernel, 32-query tiles
+ONE_PASS_BWD = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True)
+# SeqBoat-full's one-kernel backward before its dv pass
+ONE_PASS_SPARSE = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -102,7 +108,8 @@ def mega(device, B: int, L: int) -> None:
     table = (0.1 * torch.randn(1, 2 * L - 1, generator=g)).to(device)
     kw = dict(attention="softmax", causal=False, chunk=L, scale=K ** -0.5)
     shape = f"B{B} L{L}"
-    for path, fwd_cfg, bwd_cfg in (("split", SPLIT_FWD, SPLIT_BWD), ("one-pass", None, None)):
+    for path, fwd_cfg, bwd_cfg in (("split", SPLIT_FWD, SPLIT_BWD), ("one-pass", None, ONE_PASS_BWD),
+                                   ("default", None, None)):
         o, stat = local_kernel.local_attention_fwd(q, k, v, table, None, cfg=fwd_cfg, **kw)
         do = torch.randn_like(o)
         add("mega", shape, path, "forward",
@@ -132,16 +139,35 @@ def seqboat_full(device, B: int, L: int) -> None:
         for t in (q, k, v, bias):
             t.grad = None
     modes = set(sparse_kernel.FUSED_BWD_MODES)
+    tiles, dv_pass = sparse_kernel.FUSED_BWD_TILES, sparse_kernel.DV_PASS_TILES
     try:
-        for path, fused in (("split", set()), ("one-pass", modes)):
+        for path, fused, one_kernel, second in (("split", set(), tiles, dv_pass),
+                                                ("one-pass", modes, ONE_PASS_SPARSE, None),
+                                                ("default", modes, tiles, dv_pass)):
             sparse_kernel.FUSED_BWD_MODES.clear()
             sparse_kernel.FUSED_BWD_MODES.update(fused)
+            sparse_kernel.FUSED_BWD_TILES, sparse_kernel.DV_PASS_TILES = one_kernel, second
             with torch.no_grad():
                 add("seqboat-full", f"B{B} L{L}", path, "forward", do_bench(fwd))
             add("seqboat-full", f"B{B} L{L}", path, "forward + backward", do_bench(step))
     finally:
         sparse_kernel.FUSED_BWD_MODES.clear()
         sparse_kernel.FUSED_BWD_MODES.update(modes)
+        sparse_kernel.FUSED_BWD_TILES, sparse_kernel.DV_PASS_TILES = tiles, dv_pass
+
+
+def markdown(rows: list[dict]) -> str:
+    """One line per (op, shape, what): each path's ms, split / one-pass and one-pass / the default (two-pass)."""
+    lines = ["| op | shape | what | split ms | one-pass ms | two-pass ms | split / one-pass | one-pass / two-pass |",
+             "|---|---|---|---|---|---|---|---|"]
+    keys = dict.fromkeys((r["op"], r["shape"], r["what"]) for r in rows)
+    for key in keys:
+        ms = {r["path"]: r["ms"] for r in rows if (r["op"], r["shape"], r["what"]) == key}
+        split, one, two = ms.get("split"), ms.get("one-pass"), ms.get("default")
+        cells = [f"{x:.3f}" if x else "-" for x in (split, one, two)]
+        ratios = [f"{a / b:.2f}x" if a and b else "-" for a, b in ((split, one), (one, two))]
+        lines.append("| " + " | ".join([*key, *cells, *ratios]) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,14 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for B, L in ((8, 4096), (2, 16384)):
         mega(device, B, L)
         seqboat_full(device, B, L)
-    print("\n| op | shape | what | split ms | one-pass ms | split / one-pass |\n|---|---|---|---|---|---|")
-    for r in ROWS:
-        if r["path"] != "one-pass":
-            continue
-        base = next(b for b in ROWS if b["path"] == "split" and (b["op"], b["shape"], b["what"]) ==
-                    (r["op"], r["shape"], r["what"]))
-        print(f"| {r['op']} | {r['shape']} | {r['what']} | {base['ms']:.3f} | {r['ms']:.3f} | "
-              f"{base['ms'] / r['ms']:.2f}x |")
+    print(markdown(ROWS))
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(ROWS[0]))

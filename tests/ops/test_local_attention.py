@@ -98,6 +98,39 @@ def test_full_length_one_pass_backward(monkeypatch, block_m, attention, causal, 
     _assert_matches_reference(q, k, v, bias, kw)
 
 
+def _two_pass(monkeypatch, dv_block_m=16, dv_block_n=16):
+    """The long-span backward in two passes: the one-pass kernel without dv (spans of 16, dq by atomics), then dv
+    by `_local_attention_bwd_dv_kernel` over value blocks of 16. Returns the dv kernel's launch grids."""
+    dv_pass = dict(BLOCK_M=dv_block_m, BLOCK_N=dv_block_n, BLOCK_V_MAX=16, num_warps=4, num_stages=1)
+    monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(span=16, BLOCK_M=16, BLOCK_V_MAX=32,
+                                                                     num_warps=4, num_stages=1, dq_atomic=True,
+                                                                     dv_pass=dv_pass))
+    grids, jit = [], kernel._local_attention_bwd_dv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return jit[grid]
+
+    monkeypatch.setattr(kernel, "_local_attention_bwd_dv_kernel", Spy())
+    return grids
+
+
+@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("L,masked,bias_heads,dv_tiles", [(45, True, 2, (16, 16)), (48, False, 0, (8, 32))],
+                         ids=["ragged-masked-dv16x16", "whole-unmasked-dv8x32"])
+def test_two_pass_long_span_backward(monkeypatch, attention, causal, L, masked, bias_heads, dv_tiles):
+    """Full attention longer than a key span with dv in its own pass: ragged L = 45 with padded keys and a bias per
+    head (dv tiles of 16 queries and 16 keys), and L = 48 unmasked with one shared bias (8 queries, 32 keys: a
+    causal range starts inside a query tile's span of keys). V = 20 takes two value blocks of 16."""
+    grids = _two_pass(monkeypatch, *dv_tiles)
+    (q, k, v, bias), mask = _case(2, 2, L, 8, 20, None, bias_heads=bias_heads, masked=masked)
+    kw = dict(chunk_size=None, attention=attention, causal=causal, bias=bias, mask=mask)
+    _assert_matches_reference(q, k, v, bias, kw)
+    assert grids == [(-(-L // dv_tiles[1]), 4, 2)], grids
+
+
 @pytest.mark.parametrize("L,C", [(48, None), (45, 64)], ids=["L48-full", "L45-C64"])
 @pytest.mark.parametrize("dq_atomic", [True, False], ids=["one-pass", "dq-kernel"])
 @pytest.mark.parametrize("attention", ["softmax", "laplace"])
@@ -268,11 +301,15 @@ def test_rows_without_keys_output_zero():
 
 
 @pytest.mark.parametrize("attention", ["softmax", "laplace"])
-def test_dropout_mask_is_shared_by_forward_and_backward(attention):
-    """The kernel's Philox mask, read out by attending to the identity, reproduces its forward and gradients."""
-    (q, k, v, bias), mask = _case(1, 2, 24, 8, 8, 8, masked=False)
+@pytest.mark.parametrize("two_pass", [False, True], ids=["chunks-of-8", "full-two-pass"])
+def test_dropout_mask_is_shared_by_forward_and_backward(monkeypatch, attention, two_pass):
+    """The kernel's Philox mask, read out by attending to the identity, reproduces its forward and gradients: in
+    chunks of 8, and at full length through the two-pass backward, whose dv pass draws the mask again."""
+    (q, k, v, bias), mask = _case(1, 2, 24, 8, 8, 24 if two_pass else 8, masked=False)
+    if two_pass:
+        grids = _two_pass(monkeypatch)
     p = 0.3
-    kw = dict(chunk_size=8, attention=attention, bias=bias)
+    kw = dict(chunk_size=None if two_pass else 8, attention=attention, bias=bias)
     eye = torch.eye(24, dtype=torch.float64).expand(1, 2, 24, 24)
     with torch.no_grad():
         torch.manual_seed(5)
@@ -290,6 +327,8 @@ def test_dropout_mask_is_shared_by_forward_and_backward(attention):
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), torch.autograd.grad(tri, [q, k, v, bias], do),
                           torch.autograd.grad(ref, [q, k, v, bias], do)):
         assert rel_error(a, b) < 1e-5, name
+    if two_pass:
+        assert len(grids) == 1, grids
 
 
 def test_dropout_needs_a_device_seed():
@@ -307,16 +346,19 @@ def test_dropout_needs_a_device_seed():
 
 
 @pytest.mark.gpu
-def test_dropout_draws_a_new_mask_per_cuda_graph_replay():
+@pytest.mark.parametrize("L,chunk", [(64, 32), (256, None)], ids=["chunks-of-32", "full-two-pass"])
+def test_dropout_draws_a_new_mask_per_cuda_graph_replay(L, chunk):
     """The seed is drawn by a kernel inside the graph and loaded by the attention kernels, so each replay of a
     captured forward + backward drops a new mask, and each replay's backward uses its own forward's mask: the output
-    is linear in v (o = W v), so <o, do> = <v, W^T do> = <v, dv> holds only when both passes drop the same weights."""
+    is linear in v (o = W v), so <o, do> = <v, W^T do> = <v, dv> holds only when both passes drop the same weights.
+    In chunks of 32 (the fused backward) and at full length 256 (the two-pass backward, whose dv pass draws the mask
+    again)."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 64, 16, device="cuda", generator=g, requires_grad=True) for _ in range(3))
-    do = torch.randn(1, 2, 64, 16, device="cuda", generator=g)
+    q, k, v = (torch.randn(1, 2, L, 16, device="cuda", generator=g, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 2, L, 16, device="cuda", generator=g)
 
     def step():
-        out = local_attention(q, k, v, chunk_size=32, dropout=0.5, backend="triton")
+        out = local_attention(q, k, v, chunk_size=chunk, dropout=0.5, backend="triton")
         (dv,) = torch.autograd.grad(out, v, do)
         return out, dv
 

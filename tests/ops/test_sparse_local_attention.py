@@ -66,13 +66,32 @@ def test_kernel_parity_fwd_bwd(pattern, causal, attention, rel_pos, B, L, K, V):
     pytest.param(dict(), False, "softmax", "original", None, id="full-bidir-softmax-orig"),
     pytest.param(dict(), False, "softmax", "compressed", 19, id="full-bidir-softmax-comp-short-table"),
 ])
-def test_one_kernel_backward_every_mode(monkeypatch, pattern, causal, attention, rel_pos, table):
+@pytest.mark.parametrize("dv_pass", [True, False], ids=["dv-pass", "dv-in-kernel"])
+def test_one_kernel_backward_every_mode(monkeypatch, pattern, causal, attention, rel_pos, table, dv_pass):
     """The one-kernel backward (dq by atomics; the bias gradient by diagonal sums where the table is Toeplitz in
-    packed slots and covers every distance, else one atomic per score), forced on for every attention pattern."""
+    packed slots and covers every distance, else one atomic per score), forced on for every attention pattern: with
+    dv by a second pass (the dk/dv kernel without dk, the default) and with dv in the same kernel."""
     from longmixer.ops.sparse_local_attention import kernel
 
     monkeypatch.setattr(kernel, "FUSED_BWD_MODES", {kernel.MODE_WINDOW, kernel.MODE_CHUNK, kernel.MODE_FULL})
+    if not dv_pass:
+        monkeypatch.setattr(kernel, "DV_PASS_TILES", None)
+    launches = []
+    monkeypatch.setattr(kernel, "_sparse_local_attention_bwd_dkdv_kernel",
+                        _Spy(kernel._sparse_local_attention_bwd_dkdv_kernel, launches))
     _check_parity(pattern, causal, attention, rel_pos, 2, 45, 12, 40, table=table)
+    assert launches == ([(3, 1, 2)] if dv_pass else []), launches
+
+
+class _Spy:
+    """Records the grids a Triton kernel is launched on."""
+
+    def __init__(self, jit, grids):
+        self.jit, self.grids = jit, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.jit[grid]
 
 
 def _check_parity(pattern, causal, attention, rel_pos, B, L, K, V, table=None):

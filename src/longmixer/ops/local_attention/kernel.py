@@ -274,7 +274,7 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                                 BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
                                 FUSED: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
                                 ALIGNED: tl.constexpr, BIAS_GRAD: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-                                SPAN_PART: tl.constexpr, CARRY: tl.constexpr,
+                                SPAN_PART: tl.constexpr, CARRY: tl.constexpr, DV: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 BLOCK_V: tl.constexpr, ONE_V: tl.constexpr):
     # one key span [n0, n0 + SPAN) and one value block, tiles kept transposed ([keys, queries]) so that
@@ -282,7 +282,8 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
     # dv; the value-block-0 program also does dk, the bias gradient and, FUSED (the span holds whole chunks, so
     # its queries see no other key), dq and delta = rowsum(do o) in place. DQ_ATOMIC (long spans): dq is added
     # into a zeroed float32 buffer by atomics, and the programs of one row start at different query blocks so
-    # that they do not all add into the same rows at once.
+    # that they do not all add into the same rows at once. Not DV: dv is left to `_local_attention_bwd_dv_kernel`
+    # (one program per key span then takes every value block: the grid has one).
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     n0 = i_n * SPAN
@@ -355,8 +356,9 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
             b_pT = tl.where(m_valid, _activation(b_sT, ATTN, MU, SIGMA), 0.)
         if DROPOUT:
             b_keep = _dropout_scale(seed_ptr, p_drop, i_bh, L, o_m[None, :], o_n[:, None])
-            b_dv += tl.dot((b_pT * b_keep).to(b_do.dtype), b_do, input_precision=DOT_PREC)
-        else:
+            if DV:
+                b_dv += tl.dot((b_pT * b_keep).to(b_do.dtype), b_do, input_precision=DOT_PREC)
+        elif DV:
             b_dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=DOT_PREC)
         if ONE_V or i_v == 0:
             if ONE_V:
@@ -413,11 +415,60 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
         tl.debug_barrier()  # a partial's first put may share these diagonals
         _put_diagonals(p_diag, o_c - BLOCK_M - (prev_m0 - n0), tl.sum(tl.where(b_cls0, 0., b_prev), 0), d_lo, d_hi,
                        ADD_MODE)
-    tl.store(dv_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :], b_dv.to(dv_ptr.dtype.element_ty),
-             mask=m_keys[:, None] & m_v[None, :])
+    if DV:
+        tl.store(dv_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :], b_dv.to(dv_ptr.dtype.element_ty),
+                 mask=m_keys[:, None] & m_v[None, :])
     if ONE_V or i_v == 0:
         tl.store(dk_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :], b_dk.to(dk_ptr.dtype.element_ty),
                  mask=m_keys[:, None] & m_k[None, :])
+
+
+@triton.jit
+def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, dv_ptr, H, L, K, V, C, scale,
+                                   seed_ptr, p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr,
+                                   HAS_BIAS: tl.constexpr, BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr,
+                                   DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr,
+                                   SIGMA: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    # dv = p^T do for one key tile and one value block, the weights recomputed from q, k and the saved stat: the
+    # second pass of the two-pass long-span backward (`dv_pass`), whose first pass does the rest without the
+    # [keys, V] dv accumulator. Tiles transposed ([keys, queries]) as in `_local_attention_bwd_kernel`.
+    i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    n0 = i_n * BLOCK_N
+    o_n = n0 + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_hi = tl.minimum(n0 + BLOCK_N, L)
+    m_keys = o_n < k_hi
+    m_k, m_v = o_k < K, o_v < V
+    b_k = tl.load(k_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :], mask=m_keys[:, None] & m_k[None, :], other=0.)
+    b_dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    lo, hi = _query_range(n0, L, C, BLOCK_N, CAUSAL)
+    # query tiles start at multiples of BLOCK_M (a causal range starts at n0): the rows before n0 are masked, and
+    # ALIGNED's tiles stay inside one chunk
+    for m0 in range(lo // BLOCK_M * BLOCK_M, hi, BLOCK_M):
+        o_m = m0 + tl.arange(0, BLOCK_M)
+        m_rows = o_m < hi
+        b_q = tl.load(q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], mask=m_rows[:, None] & m_k[None, :],
+                      other=0.)
+        b_do = tl.load(do_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :], mask=m_rows[:, None] & m_v[None, :],
+                       other=0.)
+        b_stat = tl.load(stat_ptr + i_bh * L + o_m, mask=m_rows, other=float("inf") if ATTN == 0 else 1.)
+        b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale  # [BN, BM]
+        if ATTN != 0:
+            b_sT = b_sT * b_stat[None, :]
+        b_sT, m_valid = _bias_and_mask(b_sT, o_m[None, :], o_n[:, None], i_b, i_h, L, C, hi, k_hi, bias_ptr,
+                                       mask_ptr, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, ALIGNED)
+        if ATTN == 0:
+            b_pT = tl.where(m_valid, tl.exp(b_sT - b_stat[None, :]), 0.)
+        else:
+            b_pT = tl.where(m_valid, _activation(b_sT, ATTN, MU, SIGMA), 0.)
+        if DROPOUT:
+            b_pT = b_pT * _dropout_scale(seed_ptr, p_drop, i_bh, L, o_m[None, :], o_n[:, None])
+        b_dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=DOT_PREC)
+    tl.store(dv_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :], b_dv.to(dv_ptr.dtype.element_ty),
+             mask=m_keys[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -547,10 +598,15 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
                 BLOCK_V=min(128, max(16, triton.next_power_of_2(V))), num_warps=4, num_stages=2)
 
 
-# The backward of long spans with K <= 64 (MEGA's full attention, K 64 V 256): one pass over each key span with
-# the whole value row (no score tile recomputed per value block, no dq kernel recomputing dp), dq added by
-# atomics, the bias gradient as per-program partials (`fold_span_partials`).
-LONG_SPAN_K64 = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True)
+# The backward of long spans with K <= 64 (MEGA's full attention, K 64 V 256), in two passes. The first goes once
+# over each key span with the whole value row (no score tile recomputed per value block, no dq kernel recomputing
+# dp): dk, dq added by atomics, the bias gradient as per-program partials (`fold_span_partials`). The second,
+# `dv_pass`, recomputes the weights from q, k and the saved stat and sums dv = p^T do. Without the [64, 256] dv
+# accumulator the first pass takes 64-query tiles (the carried tile) where it took 32: on an H100 the backward fell
+# from 1.314 to 1.142 ms at B8 L4096 and from 5.019 to 4.270 ms at B2 L16384, the best of 10 first-pass and 8
+# second-pass tilings (docs/benchmarks.md, "Two-pass long-span backward").
+LONG_SPAN_K64 = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True,
+                     dv_pass=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V_MAX=256, num_warps=4, num_stages=2))
 # Chunks longer than a span but shorter than the sequence (MEGA-chunk with C > 128) keep the dq kernel and the bias
 # atomics, as measured before the one-pass path existed (docs/benchmarks.md); the one-pass path was timed at full
 # length only.
@@ -558,7 +614,7 @@ SPLIT_SPAN_K64 = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=128, num_warps=4, num_sta
 # ... except with narrow values (V <= 64, MEGA-chunk's and the anchors' D 64), where the one-pass kernel with 64
 # queries per tile (dq by atomics, the bias gradient by atomics as the chunk is shorter than the sequence) is faster:
 # backward 0.342 vs 0.388 ms at B8 H4 L4096 C256 and 1.101 vs 1.317 ms at B8 H1 L16384 C1024 (H100, bf16).
-SPLIT_SPAN_K64_NARROW = dict(LONG_SPAN_K64, BLOCK_M=64)
+SPLIT_SPAN_K64_NARROW = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True)
 
 
 def _bwd_config(C: int, K: int, V: int) -> dict:
@@ -636,6 +692,8 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     n_spans = triton.cdiv(L, span)
     bias_grad = bias is not None and bias_grad
     dq_atomic = not fused and cfg.get("dq_atomic", False)
+    # two passes (dq_atomic paths with a `dv_pass` entry): dv by its own kernel, the rest without it
+    dv_cfg = cfg.get("dv_pass") if dq_atomic else None
     # dq_atomic: dq is summed in float32 by atomics, then cast
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else torch.empty_like(q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -668,13 +726,20 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
             q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, H, L, K, V, chunk, scale, seed_arg, dropout, **flags,
             ALIGNED=tile_mode(chunk, L, causal, mask is not None, BLOCK_M, BLOCK_N), BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _local_attention_bwd_kernel[(n_spans, B * H, triton.cdiv(V, BLOCK_V))](
+    _local_attention_bwd_kernel[(n_spans, B * H, 1 if dv_cfg else triton.cdiv(V, BLOCK_V))](
         q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, dk, dv, dbias if dbias is not None else stat,
         H, L, K, V, chunk, span, scale, seed_arg, dropout, **flags, FUSED=fused,
         ALIGNED=tile_mode(chunk, L, causal, mask is not None, BLOCK_M, BLOCK_N, span), BIAS_GRAD=bias_grad,
-        DQ_ATOMIC=dq_atomic, SPAN_PART=span_part, CARRY=carry, BLOCK_M=BLOCK_M,
+        DQ_ATOMIC=dq_atomic, SPAN_PART=span_part, CARRY=carry, DV=dv_cfg is None, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
+    if dv_cfg:
+        BM2, BN2 = dv_cfg["BLOCK_M"], dv_cfg["BLOCK_N"]
+        BV2 = min(dv_cfg["BLOCK_V_MAX"], max(16, triton.next_power_of_2(V)))
+        _local_attention_bwd_dv_kernel[(triton.cdiv(L, BN2), B * H, triton.cdiv(V, BV2))](
+            q, k, do, stat, bias_arg, mask_arg, dv, H, L, K, V, chunk, scale, seed_arg, dropout, **flags,
+            ALIGNED=tile_mode(chunk, L, causal, mask is not None, BM2, BN2), BLOCK_M=BM2, BLOCK_N=BN2,
+            BLOCK_K=BLOCK_K, BLOCK_V=BV2, num_warps=dv_cfg["num_warps"], num_stages=dv_cfg["num_stages"])
     if dq_atomic:
         dq = dq.to(q.dtype)
     if span_part:

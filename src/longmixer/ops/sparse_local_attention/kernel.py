@@ -345,13 +345,13 @@ def _sparse_local_attention_bwd_kernel(
     q, k, v, do, idx, cnt, bias, lse, delta, dq, dk, dv, dbias, L, K, V, scale, LEFT, RIGHT, CHUNK, M_BIAS, NORM,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     MODE: tl.constexpr, CAUSAL: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BIAS_ORIG: tl.constexpr, IEEE: tl.constexpr, BIAS_DIAG: tl.constexpr, PART_W: tl.constexpr,
+    BIAS_ORIG: tl.constexpr, IEEE: tl.constexpr, BIAS_DIAG: tl.constexpr, PART_W: tl.constexpr, DV: tl.constexpr,
 ):
     # the whole backward of one block of packed key slots, the value row in one block: dk, dv in registers, dq
     # added into a zeroed float32 buffer by atomics (the programs of one row start at different query blocks), the
     # bias gradient by diagonal sums of each ds tile stored as one partial per tile (BIAS_DIAG: the bias is
     # Toeplitz in packed slots and its table covers every distance; the launcher folds them) or by one atomic per
-    # score otherwise.
+    # score otherwise. Not DV: dv is left to a second pass (`DV_PASS_TILES`).
     i_n, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     n_b = tl.load(cnt + i_b)
     start = i_n * BLOCK_N
@@ -384,10 +384,11 @@ def _sparse_local_attention_bwd_kernel(
         else:
             b_dp = tl.dot(b_do, tl.trans(b_v))
         b_p, b_ds = _ds_tile(b_s, b_dp, m_s, b_lse, b_delta, SOFTMAX)
-        if IEEE:
-            b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision="ieee")
-        else:
-            b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+        if DV:
+            if IEEE:
+                b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision="ieee")
+            else:
+                b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
         if HAS_BIAS:
             if BIAS_DIAG:
                 # packed distance j - i = n - m: sums along the tile's diagonals, one partial per tile
@@ -404,8 +405,9 @@ def _sparse_local_attention_bwd_kernel(
             b_dq = tl.dot(b_dsq, b_k)
         tl.atomic_add(dq + i_b * L * K + pos_q[:, None] * K + o_k[None, :], b_dq, mask=m_m[:, None] & m_k[None, :],
                       sem="relaxed")
-    tl.store(dv + i_b * L * V + pos_k[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty),
-             mask=m_n[:, None] & m_v[None, :])
+    if DV:
+        tl.store(dv + i_b * L * V + pos_k[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty),
+                 mask=m_n[:, None] & m_v[None, :])
     tl.store(dk + i_b * L * K + pos_k[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty),
              mask=m_n[:, None] & m_k[None, :])
 
@@ -434,7 +436,11 @@ def _config(q: torch.Tensor, v: torch.Tensor, window: int | None, chunk: int | N
 # row fits one block; the others use the dq kernel and the dk/dv kernels. Full attention (SeqBoat-full) gains
 # most: it would otherwise recompute every score tile once per 64-wide value block (docs/benchmarks.md).
 FUSED_BWD_MODES = {MODE_FULL}
-FUSED_BWD_TILES = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
+FUSED_BWD_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
+# ... in two passes: the one kernel without dv, then dv = p^T do by the dk/dv kernel (DO_DK off) with the whole
+# value row per program. Without the [BLOCK_N, V] dv accumulator the first pass takes 64-query tiles where it took
+# 32, as MEGA's full attention does (ops/local_attention `LONG_SPAN_K64`); None: dv in the one kernel.
+DV_PASS_TILES: dict | None = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 # Forward tiles of those modes on the GPU: the whole value row per program, so no score tile is recomputed per
 # value block (MEGA's full attention uses the same: ops/local_attention `_fwd_config`).
 FWD_WIDE_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
@@ -449,8 +455,11 @@ def _bwd_plan(cfg: dict, V: int, length: int, rel_bias) -> dict | None:
     tiles["BLOCK_M"] = min(tiles["BLOCK_M"], tiles["BLOCK_N"])  # the diagonal sums take BLOCK_M | BLOCK_N
     # the bias gradient by diagonal sums where the bias is Toeplitz in packed slots and no distance is clamped
     diag = rel_bias is not None and not cfg["BIAS_ORIG"] and (rel_bias.shape[0] + 1) // 2 >= length
+    dv_pass = None
+    if DV_PASS_TILES is not None:
+        dv_pass = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1) if small else dict(DV_PASS_TILES)
     return dict(tiles, BLOCK_V=max(16, triton.next_power_of_2(V)), BIAS_DIAG=diag,
-                PART_W=2 if tiles["BLOCK_M"] == tiles["BLOCK_N"] else 3)
+                PART_W=2 if tiles["BLOCK_M"] == tiles["BLOCK_N"] else 3, DV=dv_pass is None, dv_pass=dv_pass)
 
 
 def sparse_local_attention_fwd(q, k, v, idx, cnt, rel_bias, *, window, chunk, causal, attention, rel_pos):
@@ -489,6 +498,7 @@ def sparse_local_attention_bwd(q, k, v, o, do, idx, cnt, rel_bias, lse, *, windo
     dbias = (torch.zeros(rel_bias.shape[0], dtype=torch.float32, device=q.device)
              if rel_bias is not None and not diag else None)
     if plan is not None:
+        dv_pass = plan.pop("dv_pass")
         dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         n_blocks, ratio = triton.cdiv(length, plan["BLOCK_N"]), plan["BLOCK_N"] // plan["BLOCK_M"]
         part = dbias
@@ -498,6 +508,10 @@ def sparse_local_attention_bwd(q, k, v, o, do, idx, cnt, rel_bias, lse, *, windo
         _sparse_local_attention_bwd_kernel[(n_blocks, bsz)](
             q, k, v, do, idx, cnt, bias, lse, delta, dq32, dk, dv, part if part is not None else lse, *args,
             **{**cfg, **plan})
+        if dv_pass is not None:
+            _sparse_local_attention_bwd_dkdv_kernel[(triton.cdiv(length, dv_pass["BLOCK_N"]), 1, bsz)](
+                q, k, v, do, idx, cnt, bias, lse, delta, dk, dv, *args,
+                **{**cfg, **dv_pass, "BLOCK_V": plan["BLOCK_V"]}, DO_DK=False, DO_DV=True)
         if diag:
             m_bias = (rel_bias.shape[0] + 1) // 2
             dbias = fold_diagonal_partials(part.sum(0, keepdim=True), m_bias - 1, 2 * m_bias - 1, ratio)[0]
