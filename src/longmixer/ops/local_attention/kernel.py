@@ -268,6 +268,31 @@ def _dvalues(v_ptr, do_ptr, o_ptr, o_m, o_n, i_bh, L, V, m_rows, m_keys, ATTN: t
 
 
 @triton.jit
+def _weights_T(q_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, b_k, o_m, o_n, o_k, o_v, m_k, m_v, i_b, i_h, i_bh, L, K, V,
+               C, hi, k_hi, scale, ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+               BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr,
+               SIGMA: tl.constexpr, ALIGNED: tl.constexpr):
+    """The backward's view of one tile, keys o_n (k_hi their bound, b_k loaded) against rows o_m (< hi): q, do and
+    the saved stat of the rows, then the scores and the weights recomputed, transposed ([keys, queries]), with
+    their validity mask. Returns q, do, stat, s^T (scaled, biased), the mask and p^T (softmax: exp(s - lse))."""
+    m_rows = o_m < hi
+    b_q = tl.load(q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], mask=m_rows[:, None] & m_k[None, :], other=0.)
+    b_do = tl.load(do_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :], mask=m_rows[:, None] & m_v[None, :],
+                   other=0.)
+    b_stat = tl.load(stat_ptr + i_bh * L + o_m, mask=m_rows, other=float("inf") if ATTN == 0 else 1.)
+    b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale  # [BN, BM]
+    if ATTN != 0:
+        b_sT = b_sT * b_stat[None, :]
+    b_sT, m_valid = _bias_and_mask(b_sT, o_m[None, :], o_n[:, None], i_b, i_h, L, C, hi, k_hi, bias_ptr, mask_ptr,
+                                   CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, ALIGNED)
+    if ATTN == 0:
+        b_pT = tl.where(m_valid, tl.exp(b_sT - b_stat[None, :]), 0.)
+    else:
+        b_pT = tl.where(m_valid, _activation(b_sT, ATTN, MU, SIGMA), 0.)
+    return b_q, b_do, b_stat, b_sT, m_valid, b_pT
+
+
+@triton.jit
 def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, delta_ptr, bias_ptr, mask_ptr,
                                 dq_ptr, dk_ptr, dv_ptr, dbias_ptr, H, L, K, V, C, SPAN, scale, seed_ptr,
                                 p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -340,20 +365,9 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
             m0 = lo + it * BLOCK_M
         o_m = m0 + tl.arange(0, BLOCK_M)
         m_rows = o_m < hi
-        b_q = tl.load(q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], mask=m_rows[:, None] & m_k[None, :],
-                      other=0.)
-        b_do = tl.load(do_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :], mask=m_rows[:, None] & m_v[None, :],
-                       other=0.)
-        b_stat = tl.load(stat_ptr + i_bh * L + o_m, mask=m_rows, other=float("inf") if ATTN == 0 else 1.)
-        b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale  # [BN, BM]
-        if ATTN != 0:
-            b_sT = b_sT * b_stat[None, :]
-        b_sT, m_valid = _bias_and_mask(b_sT, o_m[None, :], o_n[:, None], i_b, i_h, L, C, hi, k_hi, bias_ptr,
-                                       mask_ptr, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, ALIGNED)
-        if ATTN == 0:
-            b_pT = tl.where(m_valid, tl.exp(b_sT - b_stat[None, :]), 0.)
-        else:
-            b_pT = tl.where(m_valid, _activation(b_sT, ATTN, MU, SIGMA), 0.)
+        b_q, b_do, b_stat, b_sT, m_valid, b_pT = _weights_T(
+            q_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, b_k, o_m, o_n, o_k, o_v, m_k, m_v, i_b, i_h, i_bh, L, K, V,
+            C, hi, k_hi, scale, ATTN, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, DOT_PREC, MU, SIGMA, ALIGNED)
         if DROPOUT:
             b_keep = _dropout_scale(seed_ptr, p_drop, i_bh, L, o_m[None, :], o_n[:, None])
             if DV:
@@ -449,21 +463,9 @@ def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mas
     # ALIGNED's tiles stay inside one chunk
     for m0 in range(lo // BLOCK_M * BLOCK_M, hi, BLOCK_M):
         o_m = m0 + tl.arange(0, BLOCK_M)
-        m_rows = o_m < hi
-        b_q = tl.load(q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], mask=m_rows[:, None] & m_k[None, :],
-                      other=0.)
-        b_do = tl.load(do_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :], mask=m_rows[:, None] & m_v[None, :],
-                       other=0.)
-        b_stat = tl.load(stat_ptr + i_bh * L + o_m, mask=m_rows, other=float("inf") if ATTN == 0 else 1.)
-        b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale  # [BN, BM]
-        if ATTN != 0:
-            b_sT = b_sT * b_stat[None, :]
-        b_sT, m_valid = _bias_and_mask(b_sT, o_m[None, :], o_n[:, None], i_b, i_h, L, C, hi, k_hi, bias_ptr,
-                                       mask_ptr, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, ALIGNED)
-        if ATTN == 0:
-            b_pT = tl.where(m_valid, tl.exp(b_sT - b_stat[None, :]), 0.)
-        else:
-            b_pT = tl.where(m_valid, _activation(b_sT, ATTN, MU, SIGMA), 0.)
+        _, b_do, _, _, _, b_pT = _weights_T(
+            q_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, b_k, o_m, o_n, o_k, o_v, m_k, m_v, i_b, i_h, i_bh, L, K, V,
+            C, hi, k_hi, scale, ATTN, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, DOT_PREC, MU, SIGMA, ALIGNED)
         if DROPOUT:
             b_pT = b_pT * _dropout_scale(seed_ptr, p_drop, i_bh, L, o_m[None, :], o_n[:, None])
         b_dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=DOT_PREC)
