@@ -12,7 +12,7 @@
    reduced back to the 2L - 1 taps by autograd) and against bias-free SDPA with V split into four 64-wide heads (the
    Transformer's attention cost, the lower bound of what a bias costs).
 
-Times are `triton.testing.do_bench` medians (wall, with the host's launches) and, where the call can be captured,
+Times are `triton.testing.do_bench` means (wall, with the host's launches) and, where the call can be captured,
 `do_bench_cudagraph` (GPU time alone); bf16. A CSV of every row goes to --csv.
 
 GPU:  PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/anchors.py [--only vq chunk full] [--csv rows.csv]
@@ -37,7 +37,7 @@ ROWS: list[dict] = []
 
 
 def timed(fn) -> tuple[float, float]:
-    """(wall ms, graph-replay ms) medians; nan where the call cannot be captured in a CUDA graph."""
+    """(wall ms, graph-replay ms) means; nan where the call cannot be captured in a CUDA graph."""
     from triton.testing import do_bench, do_bench_cudagraph
 
     wall = do_bench(fn, warmup=10, rep=60)

@@ -3,13 +3,13 @@
 1. Parity on the GPU against the float64 references: MEGA's full-length `local_attention` (K 64, V 256, softmax and
    laplace, bidirectional and causal, a padded row) and SeqBoat's `sparse_local_attention` in full mode (70% of the
    tokens active, compressed and original bias), float32 and bf16, o and every gradient.
-2. Times (bf16, `triton.testing.do_bench` medians) at B8 L4096 and B2 L16384:
+2. Times (bf16, `triton.testing.do_bench` means) at B8 L4096 and B2 L16384:
    - MEGA: the forward and the backward launchers with the default tiles (two passes: dk, dq by atomics and the
      bias partials, then dv by its own kernel), with the one-pass backward they replaced (`ONE_PASS_BWD`: dv in
      the same kernel, 32-query tiles) and with the split path before that (`SPLIT_BWD` / `SPLIT_FWD`: a dq kernel
      and a dk/dv kernel per 128-wide value block, the bias gradient by atomics), the bias gradient on and off;
    - SeqBoat-full: forward and forward + backward of the op: the default (the one-kernel backward without dv,
-     then a dv pass), the one-pass backward it replaced (`ONE_PASS_SPARSE`: dv in the same kernel, 32-query
+     then a dv pass), the one-pass backward it replaced (`DV_PASS_TILES = None`: dv in the same kernel, 32-query
      tiles) and the split path (`FUSED_BWD_MODES` emptied, which also restores the 64-wide forward).
 
 GPU:  PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/long_span.py [--csv rows.csv]
@@ -32,10 +32,9 @@ ROWS: list[dict] = []
 # the split path's tiles before the one-pass backward (forward: 128 queries, 8 warps)
 SPLIT_BWD = dict(local_kernel.SPLIT_SPAN_K64)
 SPLIT_FWD = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, BLOCK_V=256, num_warps=8, num_stages=2)
-# the one-pass backward before the dv pass: dv accumulated beside dk in the same kernel, 32-query tiles
-ONE_PASS_BWD = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True)
-# SeqBoat-full's one-kernel backward before its dv pass
-ONE_PASS_SPARSE = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
+# the one-pass backward without the dv pass: dv accumulated beside dk in the same kernel, 32-query tiles (what
+# values of at most 128 run)
+ONE_PASS_BWD = dict(local_kernel.LONG_SPAN_K64_ONE_PASS)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -139,21 +138,19 @@ def seqboat_full(device, B: int, L: int) -> None:
         for t in (q, k, v, bias):
             t.grad = None
     modes = set(sparse_kernel.FUSED_BWD_MODES)
-    tiles, dv_pass = sparse_kernel.FUSED_BWD_TILES, sparse_kernel.DV_PASS_TILES
+    dv_pass = sparse_kernel.DV_PASS_TILES
     try:
-        for path, fused, one_kernel, second in (("split", set(), tiles, dv_pass),
-                                                ("one-pass", modes, ONE_PASS_SPARSE, None),
-                                                ("default", modes, tiles, dv_pass)):
+        for path, fused, second in (("split", set(), dv_pass), ("one-pass", modes, None), ("default", modes, dv_pass)):
             sparse_kernel.FUSED_BWD_MODES.clear()
             sparse_kernel.FUSED_BWD_MODES.update(fused)
-            sparse_kernel.FUSED_BWD_TILES, sparse_kernel.DV_PASS_TILES = one_kernel, second
+            sparse_kernel.DV_PASS_TILES = second
             with torch.no_grad():
                 add("seqboat-full", f"B{B} L{L}", path, "forward", do_bench(fwd))
             add("seqboat-full", f"B{B} L{L}", path, "forward + backward", do_bench(step))
     finally:
         sparse_kernel.FUSED_BWD_MODES.clear()
         sparse_kernel.FUSED_BWD_MODES.update(modes)
-        sparse_kernel.FUSED_BWD_TILES, sparse_kernel.DV_PASS_TILES = tiles, dv_pass
+        sparse_kernel.DV_PASS_TILES = dv_pass
 
 
 def markdown(rows: list[dict]) -> str:

@@ -118,17 +118,38 @@ def _two_pass(monkeypatch, dv_block_m=16, dv_block_n=16):
 
 @pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
-@pytest.mark.parametrize("L,masked,bias_heads,dv_tiles", [(45, True, 2, (16, 16)), (48, False, 0, (8, 32))],
-                         ids=["ragged-masked-dv16x16", "whole-unmasked-dv8x32"])
-def test_two_pass_long_span_backward(monkeypatch, attention, causal, L, masked, bias_heads, dv_tiles):
-    """Full attention longer than a key span with dv in its own pass: ragged L = 45 with padded keys and a bias per
-    head (dv tiles of 16 queries and 16 keys), and L = 48 unmasked with one shared bias (8 queries, 32 keys: a
-    causal range starts inside a query tile's span of keys). V = 20 takes two value blocks of 16."""
+@pytest.mark.parametrize("L,C,masked,bias_heads,dv_tiles,aligned", [(45, None, True, 2, (16, 16), False),
+                                                                    (48, None, False, 0, (8, 32), False),
+                                                                    (64, None, False, 2, (16, 16), True),
+                                                                    (64, None, False, 0, (32, 16), True),
+                                                                    (64, 32, False, 2, (32, 16), True)],
+                         ids=["ragged-masked-dv16x16", "unmasked-dv8x32", "aligned-dv16x16", "aligned-dv32x16",
+                              "chunks-of-32-dv32x16"])
+def test_two_pass_long_span_backward(monkeypatch, attention, causal, L, C, masked, bias_heads, dv_tiles, aligned):
+    """Attention longer than a key span with dv in its own pass (V = 20: two value blocks of 16): full-length ragged
+    L = 45 with padded keys and a bias per head, and L = 48 unmasked with a shared bias and dv tiles of 8 queries x
+    32 keys, both with tiles that straddle the sequence's end (tile mode 0); L = 64 with dv tiles that divide it
+    (tile mode 2, causal 1), among them query tiles wider than the key tiles; and chunks of 32 with those tiles,
+    whose causal query ranges start at a key tile inside a chunk and end at the chunk's end."""
     grids = _two_pass(monkeypatch, *dv_tiles)
-    (q, k, v, bias), mask = _case(2, 2, L, 8, 20, None, bias_heads=bias_heads, masked=masked)
-    kw = dict(chunk_size=None, attention=attention, causal=causal, bias=bias, mask=mask)
+    assert (kernel.tile_mode(C or L, L, causal, masked, *dv_tiles) != 0) == aligned
+    (q, k, v, bias), mask = _case(2, 2, L, 8, 20, C, bias_heads=bias_heads, masked=masked)
+    kw = dict(chunk_size=C, attention=attention, causal=causal, bias=bias, mask=mask)
     _assert_matches_reference(q, k, v, bias, kw)
     assert grids == [(-(-L // dv_tiles[1]), 4, 2)], grids
+
+
+@pytest.mark.parametrize("V,two_pass", [(192, True), (64, False)], ids=["V192-two-pass", "V64-one-pass"])
+def test_long_span_default_tiles_route_wide_values_to_the_dv_pass(monkeypatch, V, two_pass):
+    """With the default tiles (no override), full attention longer than a span with K 64 takes the dv pass for
+    values wider than 128 and keeps one pass for narrower ones; both match the reference."""
+    grids, jit = [], kernel._local_attention_bwd_dv_kernel
+    monkeypatch.setattr(kernel, "_local_attention_bwd_dv_kernel",
+                        type("Spy", (), {"__getitem__": lambda self, grid: grids.append(grid) or jit[grid]})())
+    (q, k, v, bias), mask = _case(1, 1, 160, 64, V, None, masked=True)
+    kw = dict(chunk_size=None, attention="softmax", causal=False, bias=bias, mask=mask)
+    _assert_matches_reference(q, k, v, bias, kw)
+    assert grids == ([(3, 1, 1)] if two_pass else []), grids
 
 
 @pytest.mark.parametrize("L,C", [(48, None), (45, 64)], ids=["L48-full", "L45-C64"])

@@ -7,7 +7,8 @@ per-call table of the chunk's Toeplitz tiles (`bias_table`); shorter chunks gath
 Backward: where a chunk fits one key tile (C <= the span of `_bwd_config`), one program per span of whole chunks
 does the span's entire backward (dq, dk, dv, rowsum(do o) and the bias gradient as a per-program partial) with
 no atomics. Full-length attention longer than a span (MEGA) runs one pass per key span over the whole value row
-with dq by atomics; other longer chunks use a dq kernel (which also writes rowsum(do o)) and a dk/dv kernel, or,
+with dq by atomics, and with values wider than 128 leaves dv to a second kernel (`_local_attention_bwd_dv_kernel`,
+`LONG_SPAN_K64`); other longer chunks use a dq kernel (which also writes rowsum(do o)) and a dk/dv kernel, or,
 with K and V <= 64, the one-pass kernel with dq by atomics. Their bias gradient goes to a partial per program where
 the spans tile each chunk or one chunk holds the sequence (`fold_span_partials`), else by atomics.
 The bias gradient sums ds along diagonals after permuting each key row's queries (`_query_rotated`). The ops
@@ -459,8 +460,8 @@ def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mas
     b_k = tl.load(k_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :], mask=m_keys[:, None] & m_k[None, :], other=0.)
     b_dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     lo, hi = _query_range(n0, L, C, BLOCK_N, CAUSAL)
-    # query tiles start at multiples of BLOCK_M (a causal range starts at n0): the rows before n0 are masked, and
-    # ALIGNED's tiles stay inside one chunk
+    # query tiles at multiples of BLOCK_M, which the compiler can use in the rows' index arithmetic; a causal range
+    # starts at n0, and the rows before it fail the causal test
     for m0 in range(lo // BLOCK_M * BLOCK_M, hi, BLOCK_M):
         o_m = m0 + tl.arange(0, BLOCK_M)
         _, b_do, _, _, _, b_pT = _weights_T(
@@ -600,15 +601,18 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
                 BLOCK_V=min(128, max(16, triton.next_power_of_2(V))), num_warps=4, num_stages=2)
 
 
-# The backward of long spans with K <= 64 (MEGA's full attention, K 64 V 256), in two passes. The first goes once
-# over each key span with the whole value row (no score tile recomputed per value block, no dq kernel recomputing
-# dp): dk, dq added by atomics, the bias gradient as per-program partials (`fold_span_partials`). The second,
-# `dv_pass`, recomputes the weights from q, k and the saved stat and sums dv = p^T do. Without the [64, 256] dv
-# accumulator the first pass takes 64-query tiles (the carried tile) where it took 32: on an H100 the backward fell
-# from 1.314 to 1.142 ms at B8 L4096 and from 5.019 to 4.270 ms at B2 L16384, the best of 10 first-pass and 8
-# second-pass tilings (docs/benchmarks.md, "Two-pass long-span backward").
+# The backward of long spans with K <= 64 and values wider than 128 (MEGA's full attention, K 64, V 160-256), in
+# two passes. The first goes once over each key span with the whole value row (no score tile recomputed per value
+# block, no dq kernel recomputing dp): dk, dq added by atomics, the bias gradient as per-program partials
+# (`fold_span_partials`). The second, `dv_pass`, recomputes the weights from q, k and the saved stat and sums
+# dv = p^T do. Without the [64, 256] float32 dv accumulator the first pass fits 64-query tiles, which take the bias
+# gradient's carried tile; holding it, one pass needs 32-query tiles (`LONG_SPAN_K64_ONE_PASS`). H100 sweep at K 64,
+# V 256 (docs/benchmarks.md, "Two-pass long-span backward"): 1.142 against 1.314 ms for one pass at B8 L4096, 4.270
+# against 5.019 ms at B2 L16384.
 LONG_SPAN_K64 = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True,
                      dv_pass=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V_MAX=256, num_warps=4, num_stages=2))
+# Values of at most 128 keep dv in the one pass, with 32-query tiles: the two passes were timed at V 256 only.
+LONG_SPAN_K64_ONE_PASS = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True)
 # Chunks longer than a span but shorter than the sequence (MEGA-chunk with C > 128) keep the dq kernel and the bias
 # atomics, as measured before the one-pass path existed (docs/benchmarks.md); the one-pass path was timed at full
 # length only.
@@ -630,7 +634,9 @@ def _bwd_config(C: int, K: int, V: int) -> dict:
     if C <= 128 and K <= 64 and V <= 256:
         return dict(span=128, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=8, num_stages=2)
     if K <= 64:  # long spans (MEGA's full attention); docs/benchmarks.md has the sweep
-        return dict(LONG_SPAN_K64)
+        if V <= 128:
+            return dict(LONG_SPAN_K64_ONE_PASS)
+        return dict(LONG_SPAN_K64, dv_pass=dict(LONG_SPAN_K64["dv_pass"]))
     return dict(span=64, BLOCK_M=64 if max(K, V) <= 64 else 32, BLOCK_V_MAX=128, num_warps=4, num_stages=2)
 
 
@@ -675,14 +681,15 @@ def local_attention_fwd(q, k, v, bias, mask, *, attention: str, causal: bool, ch
 def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, causal: bool, chunk: int,
                         scale: float, dropout: float = 0.0, seed: torch.Tensor | None = None, bias_grad: bool = True,
                         cfg: dict | None = None):
-    """Launch the backward: one kernel when a key span holds whole chunks, else the dq kernel then the dk/dv
-    kernel; cfg overrides `_bwd_config`. Returns dq, dk, dv (input dtype) and dbias [H or 1, 2C-1] float32 (None
+    """Launch the backward: one kernel when a key span holds whole chunks; else the dq kernel then the dk/dv
+    kernel, or (`dq_atomic`) one pass over each key span with dq by atomics, followed by the dv kernel where the
+    config has a `dv_pass`; cfg overrides `_bwd_config`. Returns dq, dk, dv (input dtype) and dbias [H or 1, 2C-1] float32 (None
     without a bias, or when bias_grad is False)."""
     B, H, L, K = q.shape
     V = v.shape[-1]
     if cfg is None:
         cfg = _bwd_config(chunk, K, V)
-        if cfg == LONG_SPAN_K64 and chunk < L:
+        if cfg in (LONG_SPAN_K64, LONG_SPAN_K64_ONE_PASS) and chunk < L:
             cfg = dict(SPLIT_SPAN_K64_NARROW if V <= 64 else SPLIT_SPAN_K64)
     flags = _flag_args(q, v, attention, causal, bias, mask, dropout)
     seed_arg = _seed_arg(seed, dropout, stat)
@@ -728,14 +735,14 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
             q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, H, L, K, V, chunk, scale, seed_arg, dropout, **flags,
             ALIGNED=tile_mode(chunk, L, causal, mask is not None, BLOCK_M, BLOCK_N), BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _local_attention_bwd_kernel[(n_spans, B * H, 1 if dv_cfg else triton.cdiv(V, BLOCK_V))](
+    _local_attention_bwd_kernel[(n_spans, B * H, 1 if dv_cfg is not None else triton.cdiv(V, BLOCK_V))](
         q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, dk, dv, dbias if dbias is not None else stat,
         H, L, K, V, chunk, span, scale, seed_arg, dropout, **flags, FUSED=fused,
         ALIGNED=tile_mode(chunk, L, causal, mask is not None, BLOCK_M, BLOCK_N, span), BIAS_GRAD=bias_grad,
         DQ_ATOMIC=dq_atomic, SPAN_PART=span_part, CARRY=carry, DV=dv_cfg is None, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
-    if dv_cfg:
+    if dv_cfg is not None:
         BM2, BN2 = dv_cfg["BLOCK_M"], dv_cfg["BLOCK_N"]
         BV2 = min(dv_cfg["BLOCK_V_MAX"], max(16, triton.next_power_of_2(V)))
         _local_attention_bwd_dv_kernel[(triton.cdiv(L, BN2), B * H, triton.cdiv(V, BV2))](

@@ -432,14 +432,18 @@ def _config(q: torch.Tensor, v: torch.Tensor, window: int | None, chunk: int | N
     )
 
 
-# Modes whose backward runs as one kernel (`_sparse_local_attention_bwd_kernel`, dq by atomics) when the value
-# row fits one block; the others use the dq kernel and the dk/dv kernels. Full attention (SeqBoat-full) gains
+# Modes whose backward runs one kernel over the whole value row (`_sparse_local_attention_bwd_kernel`, dq by
+# atomics; dv in it or in a second pass, below) when the row fits one block; the others use the dq kernel and the
+# dk/dv kernels. Full attention (SeqBoat-full) gains
 # most: it would otherwise recompute every score tile once per 64-wide value block (docs/benchmarks.md).
 FUSED_BWD_MODES = {MODE_FULL}
+# With values wider than 128 the backward takes two passes: that kernel without dv (`FUSED_BWD_TILES`), then
+# dv = p^T do by the dk/dv kernel with dk off and the whole value row per program (`DV_PASS_TILES`). Without the
+# [BLOCK_N, V] float32 dv accumulator the first kernel fits 64-query tiles; holding it, it takes 32
+# (`ONE_KERNEL_BWD_TILES`, also what narrower values and `DV_PASS_TILES = None` run). As MEGA's full attention
+# (ops/local_attention `LONG_SPAN_K64`).
 FUSED_BWD_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
-# ... in two passes: the one kernel without dv, then dv = p^T do by the dk/dv kernel (DO_DK off) with the whole
-# value row per program. Without the [BLOCK_N, V] dv accumulator the first pass takes 64-query tiles where it took
-# 32, as MEGA's full attention does (ops/local_attention `LONG_SPAN_K64`); None: dv in the one kernel.
+ONE_KERNEL_BWD_TILES = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
 DV_PASS_TILES: dict | None = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 # Forward tiles of those modes on the GPU: the whole value row per program, so no score tile is recomputed per
 # value block (MEGA's full attention uses the same: ops/local_attention `_fwd_config`).
@@ -451,12 +455,14 @@ def _bwd_plan(cfg: dict, V: int, length: int, rel_bias) -> dict | None:
     if cfg["MODE"] not in FUSED_BWD_MODES or V > 256:
         return None
     small = triton_interpreter_on()
-    tiles = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1) if small else dict(FUSED_BWD_TILES)
+    two_pass = DV_PASS_TILES is not None and (V > 128 or small)  # the interpreter tests both passes at any V
+    tiles = (dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1) if small else
+             dict(FUSED_BWD_TILES if two_pass else ONE_KERNEL_BWD_TILES))
     tiles["BLOCK_M"] = min(tiles["BLOCK_M"], tiles["BLOCK_N"])  # the diagonal sums take BLOCK_M | BLOCK_N
     # the bias gradient by diagonal sums where the bias is Toeplitz in packed slots and no distance is clamped
     diag = rel_bias is not None and not cfg["BIAS_ORIG"] and (rel_bias.shape[0] + 1) // 2 >= length
     dv_pass = None
-    if DV_PASS_TILES is not None:
+    if two_pass:
         dv_pass = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1) if small else dict(DV_PASS_TILES)
     return dict(tiles, BLOCK_V=max(16, triton.next_power_of_2(V)), BIAS_DIAG=diag,
                 PART_W=2 if tiles["BLOCK_M"] == tiles["BLOCK_N"] else 3, DV=dv_pass is None, dv_pass=dv_pass)
