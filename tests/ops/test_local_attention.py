@@ -100,17 +100,17 @@ def test_full_length_one_pass_backward(monkeypatch, block_m, attention, causal, 
 
 def _two_pass(monkeypatch, dv_block_m=16, dv_block_n=16):
     """The long-span backward in two passes: the one-pass kernel without dv (spans of 16, dq by atomics), then dv
-    by `_local_attention_bwd_dv_kernel` over value blocks of 16. Returns the dv kernel's launch grids."""
+    by `_local_attention_bwd_dv_kernel` over value blocks of 16. Returns the dv kernel's launches as (grid, tile
+    mode)."""
     dv_pass = dict(BLOCK_M=dv_block_m, BLOCK_N=dv_block_n, BLOCK_V_MAX=16, num_warps=4, num_stages=1)
     monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(span=16, BLOCK_M=16, BLOCK_V_MAX=32,
                                                                      num_warps=4, num_stages=1, dq_atomic=True,
                                                                      dv_pass=dv_pass))
     grids, jit = [], kernel._local_attention_bwd_dv_kernel
 
-    class Spy:
+    class Spy:  # records each launch's grid and tile mode
         def __getitem__(self, grid):
-            grids.append(grid)
-            return jit[grid]
+            return lambda *args, **kw: grids.append((grid, kw["ALIGNED"])) or jit[grid](*args, **kw)
 
     monkeypatch.setattr(kernel, "_local_attention_bwd_dv_kernel", Spy())
     return grids
@@ -132,24 +132,31 @@ def test_two_pass_long_span_backward(monkeypatch, attention, causal, L, C, maske
     (tile mode 2, causal 1), among them query tiles wider than the key tiles; and chunks of 32 with those tiles,
     whose causal query ranges start at a key tile inside a chunk and end at the chunk's end."""
     grids = _two_pass(monkeypatch, *dv_tiles)
-    assert (kernel.tile_mode(C or L, L, causal, masked, *dv_tiles) != 0) == aligned
     (q, k, v, bias), mask = _case(2, 2, L, 8, 20, C, bias_heads=bias_heads, masked=masked)
     kw = dict(chunk_size=C, attention=attention, causal=causal, bias=bias, mask=mask)
     _assert_matches_reference(q, k, v, bias, kw)
-    assert grids == [(-(-L // dv_tiles[1]), 4, 2)], grids
+    mode = (1 if causal else 2) if aligned else 0
+    assert grids == [((-(-L // dv_tiles[1]), 4, 2), mode)], grids
 
 
-@pytest.mark.parametrize("V,two_pass", [(192, True), (64, False)], ids=["V192-two-pass", "V64-one-pass"])
-def test_long_span_default_tiles_route_wide_values_to_the_dv_pass(monkeypatch, V, two_pass):
-    """With the default tiles (no override), full attention longer than a span with K 64 takes the dv pass for
-    values wider than 128 and keeps one pass for narrower ones; both match the reference."""
-    grids, jit = [], kernel._local_attention_bwd_dv_kernel
-    monkeypatch.setattr(kernel, "_local_attention_bwd_dv_kernel",
-                        type("Spy", (), {"__getitem__": lambda self, grid: grids.append(grid) or jit[grid]})())
-    (q, k, v, bias), mask = _case(1, 1, 160, 64, V, None, masked=True)
-    kw = dict(chunk_size=None, attention="softmax", causal=False, bias=bias, mask=mask)
+@pytest.mark.parametrize("C,V,path", [(None, 160, "two-pass"), (None, 128, "one-pass"), (160, 96, "dq-kernel")],
+                         ids=["full-V160-two-pass", "full-V128-one-pass", "C160-V96-dq-kernel"])
+def test_long_span_default_tiles_route_by_value_width(monkeypatch, C, V, path):
+    """With the default tiles (no override), attention longer than a span with K 64 takes, at full length, the dv
+    pass for values wider than 128 and one pass for values up to 128; a chunk shorter than the sequence (C 160 of
+    L 192) with values of 96 takes the dq kernel and the dk/dv kernel, as before the dv pass. Each matches the
+    reference."""
+    launched = {}
+    for name in ("_local_attention_bwd_dv_kernel", "_local_attention_bwd_dq_kernel"):
+        jit = getattr(kernel, name)
+        monkeypatch.setattr(kernel, name, type("Spy", (), {
+            "__getitem__": lambda self, grid, jit=jit, name=name: (launched.setdefault(name, grid), jit[grid])[1]})())
+    (q, k, v, bias), mask = _case(1, 1, 192, 64, V, C, masked=True)
+    kw = dict(chunk_size=C, attention="softmax", causal=False, bias=bias, mask=mask)
     _assert_matches_reference(q, k, v, bias, kw)
-    assert grids == ([(3, 1, 1)] if two_pass else []), grids
+    expected = {"two-pass": {"_local_attention_bwd_dv_kernel"}, "one-pass": set(),
+                "dq-kernel": {"_local_attention_bwd_dq_kernel"}}[path]
+    assert set(launched) == expected, launched
 
 
 @pytest.mark.parametrize("L,C", [(48, None), (45, 64)], ids=["L48-full", "L45-C64"])
@@ -368,12 +375,18 @@ def test_dropout_needs_a_device_seed():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("L,chunk", [(64, 32), (256, None)], ids=["chunks-of-32", "full-two-pass"])
-def test_dropout_draws_a_new_mask_per_cuda_graph_replay(L, chunk):
+def test_dropout_draws_a_new_mask_per_cuda_graph_replay(monkeypatch, L, chunk):
     """The seed is drawn by a kernel inside the graph and loaded by the attention kernels, so each replay of a
     captured forward + backward drops a new mask, and each replay's backward uses its own forward's mask: the output
     is linear in v (o = W v), so <o, do> = <v, W^T do> = <v, dv> holds only when both passes drop the same weights.
-    In chunks of 32 (the fused backward) and at full length 256 (the two-pass backward, whose dv pass draws the mask
-    again)."""
+    In chunks of 32 (the fused backward) and at full length 256 through the two-pass backward's tiles
+    (`LONG_SPAN_K64`, which the default gives values wider than 128), whose dv pass draws the mask again."""
+    launches = []
+    if chunk is None:
+        monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(kernel.LONG_SPAN_K64))
+        jit = kernel._local_attention_bwd_dv_kernel
+        monkeypatch.setattr(kernel, "_local_attention_bwd_dv_kernel",
+                            type("Spy", (), {"__getitem__": lambda self, grid: launches.append(grid) or jit[grid]})())
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, 2, L, 16, device="cuda", generator=g, requires_grad=True) for _ in range(3))
     do = torch.randn(1, 2, L, 16, device="cuda", generator=g)
@@ -398,6 +411,7 @@ def test_dropout_draws_a_new_mask_per_cuda_graph_replay(L, chunk):
     assert not torch.equal(replays[0][0], replays[1][0]), "two replays dropped the same mask"
     for o, d in replays:
         torch.testing.assert_close((o * do).sum(), (v.detach() * d).sum(), rtol=1e-4, atol=1e-4)
+    assert bool(launches) == (chunk is None), launches
 
 
 def test_rejects_bad_inputs():

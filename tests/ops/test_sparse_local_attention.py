@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+import triton
 
 from longmixer.ops.sparse_local_attention import (
     compress_ref,
@@ -168,3 +169,26 @@ def test_fold_diagonal_partials_equals_scatter(nb, ratio, W, center, n_taps):
                     if 0 <= tap < n_taps:
                         want[:, tap] += part[:, n, m, w, jj]
     torch.testing.assert_close(sparse_kernel.fold_diagonal_partials(part, center, n_taps, ratio), want)
+
+
+@pytest.mark.parametrize("V,dv_pass_tiles,two_pass", [(256, "default", True), (160, "default", True),
+                                                      (128, "default", False), (256, None, False)],
+                         ids=["V256", "V160", "V128-one-kernel", "V256-dv-pass-off"])
+def test_full_mode_plan_on_a_gpu(monkeypatch, V, dv_pass_tiles, two_pass):
+    """The GPU's plan for full mode (the interpreter's small tiles off): values wider than 128 take the two passes
+    with 64-query tiles, two diagonal classes a tile and no dv in the first kernel; values up to 128, and
+    `DV_PASS_TILES = None`, keep dv in the one kernel with 32-query tiles (three classes a tile), the backward the
+    dv pass replaced."""
+    from longmixer.ops.sparse_local_attention import kernel
+
+    monkeypatch.setattr(kernel, "triton_interpreter_on", lambda: False)
+    if dv_pass_tiles is None:
+        monkeypatch.setattr(kernel, "DV_PASS_TILES", None)
+    cfg = dict(MODE=kernel.MODE_FULL, BIAS_ORIG=False)
+    plan = kernel._bwd_plan(cfg, V, 4096, torch.zeros(2 * 4096 - 1))
+    tiles = kernel.FUSED_BWD_TILES if two_pass else kernel.ONE_KERNEL_BWD_TILES
+    assert (plan["BLOCK_M"], plan["BLOCK_N"]) == (tiles["BLOCK_M"], tiles["BLOCK_N"])
+    assert plan["BLOCK_M"] == (64 if two_pass else 32) and plan["PART_W"] == (2 if two_pass else 3)
+    assert plan["DV"] is not two_pass and (plan["dv_pass"] == kernel.DV_PASS_TILES if two_pass else
+                                            plan["dv_pass"] is None)
+    assert plan["BLOCK_V"] == triton.next_power_of_2(V) and plan["BIAS_DIAG"]

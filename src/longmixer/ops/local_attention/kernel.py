@@ -5,15 +5,15 @@ written. MEGA, arXiv:2209.10655, sections 3.1 and 3.3.
 Forward: one program per query tile. Chunks of 256 or more read each tile's bias as one contiguous block of a
 per-call table of the chunk's Toeplitz tiles (`bias_table`); shorter chunks gather it from the bias.
 Backward: where a chunk fits one key tile (C <= the span of `_bwd_config`), one program per span of whole chunks
-does the span's entire backward (dq, dk, dv, rowsum(do o) and the bias gradient as a per-program partial) with
-no atomics. Full-length attention longer than a span (MEGA) runs one pass per key span over the whole value row
-with dq by atomics, and with values wider than 128 leaves dv to a second kernel (`_local_attention_bwd_dv_kernel`,
-`LONG_SPAN_K64`); other longer chunks use a dq kernel (which also writes rowsum(do o)) and a dk/dv kernel, or,
-with K and V <= 64, the one-pass kernel with dq by atomics. Their bias gradient goes to a partial per program where
-the spans tile each chunk or one chunk holds the sequence (`fold_span_partials`), else by atomics.
-The bias gradient sums ds along diagonals after permuting each key row's queries (`_query_rotated`). The ops
-README describes the layout; docs/benchmarks.md (kernel measurement records) has the measurements behind the
-tile table.
+does the span's entire backward (dq, dk, dv, rowsum(do o) and the bias gradient as a per-program partial) with no
+atomics. Full-length attention longer than a span with K <= 64 (MEGA) runs one pass per key span over the whole
+value row with dq by atomics, and with values wider than 128 leaves dv to a second kernel
+(`_local_attention_bwd_dv_kernel`, `LONG_SPAN_K64`); other longer chunks use a dq kernel (which also writes
+rowsum(do o)) and a dk/dv kernel, or, with K and V <= 64, the one-pass kernel with dq by atomics. Their bias
+gradient goes to a partial per program where the spans tile each chunk or one chunk holds the sequence
+(`fold_span_partials`), else by atomics. The bias gradient sums ds along diagonals after permuting each key row's
+queries (`_query_rotated`). The ops README describes the layout; docs/benchmarks.md (kernel measurement records) has
+the measurements behind the tile table.
 """
 
 from __future__ import annotations
@@ -460,8 +460,9 @@ def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mas
     b_k = tl.load(k_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :], mask=m_keys[:, None] & m_k[None, :], other=0.)
     b_dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     lo, hi = _query_range(n0, L, C, BLOCK_N, CAUSAL)
-    # query tiles at multiples of BLOCK_M, which the compiler can use in the rows' index arithmetic; a causal range
-    # starts at n0, and the rows before it fail the causal test
+    # query tiles at multiples of BLOCK_M, which the compiler can use in the rows' index arithmetic; the rows before
+    # lo fail the causal test (a causal range starts at n0) or, with tiles across chunks (tile mode 0), the chunk
+    # test
     for m0 in range(lo // BLOCK_M * BLOCK_M, hi, BLOCK_M):
         o_m = m0 + tl.arange(0, BLOCK_M)
         _, b_do, _, _, _, b_pT = _weights_T(
@@ -683,8 +684,8 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
                         cfg: dict | None = None):
     """Launch the backward: one kernel when a key span holds whole chunks; else the dq kernel then the dk/dv
     kernel, or (`dq_atomic`) one pass over each key span with dq by atomics, followed by the dv kernel where the
-    config has a `dv_pass`; cfg overrides `_bwd_config`. Returns dq, dk, dv (input dtype) and dbias [H or 1, 2C-1] float32 (None
-    without a bias, or when bias_grad is False)."""
+    config has a `dv_pass`; cfg overrides `_bwd_config`. Returns dq, dk, dv (input dtype) and dbias [H or 1, 2C-1]
+    float32 (None without a bias, or when bias_grad is False)."""
     B, H, L, K = q.shape
     V = v.shape[-1]
     if cfg is None:

@@ -434,8 +434,8 @@ def _config(q: torch.Tensor, v: torch.Tensor, window: int | None, chunk: int | N
 
 # Modes whose backward runs one kernel over the whole value row (`_sparse_local_attention_bwd_kernel`, dq by
 # atomics; dv in it or in a second pass, below) when the row fits one block; the others use the dq kernel and the
-# dk/dv kernels. Full attention (SeqBoat-full) gains
-# most: it would otherwise recompute every score tile once per 64-wide value block (docs/benchmarks.md).
+# dk/dv kernels. Full attention (SeqBoat-full) gains most: it would otherwise recompute every score tile once per
+# 64-wide value block (docs/benchmarks.md).
 FUSED_BWD_MODES = {MODE_FULL}
 # With values wider than 128 the backward takes two passes: that kernel without dv (`FUSED_BWD_TILES`), then
 # dv = p^T do by the dk/dv kernel with dk off and the whole value row per program (`DV_PASS_TILES`). Without the
