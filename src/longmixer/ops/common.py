@@ -1,6 +1,7 @@
 """Shared by several ops: MEGA's laplace attention function (MEGA section 3.3, eq. 17), used by the chunked attention
 (MEGA, MEGA-chunk), the VQ attention (LongVQ's laplace ablation) and CHELA's laplace feature map; and the GPU's SM
-count, which launchers use to split work until the programs fill the GPU."""
+count, which launchers use to split work until the programs fill the GPU; and the value width above which the
+full-length attention backwards (MEGA's, SeqBoat-full's) leave dv to a second pass."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import torch
 
 LAPLACE_MU = math.sqrt(0.5)
 LAPLACE_SIGMA = math.sqrt(0.25 / math.pi)  # sigma^2 = 1 / (4 pi)
+# Values wider than this take the two-pass long-span backward (ops/local_attention `LONG_SPAN_K64`,
+# ops/sparse_local_attention `DV_PASS_TILES`): the [64, V] float32 dv accumulator is what kept one pass in 32-query
+# tiles, and the two passes were timed at V 256 only (docs/benchmarks.md, "Two-pass long-span backward").
+DV_PASS_MIN_V = 128
 
 
 def laplace(s: torch.Tensor) -> torch.Tensor:

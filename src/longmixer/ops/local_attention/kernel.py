@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longmixer.ops.common import LAPLACE_MU, LAPLACE_SIGMA
+from longmixer.ops.common import DV_PASS_MIN_V, LAPLACE_MU, LAPLACE_SIGMA
 
 ATTN_CODES = {"softmax": 0, "relu2": 1, "laplace": 2}
 
@@ -612,7 +612,7 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
 # against 5.019 ms at B2 L16384.
 LONG_SPAN_K64 = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True,
                      dv_pass=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V_MAX=256, num_warps=4, num_stages=2))
-# Values of at most 128 keep dv in the one pass, with 32-query tiles: the two passes were timed at V 256 only.
+# Values of at most `DV_PASS_MIN_V` (128) keep dv in the one pass, with 32-query tiles.
 LONG_SPAN_K64_ONE_PASS = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True)
 # Chunks longer than a span but shorter than the sequence (MEGA-chunk with C > 128) keep the dq kernel and the bias
 # atomics, as measured before the one-pass path existed (docs/benchmarks.md); the one-pass path was timed at full
@@ -635,7 +635,7 @@ def _bwd_config(C: int, K: int, V: int) -> dict:
     if C <= 128 and K <= 64 and V <= 256:
         return dict(span=128, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=8, num_stages=2)
     if K <= 64:  # long spans (MEGA's full attention); docs/benchmarks.md has the sweep
-        if V <= 128:
+        if V <= DV_PASS_MIN_V:
             return dict(LONG_SPAN_K64_ONE_PASS)
         return dict(LONG_SPAN_K64, dv_pass=dict(LONG_SPAN_K64["dv_pass"]))
     return dict(span=64, BLOCK_M=64 if max(K, V) <= 64 else 32, BLOCK_V_MAX=128, num_warps=4, num_stages=2)

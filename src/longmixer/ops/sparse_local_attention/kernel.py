@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from longmixer.ops.backend import triton_interpreter_on
+from longmixer.ops.common import DV_PASS_MIN_V
 from longmixer.ops.precision import work_dtype
 
 MODE_WINDOW, MODE_CHUNK, MODE_FULL = 0, 1, 2
@@ -437,11 +438,11 @@ def _config(q: torch.Tensor, v: torch.Tensor, window: int | None, chunk: int | N
 # dk/dv kernels. Full attention (SeqBoat-full) gains most: it would otherwise recompute every score tile once per
 # 64-wide value block (docs/benchmarks.md).
 FUSED_BWD_MODES = {MODE_FULL}
-# With values wider than 128 the backward takes two passes: that kernel without dv (`FUSED_BWD_TILES`), then
-# dv = p^T do by the dk/dv kernel with dk off and the whole value row per program (`DV_PASS_TILES`). Without the
-# [BLOCK_N, V] float32 dv accumulator the first kernel fits 64-query tiles; holding it, it takes 32
-# (`ONE_KERNEL_BWD_TILES`, also what narrower values and `DV_PASS_TILES = None` run). As MEGA's full attention
-# (ops/local_attention `LONG_SPAN_K64`).
+# With values wider than `DV_PASS_MIN_V` (128) the backward takes two passes: that kernel without dv
+# (`FUSED_BWD_TILES`), then dv = p^T do by the dk/dv kernel with dk off and the whole value row per program
+# (`DV_PASS_TILES`). Without the [BLOCK_N, V] float32 dv accumulator the first kernel fits 64-query tiles; holding it,
+# it takes 32 (`ONE_KERNEL_BWD_TILES`, also what narrower values and `DV_PASS_TILES = None` run). As MEGA's full
+# attention (ops/local_attention `LONG_SPAN_K64`).
 FUSED_BWD_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
 ONE_KERNEL_BWD_TILES = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
 DV_PASS_TILES: dict | None = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
@@ -455,7 +456,7 @@ def _bwd_plan(cfg: dict, V: int, length: int, rel_bias) -> dict | None:
     if cfg["MODE"] not in FUSED_BWD_MODES or V > 256:
         return None
     small = triton_interpreter_on()
-    two_pass = DV_PASS_TILES is not None and (V > 128 or small)  # the interpreter tests both passes at any V
+    two_pass = DV_PASS_TILES is not None and (V > DV_PASS_MIN_V or small)  # the interpreter tests both at any V
     tiles = (dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1) if small else
              dict(FUSED_BWD_TILES if two_pass else ONE_KERNEL_BWD_TILES))
     tiles["BLOCK_M"] = min(tiles["BLOCK_M"], tiles["BLOCK_N"])  # the diagonal sums take BLOCK_M | BLOCK_N
