@@ -1,5 +1,6 @@
-"""Shared test setup: Triton's CPU interpreter (unless TRITON_INTERPRET=0), one torch thread per xdist worker, and a
-`compose` fixture that builds a run config pointing at temporary data and log dirs."""
+"""Shared test setup: Triton's CPU interpreter (unless TRITON_INTERPRET=0), one torch thread per xdist worker, torch's
+generator seeded before each test, and a `compose` fixture that builds a run config pointing at temporary data and
+log dirs."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `import tests.data.fixtures` works from any cwd
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch():
+    """Every test starts from the same generator state, so its unseeded draws (an upstream gradient, a batch) do not
+    depend on which xdist worker runs it or on the tests that ran there before it."""
+    torch.manual_seed(0)
 
 
 def compose_config(overrides: list[str], tmp_path: Path, data_dir: Path | None = None):
