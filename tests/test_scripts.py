@@ -94,6 +94,50 @@ def test_anchors_skips_without_a_gpu(monkeypatch, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("name", ["ema_chunked", "las_attention", "linear_attention", "mega", "seqboat",
+                                  "vq_attention"])
+def test_kernel_scripts_skip_without_a_gpu_and_refuse_full_sizes_in_the_interpreter(name, monkeypatch, capsys):
+    """`make bench` on a CPU machine runs every script: those that time kernels say they need a GPU and exit 0 (not
+    a traceback from the Triton launch), and full sizes in Triton's CPU interpreter are refused (exit 2, with the
+    `--quick` that runs the smoke test)."""
+    import torch
+
+    script = _bench_script(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr("sys.argv", [f"{name}.py"])
+    assert script.main() == 0
+    out = capsys.readouterr().out
+    assert f"{name}.py times GPU kernels: it needs a CUDA GPU" in out and "--quick" in out
+    monkeypatch.setattr("sys.argv", [f"{name}.py", "--quick"])
+    assert script.main() == 0  # --quick outside the interpreter cannot launch Triton on CPU tensors either
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr("sys.argv", [f"{name}.py"])
+    assert script.main() == 2
+    assert "add --quick" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, args", [("ema_chunked", []), ("las_attention", ["--only", "ours_dispatch"]),
+                                        ("linear_attention", []), ("mega", []), ("seqboat", []),
+                                        ("vq_attention", [])])
+def test_kernel_scripts_smoke_run_in_the_interpreter(name, args):
+    """Each kernel script's `--quick` run, as its docstring gives it (TRITON_INTERPRET=1 on a CPU): parity at tiny
+    sizes, then every timing section once, so a renamed constructor argument or op signature fails here, not on the
+    GPU (seqboat.py's layer section and linear_attention.py's layer check once built their mixers with names the
+    mixers had dropped)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src"), "OUT": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / f"{name}.py"), "--quick", *args],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = any(line.replace(" ", "").startswith("|---") for line in proc.stdout.splitlines())
+    assert "Traceback" not in proc.stderr and table, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 def test_long_span_skips_without_a_gpu(monkeypatch, capsys):
     import torch
 

@@ -17,7 +17,8 @@ import torch
 from longmixer.ops.ema import ema, ema_ref
 from longmixer.ops.ema.function import ema_fft
 
-from _common import ROWS, bench, fwd_bwd, peak_mem, rel, row  # scripts/bench/_common.py (this folder is sys.path[0])
+# scripts/bench/_common.py (this folder is sys.path[0])
+from _common import ROWS, bench, fwd_bwd, peak_mem, rel, row, skip_status
 
 
 def inputs(B, L, D, N, bidirectional, device, dtype, seed=0):
@@ -146,6 +147,8 @@ def main() -> int:
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--truncated-only", action="store_true", help="parity, then only the truncated-kernel rows")
     args = ap.parse_args()
+    if (status := skip_status("ema_chunked.py", args.quick)) is not None:
+        return status
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         print(torch.cuda.get_device_name(), torch.__version__)

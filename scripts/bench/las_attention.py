@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -27,7 +28,7 @@ from torch.nn import functional as F
 from longmixer.ops.las_attention import las_attention, las_attention_ref, las_attention_separable_ref, smooth_values
 from longmixer.ops.las_attention.function import las_attention_flash, las_attention_separable
 
-from _common import peak_mem  # scripts/bench/_common.py (this folder is sys.path[0])
+from _common import peak_mem, skip_status  # scripts/bench/_common.py (this folder is sys.path[0])
 
 H, K = 8, 64
 
@@ -210,7 +211,7 @@ def table(rows: list[dict], baseline_prefix: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main() -> int | None:
     global H, K
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU, TRITON_INTERPRET=1)")
@@ -226,6 +227,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=K, help="K = V per head (LaS Text: 8 heads of 8)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="dtype of the timed calls")
     args = ap.parse_args()
+    if (status := skip_status("las_attention.py", args.quick)) is not None:
+        return status
     H, K = args.heads, args.head_dim
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -265,4 +268,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 import time
 from collections import defaultdict
 
@@ -29,7 +30,7 @@ import triton
 from longmixer.ops.linear_attention import linear_attention, linear_attention_ref
 from longmixer.ops.linear_attention.function import linear_attention_triton
 
-from _common import peak_mem  # scripts/bench/_common.py (this folder is sys.path[0])
+from _common import peak_mem, skip_status  # scripts/bench/_common.py (this folder is sys.path[0])
 
 
 def load_fla():
@@ -107,7 +108,7 @@ def layer_check(device, quick):
     rows = []
     for causal in (False, True):
         torch.manual_seed(0)
-        m = CHELA(D, causal=causal, max_len=L, attention="laplace", chunk_size=16 if quick else 64).to(device)
+        m = CHELA(D, causal=causal, max_len=L, attention="laplace").to(device)
         x = torch.randn(B, L, D, device=device, requires_grad=True)
         res = {}
         for backend in ("triton", "torch"):
@@ -304,6 +305,8 @@ def main():
     ap.add_argument("--no-ref", action="store_true", help="skip the torch reference and SDPA columns")
     ap.add_argument("--budget-s", type=float, default=None, help="start no new grid shape after this many seconds")
     args = ap.parse_args()
+    if (status := skip_status("linear_attention.py", args.quick)) is not None:
+        return status
     t_start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)"
@@ -378,4 +381,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

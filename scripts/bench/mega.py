@@ -15,7 +15,8 @@ import torch
 
 from longmixer.ops.local_attention import local_attention, local_attention_ref
 
-from _common import ROWS, bench, fwd_bwd, peak_mem, rel, row  # scripts/bench/_common.py (this folder is sys.path[0])
+# scripts/bench/_common.py (this folder is sys.path[0])
+from _common import ROWS, bench, fwd_bwd, peak_mem, rel, row, skip_status
 
 
 # ---------------------------------------------------------------- attention -----------------------------------
@@ -176,6 +177,8 @@ def main() -> int:
     parser.add_argument("--no-parity", action="store_true", help="timings only")
     parser.add_argument("--parity-subset", action="store_true", help="attention parity on one shape only")
     args = parser.parse_args()
+    if (status := skip_status("mega.py", args.quick)) is not None:
+        return status
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}")
     import triton

@@ -16,11 +16,14 @@ paper's scatter / gather implementation (the torch reference), on the GPU.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
 
 from longmixer.ops.sparse_local_attention import compress_ref, extract_ref, sparse_local_attention
+
+from _common import skip_status  # scripts/bench/_common.py (this folder is sys.path[0])
 
 
 def _inputs(B, L, K, V, rate, dtype, device, seed=0):
@@ -166,7 +169,7 @@ def layer(device, quick):
             for backend in ("torch", "triton"):
                 torch.manual_seed(0)
                 m = FixedRate(D, d_qk=16 if quick else 64, d_v=2 * D, window=8 if quick else 256,
-                              max_positions=L, backend=backend).to(device)
+                              max_len=L, backend=backend).to(device)
                 m.rate = rate
 
                 def fwd_bwd():
@@ -186,6 +189,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU / interpreter smoke test)")
     args = parser.parse_args()
+    if (status := skip_status("seqboat.py", args.quick)) is not None:
+        return status
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
     print(f"device: {name}, torch {torch.__version__}", flush=True)
@@ -217,4 +222,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,6 +18,7 @@ CPU:  TRITON_INTERPRET=1 PYTHONPATH=src python scripts/bench/vq_attention.py --q
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import traceback
 
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 import triton
 
 from longmixer.ops.vq_attention import vq_attention, vq_search, vq_search_ref, window_bias
+
+from _common import skip_status  # scripts/bench/_common.py (this folder is sys.path[0])
 
 
 def rel_err(ref, out):
@@ -187,6 +190,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU interpreter smoke run)")
     args = parser.parse_args()
+    if (status := skip_status("vq_attention.py", args.quick)) is not None:
+        return status
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
     print(f"device {name}; torch {torch.__version__}; triton {triton.__version__}", flush=True)
@@ -218,4 +223,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -112,7 +112,8 @@ def _check(q, k, v, codebook, codes, mask, bias, block_size, attention):
     if attention not in ATTENTIONS:
         raise ValueError(f"model.mixer.attention={attention!r} is not one of {ATTENTIONS}")
     if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"model.mixer.block_size={block_size} must be a power of two >= 16 (e.g. 128)")
+        raise ValueError(f"vq_attention block_size={block_size} must be a power of two >= 16 (e.g. 128; the LongVQ "
+                         "mixer passes model.mixer.chunk_size)")
     B, L, E = q.shape
     if k.shape != q.shape or v.shape[:2] != (B, L) or codes.shape != (B, L) or codebook.shape[1] != E:
         raise ValueError(f"vq_attention shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
