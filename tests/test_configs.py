@@ -152,6 +152,42 @@ def test_typo_in_override_names_the_key(compose):
         compose(["model.mixer.chunk_sise=3"])
 
 
+@pytest.mark.parametrize("arg, fix", [
+    ("ablation=null", "leave ablation out (or write ~ablation)"),
+    ("ablation=null,las/vanilla", "sweep ablation=las/vanilla in another"),
+    ("+ablation=choice(las/l,null)", "sweep ablation=las/l in another"),
+    ("logger=null", "leave logger out"),
+])
+def test_null_for_a_config_group_is_refused_before_hydra_with_the_fix(compose, arg, fix):
+    """Hydra's own error for a group set to null names neither the argument nor the fix (and a multirun meets it
+    only once its sweep has started); the train and evaluate entry points check the command line first."""
+    from longmixer.utils.compose import null_group_choices
+
+    with pytest.raises(ValueError, match="Config group override must be a string"):
+        compose([arg.lstrip("+").split("=")[0] + "=null"])
+    problem = null_group_choices(["-m", "experiment=las/smnist", arg, "seed=0,1"])
+    assert problem is not None and problem.startswith(arg) and fix in problem
+
+
+@pytest.mark.parametrize("argv", [["ablation=las/vanilla", "model.mixer.window=null", "ckpt_path=null"],
+                                  ["~ablation", "debug=limit", "hydra.sweep.dir=null"]])
+def test_null_values_of_keys_and_other_group_choices_pass_the_check(argv):
+    from longmixer.utils.compose import null_group_choices
+
+    assert null_group_choices(argv) is None
+
+
+def test_train_cli_refuses_a_null_group_choice_with_exit_2():
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "longmixer.train", "-m", "experiment=las/smnist",
+                           "ablation=null,las/vanilla"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+    assert proc.returncode == 2 and "error: ablation=null,las/vanilla: a config group" in proc.stderr
+
+
 def test_missing_group_option_lists_choices(compose):
     with pytest.raises(ConfigCompositionException, match="transformer"):
         compose(["model=transfomer"])

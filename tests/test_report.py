@@ -166,6 +166,29 @@ def test_reproduce_scripts_name_existing_experiments(paper):
                 assert path.exists(), f"{script}: {key}={name} names no config ({path})"
 
 
+@pytest.mark.parametrize("paper", ["chela", "longvq", "las", "seqboat", "mega"])
+def test_reproduce_script_commands_compose_and_validate(paper, compose):
+    """Every job a reproduce script launches composes as `python -m longmixer.train` would compose it and passes the
+    config checks: each value of a swept group (ablation=a,b) with the first seed, so an ablation that no longer
+    fits its recipe, or a key a rename left behind, fails here instead of hours into a sweep."""
+    import itertools
+
+    from longmixer.utils.config import validate_config
+
+    jobs = set()
+    for command in _commands(ROOT / "scripts" / f"reproduce_{paper}.sh"):
+        swept = []
+        for arg in command[3:]:
+            key, _, value = arg.partition("=")
+            values = value.split(",") if key in ("ablation", "model") else [value.split(",")[0]]
+            swept.append([f"{key}={v}" for v in values])
+        jobs.update(itertools.product(*swept))
+    assert jobs
+    for job in sorted(jobs):
+        cfg = compose(list(job))
+        validate_config(cfg)
+
+
 def _fake_run(root: Path, name: str, overrides: list[str], acc: float, seed: int = 0) -> Path:
     """A finished run dir as train.py leaves it: results.json and Hydra's overrides.yaml."""
     run = root / name

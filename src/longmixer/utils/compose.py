@@ -31,6 +31,30 @@ class RecipeError(ValueError):
     """A recipe or ablation whose mixer blocks cannot apply to the chosen model; the message names the fix."""
 
 
+def null_group_choices(argv: Sequence[str], config_dir: str = CONFIG_DIR) -> str | None:
+    """An error message for command-line arguments that choose `null` for a config group (`ablation=null`, or a sweep
+    `ablation=null,las/vanilla`), else None. Hydra fails on those at compose time with "Config group override must be
+    a string or a list. Got NoneType", naming neither the argument nor the fix, and in a multirun only once the sweep
+    has started."""
+    groups = {p.name for p in Path(config_dir).iterdir() if p.is_dir() and not p.name.startswith("_")}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if not sep or "." in key or key.split("/")[0] not in groups:
+            continue
+        choices = value
+        for sweep in ("choice(", "range(", "glob("):
+            if choices.startswith(sweep) and choices.endswith(")"):
+                choices = choices[len(sweep):-1]
+        if "null" in (c.strip() for c in choices.split(",")):
+            rest = ",".join(c for c in choices.split(",") if c.strip() != "null")
+            fix = (f"leave {key} out to run without one; in a sweep, run that job as its own command and sweep "
+                   f"{key}={rest} in another" if rest else f"leave {key} out (or write ~{key}) to run without one")
+            return (f"{arg}: a config group ({key}) cannot be chosen as null on the command line (Hydra rejects it); "
+                    f"{fix}")
+    return None
+
+
 def family_of(model: str) -> str:
     """The family of a model yaml name: `mega_chunk` -> `mega`, `chela` -> `chela`."""
     return model.split("_", 1)[0]
