@@ -282,3 +282,23 @@ def test_out_naming_a_directory_is_refused_with_the_fix(tmp_path, capsys):
         main(["--quick", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert "is a directory" in err and str(tmp_path / "model_bench.json") in err
+
+
+@pytest.mark.parametrize("cuda, modes", [(True, ["none", "reduce-overhead"]), (False, ["none"])])
+def test_default_compile_modes_are_eager_and_what_training_picks(monkeypatch, tmp_path, cuda, modes):
+    """Without --compile, a GPU measures eager and `reduce-overhead` (what task.compile=auto trains fixed-shape data
+    with, and what docs/benchmarks.md's table has), a CPU eager only."""
+    from longmixer import bench
+
+    seen = {}
+
+    def stop(args):
+        seen.update(compile=args.compile)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(bench, "run", stop)
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path / "b.json")])
+    assert seen["compile"] == modes
+
