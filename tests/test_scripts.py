@@ -114,6 +114,8 @@ def test_kernel_scripts_skip_without_a_gpu_and_refuse_full_sizes_in_the_interpre
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr("sys.argv", [f"{name}.py"])
     assert script.main() == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # on a GPU host too: the interpreter is asked for
+    assert script.main() == 2
     assert "add --quick" in capsys.readouterr().err
 
 
@@ -130,12 +132,17 @@ def test_kernel_scripts_smoke_run_in_the_interpreter(name, args):
     import subprocess
     import sys
 
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src"), "OUT": ""}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / f"{name}.py"), "--quick", *args],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src"), "OUT": "",
+           "CUDA_VISIBLE_DEVICES": ""}
+    script = [sys.executable, str(ROOT / "scripts" / "bench" / f"{name}.py")]
+    proc = subprocess.run([*script, "--quick", *args], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = any(line.replace(" ", "").startswith("|---") for line in proc.stdout.splitlines())
     assert "Traceback" not in proc.stderr and table, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # the refusal's status reaches the shell (make bench stops on it)
+    refused = subprocess.run(script, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert refused.returncode == 2 and "add --quick" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_long_span_skips_without_a_gpu(monkeypatch, capsys):

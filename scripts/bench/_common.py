@@ -15,15 +15,13 @@ def skip_status(script: str, quick: bool) -> int | None:
     """None when `script` can run here: on a CUDA GPU, or with `--quick` in Triton's CPU interpreter
     (TRITON_INTERPRET=1, the smoke test). Otherwise say why and return the exit status: 0 without a GPU, so that
     `make bench` on a CPU machine goes on to the next script, and 2 for full sizes in the interpreter (hours)."""
-    if torch.cuda.is_available():
-        return None
     interpreter = os.environ.get("TRITON_INTERPRET") == "1"
-    if interpreter and quick:
-        return None
-    if interpreter:
-        print(f"{script}: full sizes in Triton's CPU interpreter would take hours; add --quick for its smoke test",
+    if interpreter and not quick:
+        print(f"{script}: full sizes in Triton's interpreter would take hours; add --quick for its smoke test",
               file=sys.stderr)
         return 2
+    if torch.cuda.is_available() or interpreter:
+        return None
     print(f"{script} times GPU kernels: it needs a CUDA GPU (skipped; on a CPU, `TRITON_INTERPRET=1 PYTHONPATH=src "
           f"python scripts/bench/{script} --quick` runs its smoke test)")
     return 0

@@ -104,7 +104,7 @@ def layer_check(device, quick):
     """The CHELA layer under bf16 autocast: backend triton vs torch (output, input gradient) and fwd+bwd ms."""
     from longmixer.mixers.chela import CHELA
 
-    B, L, D = (2, 40, 32) if quick else (8, 4096, 128)
+    B, L, D = (2, 136, 32) if quick else (8, 4096, 128)
     rows = []
     for causal in (False, True):
         torch.manual_seed(0)

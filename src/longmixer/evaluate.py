@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
 from longmixer.runs.run import to_number
-from longmixer.utils.compose import CONFIG_SEARCH_PATH, null_group_choices
+from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_null_group_choices
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
 
@@ -94,9 +94,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    if problem := null_group_choices(sys.argv[1:]):
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+    refuse_null_group_choices(sys.argv[1:])
     register_resolvers()
     # Hydra's own output (its log, .hydra/) goes to <run_dir>/eval too, never into a training run dir
     run_dirs = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("run_dir=")]

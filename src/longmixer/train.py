@@ -47,7 +47,7 @@ from longmixer.runs.run import (
     write_results,
 )
 from longmixer.runs.run_info import write_run_info
-from longmixer.utils.compose import CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer_blocks, null_group_choices
+from longmixer.utils.compose import CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer_blocks, refuse_null_group_choices
 from longmixer.utils.errors import UserFacingError
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
@@ -187,9 +187,7 @@ def _main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    if problem := null_group_choices(sys.argv[1:]):
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+    refuse_null_group_choices(sys.argv[1:])
     register_resolvers()
     _main()
 

@@ -15,6 +15,7 @@ the recipe, and must name the chosen model's family.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -31,28 +32,61 @@ class RecipeError(ValueError):
     """A recipe or ablation whose mixer blocks cannot apply to the chosen model; the message names the fix."""
 
 
+def _group_defaults(config_dir: str) -> dict[str, str | None]:
+    """train.yaml's defaults list: config group -> its default choice (None where the default is null)."""
+    defaults = OmegaConf.to_container(OmegaConf.load(Path(config_dir) / "train.yaml")).get("defaults", [])
+    return {key.removeprefix("optional ").strip(): value for entry in defaults if isinstance(entry, dict)
+            for key, value in entry.items()}
+
+
 def null_group_choices(argv: Sequence[str], config_dir: str = CONFIG_DIR) -> str | None:
-    """An error message for command-line arguments that choose `null` for a config group (`ablation=null`, or a sweep
-    `ablation=null,las/vanilla`), else None. Hydra fails on those at compose time with "Config group override must be
-    a string or a list. Got NoneType", naming neither the argument nor the fix, and in a multirun only once the sweep
-    has started."""
-    groups = {p.name for p in Path(config_dir).iterdir() if p.is_dir() and not p.name.startswith("_")}
+    """The error for a command line that chooses null for a config group, else None.
+
+    Hydra rejects `ablation=null` (or a sweep such as `ablation=null,las/vanilla`) at compose time with "Config group
+    override must be a string or a list. Got NoneType", which names neither the argument nor the fix, and in a
+    multirun only once the sweep has started. A deletion (`~ablation`, `~ablation=null`) is not a choice and passes.
+
+    Args:
+        argv: the command line after the program name (Hydra overrides and flags).
+        config_dir: the config tree whose folders are the config groups.
+
+    Returns:
+        The message, naming the argument and the fix, or None.
+    """
+    root = Path(config_dir)
+    groups = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    defaults = _group_defaults(config_dir)
     for arg in argv:
         key, sep, value = arg.partition("=")
-        key = key.lstrip("+~")
-        if not sep or "." in key or key.split("/")[0] not in groups:
+        if not sep or key.startswith("~"):
             continue
-        choices = value
-        for sweep in ("choice(", "range(", "glob("):
+        key = key.lstrip("+").split("@")[0]
+        if "." in key or key.split("/")[0] not in groups:
+            continue
+        choices = value.strip()
+        for sweep in ("choice(", "range(", "glob(", "sort(", "shuffle("):
             if choices.startswith(sweep) and choices.endswith(")"):
                 choices = choices[len(sweep):-1]
-        if "null" in (c.strip() for c in choices.split(",")):
-            rest = ",".join(c for c in choices.split(",") if c.strip() != "null")
-            fix = (f"leave {key} out to run without one; in a sweep, run that job as its own command and sweep "
-                   f"{key}={rest} in another" if rest else f"leave {key} out (or write ~{key}) to run without one")
-            return (f"{arg}: a config group ({key}) cannot be chosen as null on the command line (Hydra rejects it); "
-                    f"{fix}")
+        values = [c.strip() for c in choices.split(",")]
+        if not any(v.lower() == "null" for v in values):
+            continue
+        rest = ",".join(v for v in values if v and v.lower() != "null")
+        default = defaults.get(key)
+        drop = (f"leave {key} out to run without one" if key in defaults and default is None else
+                f"write ~{key} to run without one (leaving it out keeps {key}={default})" if key in defaults else
+                f"leave {key} out to run without one")
+        fix = (f"{drop}; in a sweep, run that job as its own command and sweep {key}={rest} in another" if rest
+               else drop)
+        return f"{arg}: a config group ({key}) cannot be chosen as null on the command line (Hydra rejects it); {fix}"
     return None
+
+
+def refuse_null_group_choices(argv: Sequence[str]) -> None:
+    """Exit with status 2 and `null_group_choices`' message before Hydra starts (the train and evaluate entry
+    points; logging is not configured yet, so the message goes to stderr as is)."""
+    if problem := null_group_choices(argv):
+        sys.stderr.write(f"error: {problem}\n")
+        raise SystemExit(2)
 
 
 def family_of(model: str) -> str:
