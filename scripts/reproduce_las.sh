@@ -14,6 +14,12 @@ PY=${PY:-python}
 SEEDS=${SEEDS:-0,1,2}
 TABLE=${1:-all}
 shift || true
+TABLES="all lra mnist ablation lm"
+if [[ " $TABLES " != *" $TABLE "* ]]; then
+  echo "error: unknown table '$TABLE': the first argument is one of: $TABLES; overrides follow it" \
+    "(e.g. bash scripts/reproduce_las.sh all trainer.devices=1)" >&2
+  exit 2
+fi
 
 if [[ $TABLE == all || $TABLE == lra ]]; then
   # Table 1 (LRA), LaS rows (full L x L attention: Text and Retrieval at 4K are the heavy ones).

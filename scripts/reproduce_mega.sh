@@ -13,6 +13,12 @@ PY=${PY:-python}
 SEEDS=${SEEDS:-0,1,2,3,4}
 TABLE=${1:-all}
 shift || true
+TABLES="all lra scifar sc10 lm"
+if [[ " $TABLES " != *" $TABLE "* ]]; then
+  echo "error: unknown table '$TABLE': the first argument is one of: $TABLES; overrides follow it" \
+    "(e.g. bash scripts/reproduce_mega.sh all trainer.devices=1)" >&2
+  exit 2
+fi
 
 if [[ $TABLE == all || $TABLE == lra ]]; then
   # LRA, MEGA (full attention) and MEGA-chunk. 1 GPU each; per seed, MEGA:

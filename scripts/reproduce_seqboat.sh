@@ -14,6 +14,12 @@ PY=${PY:-python}
 SEEDS=${SEEDS:-0,1,2}
 TABLE=${1:-all}
 shift || true
+TABLES="all lra sc10 lm ablation speed"
+if [[ " $TABLES " != *" $TABLE "* ]]; then
+  echo "error: unknown table '$TABLE': the first argument is one of: $TABLES; overrides follow it" \
+    "(e.g. bash scripts/reproduce_seqboat.sh all trainer.devices=1)" >&2
+  exit 2
+fi
 
 if [[ $TABLE == all || $TABLE == lra ]]; then
   # Table 1 (LRA): SeqBoat and SeqBoat-full rows. 1 GPU each;

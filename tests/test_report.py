@@ -168,6 +168,17 @@ def test_reproduce_scripts_name_existing_experiments(paper):
 
 
 @pytest.mark.parametrize("paper", ["chela", "longvq", "las", "seqboat", "mega"])
+def test_reproduce_script_refuses_an_unknown_table(paper):
+    """The first argument names the table; an override given in its place (`bash reproduce_x.sh trainer.devices=1`)
+    once matched no section and the script ran nothing, with exit 0."""
+    script = ROOT / "scripts" / f"reproduce_{paper}.sh"
+    proc = subprocess.run(["bash", str(script), "trainer.devices=1"], env={**os.environ, "PY": "echo"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and not proc.stdout
+    assert "unknown table 'trainer.devices=1'" in proc.stderr and f"reproduce_{paper}.sh all" in proc.stderr
+
+
+@pytest.mark.parametrize("paper", ["chela", "longvq", "las", "seqboat", "mega"])
 def test_reproduce_script_commands_compose_and_validate(paper, compose):
     """Every job a reproduce script launches composes as `python -m longmixer.train` would compose it and passes the
     config checks: each value of a swept group (ablation=a,b) with the first seed, so an ablation that no longer
