@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce CHELA (arXiv 2406.08128): every results table, five seeds where the paper averages five (Table 1).
-# Each line is one Hydra multirun; run dirs land in logs/runs/<experiment>/<hash>_seed<N>, and
+# Each line is one Hydra multirun (the multi-GPU DDP lines are single runs: Hydra's local multirun and DDP
+# do not mix, README "Multi-GPU"); run dirs land in logs/runs/<experiment>/<hash>_seed<N>, and
 #   python -m longmixer.report --runs logs/runs --out reports/ --papers chela
 # puts ours beside the paper's numbers. Data first: `make data TASK=<task>` (docs/data.md).
 # GPU counts are what one job needs (80 GB A100/H100). Times are per-seed estimates on one H200, training steps only
@@ -44,10 +45,10 @@ fi
 if [[ $TABLE == all || $TABLE == lm ]]; then
   # Table 4 (WikiText-103; paper 258M parameters, ours 247.2M with the 6,144-tap kernel covering the longest
   # training segment): the paper's 24 GPUs x 6144 tokens; with 8 GPUs, ~7 days. One seed.
-  $PY -m longmixer.train -m experiment=chela/wikitext103 seed=0 trainer=ddp trainer.devices=8 "$@"
+  $PY -m longmixer.train experiment=chela/wikitext103 seed=0 trainer=ddp trainer.devices=8 "$@"
   # Table 5 (enwik8; paper 48M parameters, ours 72.7M with the 8,192-tap segment kernel; experiment=chela/
   # enwik8_paper_params, a 4,096-tap kernel, has 47.5M): 8 GPUs, ~3 days. One seed.
-  $PY -m longmixer.train -m experiment=chela/enwik8 seed=0 trainer=ddp trainer.devices=8 "$@"
+  $PY -m longmixer.train experiment=chela/enwik8 seed=0 trainer=ddp trainer.devices=8 "$@"
 fi
 if [[ $TABLE == all || $TABLE == ablation ]]; then
   # Table 6 (structured mixer ablation on Text, Image, Path-X): 1 GPU; ~1 h / ~4 h / ~25 h per seed and mixer.

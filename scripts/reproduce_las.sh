@@ -58,7 +58,11 @@ fi
 if [[ $TABLE == all || $TABLE == lm ]]; then
   # Appendix C (WikiText-103, 12 layers x 768, context 512): vanilla, L-, S- and LaS attention, two seeds as the paper.
   # 4 GPUs, ~2 days per model and seed.
-  $PY -m longmixer.train -m experiment=las/wikitext103 seed=0,1 trainer=ddp trainer.devices=4 "$@"
-  $PY -m longmixer.train -m experiment=las/wikitext103 ablation=las/vanilla,las/l,las/s seed=0,1 \
-    trainer=ddp trainer.devices=4 "$@"
+  # DDP jobs run one at a time (Hydra's local multirun and DDP do not mix: README, "Multi-GPU").
+  for seed in 0 1; do
+    $PY -m longmixer.train experiment=las/wikitext103 seed=$seed trainer=ddp trainer.devices=4 "$@"
+    for ablation in las/vanilla las/l las/s; do
+      $PY -m longmixer.train experiment=las/wikitext103 ablation=$ablation seed=$seed trainer=ddp trainer.devices=4 "$@"
+    done
+  done
 fi

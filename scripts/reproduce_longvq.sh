@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce LongVQ (arXiv 2404.11163): every results table, five seeds where the paper averages five (Table 2).
-# Each line is one Hydra multirun; run dirs land in logs/runs/<experiment>/<hash>_seed<N>, and
+# Each line is one Hydra multirun (the multi-GPU DDP lines are single runs: Hydra's local multirun and DDP
+# do not mix, README "Multi-GPU"); run dirs land in logs/runs/<experiment>/<hash>_seed<N>, and
 #   python -m longmixer.report --runs logs/runs --out reports/ --papers longvq
 # puts ours beside the paper's numbers. Data first: `make data TASK=<task>` (docs/data.md).
 # GPU counts are what one job needs (80 GB A100/H100). Times are per-seed estimates on one H200, training steps only
@@ -36,9 +37,9 @@ fi
 if [[ $TABLE == all || $TABLE == lm ]]; then
   # Table 3 (WikiText-103; paper 254M parameters, ours 256.4M, 252.3M with model.mixer.tied_qk=true): 8 GPUs,
   # ~7 days. One seed.
-  $PY -m longmixer.train -m experiment=longvq/wikitext103 seed=0 trainer=ddp trainer.devices=8 "$@"
+  $PY -m longmixer.train experiment=longvq/wikitext103 seed=0 trainer=ddp trainer.devices=8 "$@"
   # Table 4 (enwik8; paper 47M parameters, ours 47.8M, 47.1M tied): 8 GPUs, ~3 days. One seed.
-  $PY -m longmixer.train -m experiment=longvq/enwik8 seed=0 trainer=ddp trainer.devices=8 "$@"
+  $PY -m longmixer.train experiment=longvq/enwik8 seed=0 trainer=ddp trainer.devices=8 "$@"
 fi
 if [[ $TABLE == all || $TABLE == sc10 ]]; then
   # Table 5 (Speech Commands SC10 raw; paper 542K parameters, ours 559,050, 541,500 with model.mixer.tied_qk=true).

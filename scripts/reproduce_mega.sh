@@ -45,9 +45,9 @@ if [[ $TABLE == all || $TABLE == sc10 ]]; then
 fi
 if [[ $TABLE == all || $TABLE == lm ]]; then
   # WikiText-103 (the official run: 24 GPUs x 6144 tokens); with 8 GPUs ~7 days. One seed.
-  $PY -m longmixer.train -m experiment=mega/wikitext103 model=mega_chunk seed=0 trainer=ddp trainer.devices=8 "$@"
+  $PY -m longmixer.train experiment=mega/wikitext103 model=mega_chunk seed=0 trainer=ddp trainer.devices=8 "$@"
   # enwik8 (8 GPUs x 8192 tokens, as the official run): ~3 days per model. One seed.
-  $PY -m longmixer.train -m experiment=mega/enwik8 seed=0 trainer=ddp trainer.devices=8 "$@"
-  $PY -m longmixer.train -m experiment=mega/enwik8 model=mega_chunk seed=0 trainer=ddp trainer.devices=8 "$@"
+  $PY -m longmixer.train experiment=mega/enwik8 seed=0 trainer=ddp trainer.devices=8 "$@"
+  $PY -m longmixer.train experiment=mega/enwik8 model=mega_chunk seed=0 trainer=ddp trainer.devices=8 "$@"
   # MEGA with full attention on WikiText-103 is not in any paper's tables: experiment=mega/wikitext103 exists.
 fi

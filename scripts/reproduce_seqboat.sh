@@ -37,7 +37,7 @@ if [[ $TABLE == all || $TABLE == sc10 ]]; then
 fi
 if [[ $TABLE == all || $TABLE == lm ]]; then
   # Table 3 (enwik8, training length 8192): 8 GPUs, ~3 days. One seed.
-  $PY -m longmixer.train -m experiment=seqboat/enwik8 seed=0 trainer=ddp trainer.devices=8 "$@"
+  $PY -m longmixer.train experiment=seqboat/enwik8 seed=0 trainer=ddp trainer.devices=8 "$@"
 fi
 if [[ $TABLE == all || $TABLE == ablation ]]; then
   # Table 7 (SeqBoat-full ablations on Image and ListOps; validation accuracy). 1 GPU; ~6-10 h / ~2-3 h per run.
