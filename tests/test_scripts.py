@@ -150,7 +150,22 @@ def test_long_span_skips_without_a_gpu(monkeypatch, capsys):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _bench_script("long_span").main([]) == 0
+    assert _bench_script("long_span").main(["--skip-parity", "--ops", "seqboat-full"]) == 0
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_seqboat_script_runs_the_sections_asked_for():
+    """`--sections` splits the script (whole, it runs past a ten-minute GPU call); only those tables print."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "seqboat.py"), "--quick", "--sections",
+                           "parity", "bandwidth"], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    headings = [line for line in proc.stdout.splitlines() if line.startswith("## ")]
+    assert [h.split()[1] for h in headings] == ["SeqBoat", "Reference"], headings  # parity, then bandwidth
 
 
 def test_long_span_baselines_are_the_previous_paths():

@@ -11,6 +11,7 @@ paper's scatter / gather implementation (the torch reference), on the GPU.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/seqboat.py            # GPU
     TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/bench/seqboat.py --quick    # CPU smoke test, tiny sizes
+    ... seqboat.py --sections parity layer    # some sections only (parity speed bandwidth layer)
 """
 
 from __future__ import annotations
@@ -185,38 +186,50 @@ def layer(device, quick):
     return rows
 
 
+SECTIONS = ("parity", "speed", "bandwidth", "layer")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU / interpreter smoke test)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="what to run (default: all; the reference's fwd+bwd in `speed` takes about a second a "
+                             "call at low activation, so the whole script runs past ten minutes on an H100)")
     args = parser.parse_args()
     if (status := skip_status("seqboat.py", args.quick)) is not None:
         return status
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
     print(f"device: {name}, torch {torch.__version__}", flush=True)
-    par, spd, bw = parity(device, args.quick), speed(device, args.quick), bandwidth(device, args.quick)
-    lay = layer(device, args.quick)
-    print("\n## SeqBoat sparse_local_attention: parity (max rel. error, Triton vs fp32 reference)\n")
-    print("| dtype | shape | opts | o | dq | dk | dv | dbias | ok |\n|---|---|---|---|---|---|---|---|---|")
-    for dt, shape, opts, errs, ok in par:
-        print(f"| {dt} | {shape} | `{opts}` | " + " | ".join(f"{e:.1e}" for e in errs.values()) + f" | {ok} |")
-    print(f"\n## Fused vs scatter/gather reference ({name}, window 256, K 64, V 256, 32K tokens per batch)\n")
-    print("| T | B | act. | ref fwd ms | fused fwd ms | ref f+b ms | fused f+b ms | speedup f / f+b | ref peak MiB "
-          "| fused peak MiB |\n|---|---|---|---|---|---|---|---|---|---|")
-    for L, B, rate, res in spd:
-        (rf, rb, rm), (tf, tb, tm) = res["torch"], res["triton"]
-        print(f"| {L} | {B} | {rate:.0%} | {rf:.3f} | {tf:.3f} | {rb:.3f} | {tb:.3f} | {rf / tf:.2f}x / "
-              f"{rb / tb:.2f}x | {rm:.0f} | {tm:.0f} |")
-    print("\n## Reference compress / extract bandwidth (bf16, B8 L8192 D512)\n")
-    print("| act. | compress GB/s | extract GB/s | copy GB/s |\n|---|---|---|---|")
-    for rate, c, e, cp in bw:
-        print(f"| {rate:.0%} | {c:.0f} | {e:.0f} | {cp:.0f} |")
-    print(f"\n## SeqBoat layer forward+backward ({name}, bf16 autocast, D 128, d_qk 64, d_v 256, w 256, 32K tokens)\n")
-    print("| T | B | act. | torch ms | triton ms | speedup | torch peak MiB | triton peak MiB |\n"
-          "|---|---|---|---|---|---|---|---|")
-    for L, B, rate, res in lay:
-        (rt, rm), (tt, tm) = res["torch"], res["triton"]
-        print(f"| {L} | {B} | {rate:.0%} | {rt:.2f} | {tt:.2f} | {rt / tt:.2f}x | {rm:.0f} | {tm:.0f} |")
+    run = {name: fn for name, fn in zip(SECTIONS, (parity, speed, bandwidth, layer)) if name in args.sections}
+    results = {name: fn(device, args.quick) for name, fn in run.items()}
+    par, spd, bw, lay = (results.get(name, []) for name in SECTIONS)
+    if "parity" in results:
+        print("\n## SeqBoat sparse_local_attention: parity (max rel. error, Triton vs fp32 reference)\n")
+        print("| dtype | shape | opts | o | dq | dk | dv | dbias | ok |\n|---|---|---|---|---|---|---|---|---|")
+        for dt, shape, opts, errs, ok in par:
+            print(f"| {dt} | {shape} | `{opts}` | " + " | ".join(f"{e:.1e}" for e in errs.values()) + f" | {ok} |")
+    if "speed" in results:
+        print(f"\n## Fused vs scatter/gather reference ({name}, window 256, K 64, V 256, 32K tokens per batch)\n")
+        print("| T | B | act. | ref fwd ms | fused fwd ms | ref f+b ms | fused f+b ms | speedup f / f+b | ref peak MiB "
+              "| fused peak MiB |\n|---|---|---|---|---|---|---|---|---|---|")
+        for L, B, rate, res in spd:
+            (rf, rb, rm), (tf, tb, tm) = res["torch"], res["triton"]
+            print(f"| {L} | {B} | {rate:.0%} | {rf:.3f} | {tf:.3f} | {rb:.3f} | {tb:.3f} | {rf / tf:.2f}x / "
+                  f"{rb / tb:.2f}x | {rm:.0f} | {tm:.0f} |")
+    if "bandwidth" in results:
+        print("\n## Reference compress / extract bandwidth (bf16, B8 L8192 D512)\n")
+        print("| act. | compress GB/s | extract GB/s | copy GB/s |\n|---|---|---|---|")
+        for rate, c, e, cp in bw:
+            print(f"| {rate:.0%} | {c:.0f} | {e:.0f} | {cp:.0f} |")
+    if "layer" in results:
+        print(f"\n## SeqBoat layer forward+backward ({name}, bf16 autocast, D 128, d_qk 64, d_v 256, w 256, 32K "
+              "tokens)\n")
+        print("| T | B | act. | torch ms | triton ms | speedup | torch peak MiB | triton peak MiB |\n"
+              "|---|---|---|---|---|---|---|---|")
+        for L, B, rate, res in lay:
+            (rt, rm), (tt, tm) = res["torch"], res["triton"]
+            print(f"| {L} | {B} | {rate:.0%} | {rt:.2f} | {tt:.2f} | {rt / tt:.2f}x | {rm:.0f} | {tm:.0f} |")
     if not all(row[-1] for row in par):
         raise SystemExit("parity FAILED")
 
