@@ -141,6 +141,21 @@ def test_ddp_two_cpu_processes_share_one_run_dir(tmp_path):
     assert (run_dirs[0] / "checkpoints" / "last.ckpt").exists()
 
 
+@pytest.mark.slow
+def test_multirun_refuses_ddp_ranks_that_would_rerun_the_sweep(tmp_path):
+    """Lightning starts DDP ranks by re-running the command line, so under a local multirun every rank ran the whole
+    sweep (README, "Multi-GPU": they do not mix). The job stops before training, naming the two ways that work."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline"}
+    overrides = [f"paths.log_dir={tmp_path / 'logs'}", f"paths.data_dir={tmp_path / 'data'}", *TINY_LISTOPS,
+                 *TINY_TRAINER, "seed=0,1", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+    proc = subprocess.run([sys.executable, "-m", "longmixer.train", "-m", *overrides], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "Hydra's local multirun and DDP do not mix" in proc.stdout + proc.stderr
+    assert "hydra/launcher=slurm" in proc.stdout + proc.stderr
+    assert not list((tmp_path / "logs").rglob("results.json")) and not list((tmp_path / "logs").rglob("*.ckpt"))
+
+
 def test_wandb_offline_run_keeps_its_id_across_resume(compose, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))

@@ -70,6 +70,24 @@ def train(cfg: DictConfig) -> dict:
             lock.release()
 
 
+def check_not_launching_ranks_in_a_sweep(trainer: pl.Trainer) -> None:
+    """Refuse a Hydra multirun job whose trainer would start its DDP ranks itself (Lightning's subprocess launcher
+    re-runs this command line, sweep included, in each new rank: every rank then runs the whole sweep, in step with
+    rank 0 only while the sweep is a grid run in order, and an Optuna sweep's ranks can train different trials
+    against each other). Ranks started outside (SLURM tasks, torchrun) and spawned ranks (`ddp_spawn`) pass."""
+    from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    launcher = getattr(trainer.strategy, "launcher", None)
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if (HydraConfig.get().mode == RunMode.MULTIRUN and isinstance(launcher, _SubprocessScriptLauncher)
+            and environment is not None and not environment.creates_processes_externally):
+        raise UserFacingError(
+            f"a multirun (-m) job with {type(trainer.strategy).__name__} on "
+            f"{trainer.num_devices} devices: Hydra's local multirun and DDP do not mix (each rank Lightning starts "
+            "re-runs the whole sweep). Run DDP jobs as single runs, one command per job (a shell loop over seeds), "
+            "or sweep with hydra/launcher=slurm, whose tasks start the ranks")
+
+
 def _train(cfg: DictConfig, run_dir: Path) -> dict:
     choices = dict(HydraConfig.get().runtime.choices)
     if rank_zero_only.rank == 0:
@@ -98,6 +116,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     # "partial": nested values reach the Trainer as plain dicts / lists (Lightning's Timer takes
     # `trainer.max_time={hours: 1}` only as a dict, not as an OmegaConf DictConfig)
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, _convert_="partial")
+    check_not_launching_ranks_in_a_sweep(trainer)
     if cfg.train:
         check_validation_reachable(cfg, datamodule, trainer.world_size)
 
