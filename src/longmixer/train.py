@@ -80,6 +80,7 @@ def check_not_launching_ranks_in_a_sweep(trainer: pl.Trainer) -> None:
     launcher = getattr(trainer.strategy, "launcher", None)
     environment = getattr(trainer.strategy, "cluster_environment", None)
     if (HydraConfig.get().mode == RunMode.MULTIRUN and isinstance(launcher, _SubprocessScriptLauncher)
+            and getattr(trainer.strategy, "num_processes", 1) > 1
             and environment is not None and not environment.creates_processes_externally):
         raise UserFacingError(
             f"a multirun (-m) job with {type(trainer.strategy).__name__} on "
