@@ -55,7 +55,6 @@ def null_group_choices(argv: Sequence[str], config_dir: str = CONFIG_DIR) -> str
     """
     root = Path(config_dir)
     groups = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_")}
-    defaults = _group_defaults(config_dir)
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep or key.startswith("~"):
@@ -71,10 +70,9 @@ def null_group_choices(argv: Sequence[str], config_dir: str = CONFIG_DIR) -> str
         if not any(v.lower() == "null" for v in values):
             continue
         rest = ",".join(v for v in values if v and v.lower() != "null")
-        default = defaults.get(key)
-        drop = (f"leave {key} out to run without one" if key in defaults and default is None else
-                f"write ~{key} to run without one (leaving it out keeps {key}={default})" if key in defaults else
-                f"leave {key} out to run without one")
+        default = _group_defaults(config_dir).get(key)  # read only for the error: not on every start
+        drop = (f"write ~{key} to run without one (leaving it out keeps {key}={default})" if default is not None
+                else f"leave {key} out to run without one")
         fix = (f"{drop}; in a sweep, run that job as its own command and sweep {key}={rest} in another" if rest
                else drop)
         return f"{arg}: a config group ({key}) cannot be chosen as null on the command line (Hydra rejects it); {fix}"
