@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from types import SimpleNamespace
 
@@ -43,7 +44,7 @@ def test_num_classes_is_checked(bad):
     (SimpleNamespace(few_shapes=False), "default"),          # each batch to its own longest
     (None, "default"),                                       # data that does not say: no CUDA graphs
 ])
-def test_auto_compile_follows_the_datamodules_shapes_on_cuda(monkeypatch, datamodule, expected):
+def test_auto_compile_follows_the_datamodules_shapes_on_cuda(monkeypatch, caplog, datamodule, expected):
     import longmixer.tasks.base as base
 
     chosen = []
@@ -51,8 +52,10 @@ def test_auto_compile_follows_the_datamodules_shapes_on_cuda(monkeypatch, datamo
     task = Classification(_Logits(), *OPTIM, num_classes=3, compile="auto")
     task._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)),
                                     datamodule=datamodule)
-    task.configure_model()
+    with caplog.at_level(logging.INFO, logger="longmixer.tasks.base"):
+        task.configure_model()
     assert chosen == [expected] and task.compiled_as == expected
+    assert f"task.compile=auto -> {expected} on cuda:0" in caplog.text  # the run's log says what auto chose
 
 
 class _Linear(nn.Module):

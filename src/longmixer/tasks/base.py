@@ -120,6 +120,9 @@ class SequenceTask(pl.LightningModule):
         # CUDA graphs only then, and not for data that does not say (a user's own datamodule, bare dataloaders)
         few_shapes = getattr(getattr(self._trainer, "datamodule", None), "few_shapes", False)
         self.compiled_as = resolve_compile_mode(self.compile_mode, device, few_shapes=few_shapes)
+        if self.compile_mode == "auto":
+            log.info("task.compile=auto -> %s on %s (batches of %s)", self.compiled_as, device,
+                     "few shapes" if few_shapes else "any length")
         compile_blocks(self.model, self.compiled_as, entry=self.compile_entry)
 
     def on_fit_start(self) -> None:
