@@ -119,6 +119,26 @@ def test_kernel_scripts_skip_without_a_gpu_and_refuse_full_sizes_in_the_interpre
     assert "add --quick" in capsys.readouterr().err
 
 
+def test_kernel_scripts_fail_on_a_parity_error_out_of_bound(capsys):
+    """las_attention.py, linear_attention.py and vq_attention.py go on to time their kernels after the parity
+    checks, and exit 1 at the end when a case was out of its bound (a NaN too), naming each."""
+    _bench_script("las_attention")  # puts scripts/bench on sys.path for `_common`
+    import _common
+
+    failures = []
+    _common.out_of_bound(failures, "fp32 o", 3e-7, 1e-4)
+    assert failures == [] and _common.parity_status("x.py", failures) == 0
+    _common.out_of_bound(failures, "bf16 dq", 5e-2, 2e-2)
+    _common.out_of_bound(failures, "bf16 dk", float("nan"), 2e-2)
+    assert _common.parity_status("x.py", failures) == 1
+    err = capsys.readouterr().err
+    assert "x.py: parity FAILED bf16 dq: 5.00e-02 > 2e-02" in err and "bf16 dk: nan > 2e-02" in err
+    for name in ("las_attention", "linear_attention", "vq_attention"):
+        script = _bench_script(name)
+        assert set(script.PARITY_BOUND) == {"float32", "bfloat16"}
+        assert 'parity_status("' + name + '.py"' in (ROOT / "scripts" / "bench" / f"{name}.py").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, args", [("ema_chunked", []), ("las_attention", ["--only", "ours_dispatch"]),
                                         ("linear_attention", []), ("mega", []), ("seqboat", []),

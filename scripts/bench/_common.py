@@ -71,3 +71,17 @@ def fwd_bwd(fn, tensors):
         for t in tensors:
             t.grad = None
     return run
+
+
+def out_of_bound(failures: list[str], label: str, err: float, bound: float) -> None:
+    """Record `label` in `failures` when its parity error `err` is above `bound` or not a number."""
+    if not err <= bound:  # NaN fails too
+        failures.append(f"{label}: {err:.2e} > {bound:.0e}")
+
+
+def parity_status(script: str, failures: list[str]) -> int:
+    """The exit status of a kernel script after its parity checks: 1 when any case was out of its bound (each named
+    on stderr), so that a run that goes on to time a wrong kernel still fails; else 0."""
+    for failure in failures:
+        print(f"{script}: parity FAILED {failure}", file=sys.stderr)
+    return 1 if failures else 0

@@ -28,7 +28,11 @@ from torch.nn import functional as F
 from longmixer.ops.las_attention import las_attention, las_attention_ref, las_attention_separable_ref, smooth_values
 from longmixer.ops.las_attention.function import las_attention_flash, las_attention_separable
 
-from _common import peak_mem, skip_status  # scripts/bench/_common.py (this folder is sys.path[0])
+from _common import out_of_bound, parity_status, peak_mem, skip_status  # scripts/bench/_common.py (this folder is sys.path[0])
+
+# parity bounds (relative L2 error against float64), as scripts/bench/parity.py's: the GPU gave float32 <= 1.1e-6
+# and bf16 <= 5.6e-3 (docs/benchmarks.md)
+PARITY_BOUND = {"float32": 1e-4, "bfloat16": 2e-2}
 
 H, K = 8, 64
 
@@ -260,11 +264,19 @@ def main() -> int | None:
     summary = f"parity: {len(prows)} checks, worst relative error {worst:.2e}, all finite: " \
               f"{all(r['finite'] for r in prows)}"
     print("\n" + summary + "\n\n" + md)
+    failures = []
+    for r in prows:  # relative L2 errors against float64; the bounds of scripts/bench/parity.py
+        label = f"B={r['B']} L={r['L']} b={r['B_decay']} {r['dtype']} {r['path']}"
+        if not r["finite"]:
+            failures.append(f"{label}: not finite")
+        for n in ("o", "dq", "dk", "dv"):
+            out_of_bound(failures, f"{label} {n}", r[n], PARITY_BOUND[r["dtype"]])
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "las_attention.json"), "w") as f:
             json.dump(dict(parity=prows, speed=srows, bwd_sweep=wrows), f, indent=1)
         with open(os.path.join(os.environ["OUT"], "las_attention.md"), "w") as f:
             f.write(summary + "\n\n" + md + "\n")
+    return parity_status("las_attention.py", failures)
 
 
 if __name__ == "__main__":

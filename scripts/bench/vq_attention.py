@@ -28,7 +28,15 @@ import triton
 
 from longmixer.ops.vq_attention import vq_attention, vq_search, vq_search_ref, window_bias
 
-from _common import skip_status  # scripts/bench/_common.py (this folder is sys.path[0])
+from _common import out_of_bound, parity_status, skip_status  # scripts/bench/_common.py (this folder is sys.path[0])
+
+# parity bounds. Attention (max error relative to max |ref|): float32 against float64 1e-4, as scripts/bench/parity.py;
+# bf16 against float32 3e-2 (recorded on GPUs up to 1.84e-2, bidirectional B1 L4133 S300: less margin than parity.py's
+# 2e-2 leaves, docs/benchmarks.md). Search (tf32 distances): codes equal to an exact search for >= 99% of keys
+# (99.8-99.9% recorded), the chosen codeword at most 1e-2 farther than the best (2e-3), and the statistics of the
+# kernel's own codes within 1e-4 (counts exact, sums 2e-6).
+PARITY_BOUND = {"float32": 1e-4, "bfloat16": 3e-2}
+SEARCH_AGREE, SEARCH_GAP, SEARCH_STATS = 0.99, 1e-2, 1e-4
 
 
 def rel_err(ref, out):
@@ -177,12 +185,16 @@ def attention_timing(device, quick):
     return rows
 
 
+CRASHED: list[str] = []  # the parts that raised (a parity part among them fails the run)
+
+
 def section(fn, device, quick):
     """Run one part; a failure is printed and leaves its table empty so the other parts still report."""
     try:
         return fn(device, quick)
     except Exception:  # a benchmark run reports every part it can; the traceback is in the output
         traceback.print_exc()
+        CRASHED.append(fn.__name__)
         return []
 
 
@@ -206,6 +218,15 @@ def main():
     print("| shape | codes equal to exact | worst distance gap | counts err | sums err |\n|---|---|---|---|---|")
     for shape, agree, gap, ec, es in s_rows:
         print(f"| {shape} | {agree:.5f} | {gap:.1e} | {ec:.1e} | {es:.1e} |")
+    failures = [f"{part}: raised (traceback above)" for part in CRASHED if "parity" in part]
+    for shape, mode, dtype, errs in p_rows:
+        for n, e in zip(("o", "dq", "dk", "dv", "dbias"), errs):
+            out_of_bound(failures, f"{shape} {mode} {dtype} {n}", e, PARITY_BOUND[dtype])
+    for shape, agree, gap, ec, es in s_rows:
+        out_of_bound(failures, f"search {shape} share of codes not exact", 1 - agree, 1 - SEARCH_AGREE)
+        out_of_bound(failures, f"search {shape} distance gap", gap, SEARCH_GAP)
+        out_of_bound(failures, f"search {shape} counts", ec, SEARCH_STATS)
+        out_of_bound(failures, f"search {shape} sums", es, SEARCH_STATS)
     print("\n### VQ search + statistics, E=64, S=512, bf16 keys (ms; peak MiB)\n")
     print("| N keys | torch materialized | Triton fused (+stats) | speedup | Triton codes only | peak MiB torch | "
           "peak MiB Triton |\n|---|---|---|---|---|---|---|")
@@ -220,6 +241,7 @@ def main():
         print(f"| {r['T']} | {r['B']} | {mode} | {r['ours_fwd']:.3f} | {r['ours_fb']:.3f} | "
               f"{r['ours_fb'] / (r['B'] * r['T']) * 1e6:.0f} | {r['sdpa_fwd']:.3f} | {r['sdpa_fb']:.3f} | "
               f"{r['sdpa_fb'] / r['ours_fb']:.2f}x | {r['ref_fb']:.3f} | {r['ours_mem']:.0f} | {r['sdpa_mem']:.0f} |")
+    return parity_status("vq_attention.py", failures)
 
 
 if __name__ == "__main__":
