@@ -18,7 +18,10 @@ from longmixer.ops.ema import ema, ema_ref
 from longmixer.ops.ema.function import ema_fft
 
 # scripts/bench/_common.py (this folder is sys.path[0])
-from _common import ROWS, bench, fwd_bwd, peak_mem, rel, row, skip_status
+from _common import ROWS, bench, fwd_bwd, out_of_bound, parity_status, peak_mem, rel, row, skip_status
+
+# parity bounds (relative L2 error against float64, worst over y and every gradient), "float32" keys and 16-bit ones
+PARITY_BOUND = {"float32": 1e-5, "16-bit": 2e-2}
 
 
 def inputs(B, L, D, N, bidirectional, device, dtype, seed=0):
@@ -164,7 +167,10 @@ def main() -> int:
         if not args.skip_sweep:
             sweep(device, args.quick)
     print("\n".join(["", "summary:"] + ROWS))
-    return 1 if any(v > (1e-5 if "float32" in k else 2e-2) for k, v in worst.items()) else 0
+    failures = []
+    for key, err in worst.items():
+        out_of_bound(failures, f"worst {key}", err, PARITY_BOUND["float32" if "float32" in key else "16-bit"])
+    return parity_status("ema_chunked.py", failures)
 
 
 def speed_fp32_row(device):
