@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hydra.utils import instantiate
 
-    from longmixer.data.download import DataDownloadError
-    from longmixer.data.integrity import DataIntegrityError
+    from longmixer.utils.errors import UserFacingError
 
     cfg = compose_data(args.task, args.overrides)
     datamodule = instantiate(cfg.data)
@@ -64,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         datamodule.prepare_data()
         checked = datamodule.verify()
         datamodule.setup("fit")
-    except (DataDownloadError, DataIntegrityError) as err:
-        # the same one-line message a training run ends with, without the library traceback
+    except (UserFacingError, ValueError, FileNotFoundError) as err:
+        # the one-line message a training run ends with, without the library traceback: download and integrity
+        # errors, a missing source file, and the readers' errors, which name the file and line of a malformed source
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"{args.task}: prepared at {datamodule.root} ({checked} files match their sha256)")

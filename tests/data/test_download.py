@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import logging
+import os
 import threading
 
 import pytest
@@ -116,3 +117,48 @@ def test_progress_logs_at_deciles_without_a_terminal(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == "generating x: 20/200 images" and lines[-1] == "generating x: 200/200 images"
     assert len(lines) == 10
+
+
+def _zip(path, members: dict[str, bytes]):
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return path
+
+
+def test_extract_is_all_or_nothing_and_a_killed_one_is_redone(tmp_path):
+    """A killed extraction leaves files under their final names in a naive unpack, which a rerun's "does it exist"
+    test takes for complete ones. `extract` unpacks into a scratch folder, moves the members into place and writes
+    its marker last; `extracted` is False until then, and a rerun replaces what an interrupted attempt left."""
+    archive = _zip(tmp_path / "corpus.zip", {"corpus/train.txt": b"x" * 1000, "corpus/test.txt": b"y" * 10,
+                                             "top.txt": b"z"})
+    dest = tmp_path / "raw"
+    # what an interrupted attempt leaves: a cut file under its final name, a half-filled scratch folder
+    (dest / "corpus").mkdir(parents=True)
+    (dest / "corpus" / "train.txt").write_bytes(b"x" * 300)
+    (dest / ".extracting-corpus.zip" / "corpus").mkdir(parents=True)
+    assert not dl.extracted(dest, "corpus.zip")
+    dl.extract(archive, dest)
+    assert dl.extracted(dest, "corpus.zip")
+    assert (dest / "corpus" / "train.txt").read_bytes() == b"x" * 1000
+    assert (dest / "corpus" / "test.txt").read_bytes() == b"y" * 10 and (dest / "top.txt").read_bytes() == b"z"
+    assert sorted(p.name for p in dest.iterdir()) == [".extracted-corpus.zip", "corpus", "top.txt"]
+
+
+def test_a_cut_archive_stops_with_one_line_and_leaves_nothing(tmp_path):
+    import tarfile
+
+    good = tmp_path / "data.tar.gz"
+    payload = tmp_path / "payload.bin"
+    payload.write_bytes(os.urandom(200_000))
+    with tarfile.open(good, "w:gz") as t:
+        t.add(payload, arcname="data/payload.bin")
+    cut = tmp_path / "cut" / "data.tar.gz"
+    cut.parent.mkdir()
+    cut.write_bytes(good.read_bytes()[:len(good.read_bytes()) // 2])
+    dest = tmp_path / "raw"
+    with pytest.raises(DataDownloadError, match=r"could not be unpacked .*delete .*data.tar.gz and run the same"):
+        dl.extract(cut, dest)
+    assert not dl.extracted(dest, "data.tar.gz") and list(dest.iterdir()) == []

@@ -197,3 +197,38 @@ def test_a_training_run_with_missing_source_data_prints_one_line(tmp_path):
     assert proc.returncode == 2, output[-2000:]
     assert "Traceback" not in output
     assert "basic_train.tsv is missing: point data.source_dir" in output
+
+
+def test_prepared_data_needs_no_lock_to_be_used(tmp_path):
+    """A current manifest is read before any lock is taken, so a prepared copy on a read-only disk (a shared data
+    folder) can be trained on: `prepare_data` writes nothing there."""
+    dm = ListOps(data_dir=tmp_path / "data", source_dir=write_listops(tmp_path / "src"))
+    dm.prepare_data()
+    (dm.root / ".lock").unlink(missing_ok=True)
+    before = sorted(p.name for p in dm.root.iterdir())
+    ListOps(data_dir=tmp_path / "data", source_dir=tmp_path / "src").prepare_data()
+    assert sorted(p.name for p in dm.root.iterdir()) == before
+
+
+def test_a_source_that_fails_the_checks_is_not_marked_prepared(tmp_path):
+    """The cheap checks run at the end of preparing too: a source whose labels are out of range gets no manifest
+    (so no later run takes it for complete), and the error names the source and the fix."""
+    from longmixer.data.base import SequenceDataModule, label_counts
+
+    class _Toy(SequenceDataModule):
+        name = "toy"
+        num_classes = 3
+
+        def _prepare(self, root):
+            labels = np.array([0, 1, 5])
+            np.save(root / "train.labels.npy", labels)
+            return {"train": {"count": 3, "labels": label_counts(labels)}}, {}
+
+    dm = _Toy(data_dir=tmp_path / "data")
+    dm.source_dir = tmp_path / "src"
+    with pytest.raises(DataIntegrityError) as err:
+        dm.prepare_data()
+    message = str(err.value)
+    assert "label 5 at index 2 is outside [0, data.num_classes=3)" in message and "not marked prepared" in message
+    assert f"correct the files in data.source_dir={tmp_path / 'src'}" in message and "re-run" not in message
+    assert not (dm.root / "manifest.json").exists()

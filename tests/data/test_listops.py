@@ -112,3 +112,46 @@ def test_deleted_prepared_file_is_reported(tmp_path):
 def test_labels_are_not_degenerate():
     labels = np.array([t for _, t in generate(SPEC, seed=1)])
     assert len(np.unique(labels)) >= 5
+
+
+def test_a_spec_with_too_few_distinct_examples_stops_with_the_fix(monkeypatch):
+    """A spec whose length window holds fewer distinct trees than asked for used to loop forever; after a few
+    shards that add nothing the generator names the spec and what to change."""
+    import longmixer.data.generators.listops as gen
+
+    monkeypatch.setattr(gen, "SHARD", 32)
+    monkeypatch.setattr(gen, "STALL_SHARDS", 3)
+    spec = ListOpsSpec(num_train=500, num_val=5, num_test=5, min_length=0, max_length=5)
+    with pytest.raises(gen.ListOpsSpecError, match=r"only \d+ distinct examples with 0 < length < 5 .*Widen "
+                                                   r"data.min_length / data.max_length"):
+        list(generate(spec, seed=0))
+    monkeypatch.setattr(gen, "SHARD_TRIES", 200)  # no tree at all in the window: each shard gives up
+    with pytest.raises(gen.ListOpsSpecError, match="only 0 distinct examples with 1 < length < 3"):
+        list(generate(ListOpsSpec(num_train=5, num_val=1, num_test=1, min_length=1, max_length=3), seed=0))
+
+
+def test_blank_lines_are_not_examples(tmp_path):
+    from longmixer.data.listops import read_tsv
+
+    path = tmp_path / "basic_train.tsv"
+    path.write_text("Source\tTarget\n( [MAX 1 2 ] )\t2\n\n")
+    assert read_tsv(path)[1] == [2]
+
+
+def test_prepare_script_reports_a_malformed_source_in_one_line(tmp_path, capsys):
+    """`scripts/prepare_data.py` (`make data`) ends with `error: <file:line: what>` and exit 2 for a malformed source
+    file, as for a download or integrity error, not with a traceback."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "prepare_data.py"
+    spec = importlib.util.spec_from_file_location("prepare_data", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    src = tmp_path / "src"
+    src.mkdir()
+    for split in ("train", "val", "test"):
+        (src / f"basic_{split}.tsv").write_text("Source\tTarget\n( [MAX 1 2 ] )\t12\n")
+    assert module.main(["listops", f"paths.data_dir={tmp_path / 'data'}", f"data.source_dir={src}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "basic_train.tsv:2: expected `<source>\\t<digit 0-9>`" in err

@@ -119,3 +119,19 @@ def test_listops_official_mode_reads_the_release(tmp_path, server):
     url, _ = server
     release = lra.ensure_lra_release(tmp_path / "lra_release", url=url)
     assert Path(release / "listops-1000" / "basic_train.tsv").exists()
+
+
+def test_an_extraction_cut_short_is_redone(tmp_path, server):
+    """A killed extraction leaves the part's folders (and a cut file) without its `.extracted-<part>` marker and
+    with `.extracting-<part>`: the next call unpacks the part again instead of taking the folders as a release
+    unpacked by hand."""
+    url, _ = server
+    release = lra.ensure_lra_release(tmp_path, parts=["listops-1000"], url=url)
+    train = lra.listops_dir(release) / "basic_train.tsv"
+    whole = train.read_bytes()
+    train.write_bytes(whole[: len(whole) // 3])  # what the kill left
+    (tmp_path / ".extracted-listops-1000").unlink()
+    (tmp_path / ".extracting-listops-1000").touch()
+    assert lra.ensure_lra_release(tmp_path, parts=["listops-1000"], url=url) == release
+    assert train.read_bytes() == whole
+    assert (tmp_path / ".extracted-listops-1000").exists() and not (tmp_path / ".extracting-listops-1000").exists()

@@ -84,3 +84,11 @@ def test_another_seq_len_needs_a_new_prepare(aan):
     other.prepare_data()  # rebuilds at the new length
     other.setup("fit")
     assert max(len(other.datasets["train"][i]["inputs"]) for i in range(4)) == 16
+
+
+def test_blank_lines_are_not_examples(tmp_path):
+    """A trailing newline too many (an editor's, a concatenation's) is not a truncated row."""
+    folder = write_retrieval_fixture(tmp_path)["source_dir"]
+    path = tmp_path / "padded.tsv"
+    path.write_bytes(open(f"{folder}/new_aan_pairs.train.tsv", "rb").read() + b"\n\r\n")
+    assert read_aan_tsv(path, max_len=100)[2] == [1, 0, 1, 0, 0, 1, 0, 1]

@@ -116,3 +116,26 @@ def test_a_crafted_pickle_with_a_forbidden_global_is_refused(tmp_path):
     path.write_bytes(b"not a pickle")
     with pytest.raises(ValueError, match="not a readable CIFAR-10 python batch"):
         read_cifar_batch(path)
+
+
+def test_labels_outside_cifar10_name_the_batch(tmp_path):
+    """A label outside 0-9 (a CIFAR-100 batch, a damaged file) is refused while reading, naming the file, before
+    anything is marked prepared."""
+    import pickle
+
+    import numpy as np
+
+    path = tmp_path / "test_batch"
+    path.write_bytes(pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [3, 10]}))
+    with pytest.raises(ValueError, match=r"test_batch: expected 2 labels in \[0, 10\), got shape \(2,\) with values 3..10"):
+        read_cifar_batch(path)
+
+
+def test_a_missing_batch_names_the_fix_for_where_it_came_from(tmp_path):
+    from longmixer.data.integrity import SourceFileMissingError
+    from longmixer.data.scifar import read_cifar_split
+
+    with pytest.raises(SourceFileMissingError, match="lacks \\['test_batch'\\]; point data.source_dir"):
+        read_cifar_split(tmp_path, ["test_batch"], from_source=True)
+    with pytest.raises(SourceFileMissingError, match="lacks \\['test_batch'\\]; delete .* download and unpack"):
+        read_cifar_split(tmp_path / "raw" / "cifar-10-batches-py", ["test_batch"], from_source=False)

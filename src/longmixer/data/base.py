@@ -326,22 +326,45 @@ class SequenceDataModule(pl.LightningDataModule):
         wanted = json.loads(json.dumps(self.fingerprint()))
         return {k: (meta.get(k), v) for k, v in wanted.items() if meta.get(k) != v}
 
+    def _manifest_staleness(self) -> dict[str, tuple] | None:
+        """None where no manifest exists; else what differs between it and the requested settings (empty: it is
+        current)."""
+        manifest_path = self.root / MANIFEST
+        if not manifest_path.exists():
+            return None
+        try:
+            return self._stale(json.loads(manifest_path.read_text()).get("meta", {}))
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            return {"manifest.json": ("unreadable", "rebuild")}
+
     def prepare_data(self) -> None:
+        # data that is already prepared needs no lock: a shared, read-only copy can be trained on
+        if self._manifest_staleness() == {}:
+            return
         self.root.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.root / ".lock")):
-            manifest_path = self.root / MANIFEST
-            if manifest_path.exists():
-                try:
-                    stale = self._stale(json.loads(manifest_path.read_text()).get("meta", {}))
-                except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-                    stale = {"manifest.json": ("unreadable", "rebuild")}
-                if not stale:
-                    return
+            stale = self._manifest_staleness()  # again under the lock: another process may have prepared it
+            if stale == {}:
+                return
+            if stale is not None:
                 log.warning("prepared data at %s was made with other settings (key: (prepared, requested) = %s); "
                             "rebuilding it", self.root, stale)
-                manifest_path.unlink()
+                (self.root / MANIFEST).unlink()
             splits, meta = self._prepare(self.root)
             write_manifest(self.root, splits, {**meta, **self.fingerprint()})
+            try:  # the source's own faults (a label out of range, ...) must not pass as a complete dataset
+                check_prepared(self.root, read_manifest(self.root, self.prepare_hint), self.prepare_hint,
+                               num_classes=getattr(self, "num_classes", None),
+                               vocab_size=getattr(self, "vocab_size", None))
+            except DatasetNotPreparedError as err:
+                (self.root / MANIFEST).unlink()
+                source = getattr(self, "source_dir", None)
+                fix = (f"correct the files in data.source_dir={source}" if source is not None else
+                       f"delete {self.root} and run `{self.prepare_hint}` again to download the source afresh")
+                reason = str(err).split("; delete ")[0]  # its own fix (delete and re-prepare) would repeat this
+                raise DataIntegrityError(f"the {self.name} data prepared from "
+                                         f"{source if source is not None else 'the download'} fails its checks, so it "
+                                         f"is not marked prepared: {reason}; {fix}") from None
             log.info("prepared %s at %s: %s", self.name, self.root,
                      {k: v.get("count") for k, v in splits.items()})
 

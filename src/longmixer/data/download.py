@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import tarfile
 import time
@@ -18,6 +19,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,12 +178,53 @@ def _fetch(url: str, part: Path, expected_size: int | None, chunk: int) -> None:
                                 f"to resume (the partial file is {part})")
 
 
+def extract_marker(dest: Path, archive_name: str) -> Path:
+    """The file that `extract` writes in `dest` once every member of `archive_name` is in place."""
+    return Path(dest) / f".extracted-{archive_name}"
+
+
+def extracted(dest: Path, archive_name: str) -> bool:
+    """Whether `extract` finished unpacking `archive_name` into `dest` (a killed extraction leaves no marker)."""
+    return extract_marker(dest, archive_name).exists()
+
+
 def extract(archive: Path, dest: Path) -> None:
-    """Unpack a .tar(.gz) or .zip archive into `dest`."""
+    """Unpack a .tar(.gz) or .zip archive into `dest`, all or nothing.
+
+    The members are unpacked into a scratch folder `dest/.extracting-<archive>` first, then each top-level entry is
+    moved to its final name in `dest` (replacing what an earlier, unfinished attempt left there) and the marker
+    `extract_marker` is written last. A killed extraction therefore leaves no partial file under a final name that a
+    rerun could take for the real one: the rerun sees no marker (`extracted`) and unpacks again.
+
+    Raises:
+        DataDownloadError: the archive is damaged or cut short (an interrupted or bad download), naming it and the fix.
+    """
+    archive, dest = Path(archive), Path(dest)
     log.info("extracting %s -> %s", archive, dest)
-    if archive.suffix == ".zip":
-        with zipfile.ZipFile(archive) as z:
-            z.extractall(dest)
-    else:
-        with tarfile.open(archive) as t:
-            t.extractall(dest, filter="data")
+    scratch = dest / f".extracting-{archive.name}"
+    marker = extract_marker(dest, archive.name)
+    marker.unlink(missing_ok=True)
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    scratch.mkdir(parents=True)
+    try:
+        if archive.suffix == ".zip":
+            with zipfile.ZipFile(archive) as z:
+                z.extractall(scratch)
+        else:
+            with tarfile.open(archive) as t:
+                t.extractall(scratch, filter="data")
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error) as err:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise DataDownloadError(f"{archive} could not be unpacked ({type(err).__name__}: {err}): a damaged or cut "
+                                f"download; delete {archive} and run the same command again to download it afresh, "
+                                "or pass data.source_dir=<folder> with the files extracted by hand") from None
+    for entry in scratch.iterdir():
+        target = dest / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        os.replace(entry, target)
+    scratch.rmdir()
+    marker.write_text(f"{archive.name}\n")

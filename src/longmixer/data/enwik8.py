@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from longmixer.data.lm_stream import LMDataModule
-from longmixer.data.download import download, extract
+from longmixer.data.download import download, extract, extracted
 
 ENWIK8_URL = "https://mattmahoney.net/dc/enwik8.zip"  # no checksum published: recorded at first download
 ENWIK8_BYTES = 100_000_000
@@ -65,7 +65,7 @@ class Enwik8(LMDataModule):
 
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         raw = (self.source_dir or root / "raw") / "enwik8"
-        if self.source_dir is None and not raw.exists():
+        if self.source_dir is None and not extracted(root / "raw", "enwik8.zip"):
             extract(download(ENWIK8_URL, root / "raw" / "enwik8.zip"), root / "raw")
         data = np.fromfile(raw, dtype=np.uint8)
         splits = {}

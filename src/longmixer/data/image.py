@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
-from longmixer.data.download import download, extract
-from longmixer.data.scifar import CIFAR10_PIN, CIFAR10_URL, holdout_split, read_cifar_batch
+from longmixer.data.download import download, extract, extracted
+from longmixer.data.scifar import CIFAR10_PIN, CIFAR10_URL, holdout_split, read_cifar_split
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +102,11 @@ class GrayscaleCIFAR(SequenceDataModule):
 
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         raw = self.source_dir or root / "raw" / "cifar-10-batches-py"
-        if self.source_dir is None and not raw.exists():
+        if self.source_dir is None and not extracted(root / "raw", "cifar-10-python.tar.gz"):
             extract(download(CIFAR10_URL, root / "raw" / "cifar-10-python.tar.gz", CIFAR10_PIN), root / "raw")
         splits = {}
         for split, files in (("train", [f"data_batch_{i}" for i in range(1, 6)]), ("test", ["test_batch"])):
-            missing = [f for f in files if not (raw / f).exists()]
-            if missing:
-                raise FileNotFoundError(f"{raw} lacks {missing}; point data.source_dir at an extracted "
-                                        "cifar-10-batches-py folder or set it to null to download")
-            parts = [read_cifar_batch(raw / f) for f in files]
+            parts = read_cifar_split(raw, files, self.source_dir is not None)
             gray = rgb_to_gray(np.concatenate([p[0] for p in parts]))  # [N, 1024]
             labels = np.concatenate([p[1] for p in parts])
             np.save(root / f"{split}.images.npy", gray)

@@ -42,6 +42,8 @@ def read_tsv(path: Path) -> tuple[list[np.ndarray], list[int]]:
         raise ValueError(f"{path} is not an LRA ListOps TSV: its header is {header!r}, expected "
                          "['Source', 'Target']")
     for line_no, row in enumerate(reader, start=2):
+        if not any(cell.strip() for cell in row):
+            continue  # a blank line (a trailing newline too many): no example
         if len(row) != 2 or not row[1].strip().isdigit() or not 0 <= int(row[1]) <= 9:
             raise ValueError(f"{path}:{line_no}: expected `<source>\\t<digit 0-9>`, got {row[:2]!r}")
         sequences.append(tokenize(row[0]))

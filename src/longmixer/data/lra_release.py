@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import tarfile
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from longmixer.data.download import download, progress
+from longmixer.data.download import DataDownloadError, download, progress
 from longmixer.data.integrity import SourceFileMissingError
 
 log = logging.getLogger(__name__)
@@ -39,22 +40,38 @@ def find_release_dir(root: Path) -> Path | None:
 
 
 def extract(archive: Path, dest: Path, parts: Sequence[str] | None = None) -> None:
-    """Stream the tar.gz into `dest`, keeping only members under the top-level `parts` (all when None); a marker
-    `.extracted-<part>` per part is written once its members are out."""
+    """Stream the tar.gz into `dest`, keeping only members under the top-level `parts` (all when None). Each part
+    carries a marker `.extracting-<part>` while its members come out and `.extracted-<part>` once all are out, so a
+    killed extraction (the archive is 18.6 GB unpacked) is told from a finished one and redone.
+
+    Raises:
+        DataDownloadError: the archive is damaged or cut short, naming it and the fix.
+    """
     wanted = tuple(parts) if parts else PARTS
     unknown = [p for p in wanted if p not in PARTS]
     if unknown:
         raise ValueError(f"parts={unknown} are not in the LRA release; choose from {PARTS}")
-    with progress(f"extracting {archive.name}", archive.stat().st_size, unit="bytes") as advance, \
-            open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r|gz") as tar:
-        done = 0
-        for member in tar:
-            if any(part in Path(member.name).parts for part in wanted):
-                tar.extract(member, dest, filter="data")
-            advance(raw.tell() - done)
-            done = raw.tell()
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
     for part in wanted:
-        (Path(dest) / f".extracted-{part}").touch()
+        (dest / f".extracted-{part}").unlink(missing_ok=True)
+        (dest / f".extracting-{part}").touch()
+    try:
+        with progress(f"extracting {archive.name}", archive.stat().st_size, unit="bytes") as advance, \
+                open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r|gz") as tar:
+            done = 0
+            for member in tar:
+                if any(part in Path(member.name).parts for part in wanted):
+                    tar.extract(member, dest, filter="data")
+                advance(raw.tell() - done)
+                done = raw.tell()
+    except (tarfile.TarError, EOFError, zlib.error) as err:
+        raise DataDownloadError(f"{archive} could not be unpacked ({type(err).__name__}: {err}): a damaged or cut "
+                                f"download; delete {archive} and run the same command again to download it afresh "
+                                "(the parts unpacked so far are redone)") from None
+    for part in wanted:
+        (dest / f".extracted-{part}").touch()
+        (dest / f".extracting-{part}").unlink()
 
 
 def ensure_lra_release(root: Path, parts: Sequence[str] | None = None, url: str = LRA_URL) -> Path:
@@ -62,7 +79,7 @@ def ensure_lra_release(root: Path, parts: Sequence[str] | None = None, url: str 
     `pathfinder*/`.
 
     A release already extracted under `root` (by this function, or by hand: `tar xzf lra_release.gz -C root`) is
-    used as it is. Otherwise `root/lra_release.gz` is downloaded (resumable) and the requested `parts` extracted.
+    used as it is; one whose extraction by this function was cut short is extracted again. Otherwise `root/lra_release.gz` is downloaded (resumable) and the requested `parts` extracted.
 
     Args:
         root: where the archive and its extracted tree live (`<data_dir>/lra_release`).
@@ -79,7 +96,10 @@ def ensure_lra_release(root: Path, parts: Sequence[str] | None = None, url: str 
         raise ValueError(f"parts={unknown} are not in the LRA release; choose from {PARTS}")
     found = find_release_dir(root)
     done = all((root / f".extracted-{p}").exists() for p in wanted)
-    if found is not None and (done or all((found / p).is_dir() for p in wanted)):
+    # a tree unpacked by hand has no markers and is taken as it is; one that `extract` began and did not finish
+    # (`.extracting-<part>`) is unpacked again
+    interrupted = any((root / f".extracting-{p}").exists() for p in wanted)
+    if found is not None and not interrupted and (done or all((found / p).is_dir() for p in wanted)):
         return found
     archive = download(url, root / ARCHIVE_NAME)
     extract(archive, root, wanted)

@@ -40,6 +40,8 @@ def read_aan_tsv(path: Path, max_len: int) -> tuple[list[np.ndarray], list[np.nd
     docs1, docs2, labels, raw_lengths = [], [], [], []
     with open(path, "rb") as f:  # bytes: the documents are byte-encoded anyway, and no decoding can fail
         for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # a blank line (a trailing newline too many): no example
             cols = line.rstrip(b"\r\n").split(b"\t")
             if len(cols) != 5:
                 raise ValueError(f"{path}:{line_no}: expected 5 tab-separated columns (label, id1, id2, text1, "

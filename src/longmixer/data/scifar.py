@@ -13,8 +13,8 @@ Source: the CIFAR-10 python tarball (`cifar-10-batches-py/{data_batch_1..5, test
 
 from __future__ import annotations
 
-import logging
 import io
+import logging
 import pickle
 from pathlib import Path
 
@@ -23,7 +23,8 @@ import torch
 from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
-from longmixer.data.download import Pin, download, extract
+from longmixer.data.download import Pin, download, extract, extracted
+from longmixer.data.integrity import SourceFileMissingError
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,28 @@ def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if data.ndim != 2 or data.shape[1] != 3 * SIDE * SIDE:
         raise ValueError(f"{path}: expected b'data' of shape [N, 3072], got {data.shape}")
     images = data.reshape(-1, 3, SIDE * SIDE).transpose(0, 2, 1)  # [N, 1024, 3]
-    return np.ascontiguousarray(images), np.asarray(batch[b"labels"], dtype=np.int64)
+    labels = np.asarray(batch[b"labels"], dtype=np.int64)
+    if labels.shape != (len(images),) or (labels.size and not 0 <= labels.min() <= labels.max() < 10):
+        raise ValueError(f"{path}: expected {len(images)} labels in [0, 10), got shape {labels.shape} with values "
+                         f"{labels.min() if labels.size else '-'}..{labels.max() if labels.size else '-'}; is it "
+                         "a CIFAR-10 batch (not CIFAR-100)?")
+    return np.ascontiguousarray(images), labels
+
+
+def read_cifar_split(raw: Path, files: list[str], from_source: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`read_cifar_batch` of each of `files` in `raw`, after checking that all are there.
+
+    Raises:
+        SourceFileMissingError: naming the missing batches and the fix (`from_source`: the folder was given as
+            data.source_dir; else it came from the download).
+    """
+    missing = [f for f in files if not (Path(raw) / f).exists()]
+    if missing:
+        fix = ("point data.source_dir at a complete extracted cifar-10-batches-py folder, or leave it unset to "
+               "download" if from_source else
+               f"delete {Path(raw).parent} and run the same command again to download and unpack it afresh")
+        raise SourceFileMissingError(f"{raw} lacks {missing}; {fix}")
+    return [read_cifar_batch(Path(raw) / f) for f in files]
 
 
 def holdout_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -162,11 +184,11 @@ class SCIFAR(SequenceDataModule):
 
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         raw = self.source_dir or root / "raw" / "cifar-10-batches-py"
-        if self.source_dir is None and not raw.exists():
+        if self.source_dir is None and not extracted(root / "raw", "cifar-10-python.tar.gz"):
             extract(download(CIFAR10_URL, root / "raw" / "cifar-10-python.tar.gz", CIFAR10_PIN), root / "raw")
         splits = {}
         for split, files in (("train", [f"data_batch_{i}" for i in range(1, 6)]), ("test", ["test_batch"])):
-            parts = [read_cifar_batch(raw / f) for f in files]
+            parts = read_cifar_split(raw, files, self.source_dir is not None)
             images = np.concatenate([p[0] for p in parts])
             labels = np.concatenate([p[1] for p in parts])
             np.save(root / f"{split}.images.npy", images)

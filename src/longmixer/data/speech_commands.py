@@ -27,7 +27,8 @@ import torch
 from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
-from longmixer.data.download import Pin, download, extract
+from longmixer.data.download import Pin, download, extract, extracted
+from longmixer.data.integrity import SourceFileMissingError
 from longmixer.data.scifar import check_shapes
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ def official_split(files: list[str], raw: Path) -> dict[str, np.ndarray]:
     for split, name in (("val", "validation_list.txt"), ("test", "testing_list.txt")):
         path = raw / name
         if not path.exists():
-            raise FileNotFoundError(f"data.split=official needs {path} (part of the Speech Commands archive)")
+            raise SourceFileMissingError(f"data.split=official needs {path} (part of the Speech Commands archive): "
+                                         "point data.source_dir at a complete copy, or use data.split=stratified")
         lists[split] = set(path.read_text().split())
     where = np.array(["val" if f in lists["val"] else "test" if f in lists["test"] else "train" for f in files])
     return {s: np.flatnonzero(where == s) for s in ("train", "val", "test")}
@@ -139,7 +141,7 @@ class SpeechCommands(SequenceDataModule):
 
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         raw = self.source_dir or root / "raw"
-        if self.source_dir is None and not all((raw / word).is_dir() for word in SC10_CLASSES):
+        if self.source_dir is None and not extracted(raw, "speech_commands_v0.02.tar.gz"):
             extract(download(SC_URL, raw / "speech_commands_v0.02.tar.gz", SC_PIN), raw)
         files, labels, clips, dropped = [], [], [], 0
         for label, word in enumerate(SC10_CLASSES):
@@ -154,7 +156,8 @@ class SpeechCommands(SequenceDataModule):
                 labels.append(label)
                 clips.append(samples)
         if not clips:
-            raise FileNotFoundError(f"no full-length 16 kHz clips of {SC10_CLASSES} under {raw}")
+            raise SourceFileMissingError(f"no full-length 16 kHz clips of {SC10_CLASSES} under {raw}: point "
+                                         "data.source_dir at the extracted Speech Commands v0.02 folders")
         np.save(root / "audio.npy", np.stack(clips).astype(np.int16))  # [N, 16000]
         np.save(root / "labels.npy", np.asarray(labels, dtype=np.int64))
         (root / "files.txt").write_text("\n".join(files) + "\n")

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from longmixer.data.lm_stream import LMDataModule
-from longmixer.data.download import download, extract
+from longmixer.data.download import download, extract, extracted
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class WikiText103(LMDataModule):
 
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         raw = self.source_dir or root / "raw" / "wikitext-103"
-        if self.source_dir is None and not all((raw / f).exists() for f in SPLIT_FILES.values()):
+        if self.source_dir is None and not extracted(root / "raw", "wikitext-103-v1.zip"):
             extract(download(WT103_URL, root / "raw" / "wikitext-103-v1.zip"), root / "raw")
         log.info("counting the WikiText-103 training vocabulary")
         vocab = build_vocab(raw / SPLIT_FILES["train"])

@@ -15,9 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
+from longmixer.utils.errors import UserFacingError
+
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")  # [FIRST and [LAST are defined but disabled in LRA
 END = "]"
 VALUE_P = 0.25  # a node becomes a leaf when r > VALUE_P: leaf probability 0.75
+
+
+class ListOpsSpecError(UserFacingError, ValueError):
+    """A generator spec that cannot give the number of distinct examples asked for."""
 
 
 @dataclass(frozen=True)
@@ -81,16 +87,22 @@ def evaluate(tree) -> int:
 
 
 SHARD = 512  # samples per generator shard: the unit of parallel work; fixed, so the output never depends on workers
+SHARD_TRIES = 100 * SHARD  # draws a shard makes at most
+STALL_SHARDS = 8  # consecutive shards that add no new example before `generate` gives up on its spec
 
 
 def _shard(spec: ListOpsSpec, seed: int, index: int) -> list[tuple[str, int]]:
     """SHARD (source, target) pairs with min_length < length < max_length from shard `index`'s own RNG."""
     rng = random.Random(f"listops:{seed}:{index}")  # str seeds hash deterministically (sha512)
     out = []
-    while len(out) < SHARD:
+    # a spec that no tree meets would loop forever: stop after SHARD_TRIES draws (LRA's lengths accept about 8% of
+    # the trees, so a shard of theirs ends after about 6,000 draws and never meets the cap)
+    for _ in range(SHARD_TRIES):
         tree = sample_tree(rng, 1, spec)
         if spec.min_length < tree_length(tree) < spec.max_length:
             out.append((to_string(tree), evaluate(tree)))
+            if len(out) == SHARD:
+                break
     return out
 
 
@@ -123,7 +135,9 @@ def generate(spec: ListOpsSpec, seed: int, progress: Callable[[int], None] | Non
 
         pool = multiprocessing.get_context("spawn").Pool(workers)
     try:
+        stalled = 0
         for samples in shards(pool):
+            before = len(seen)
             for source, target in samples:
                 if source in seen:
                     continue
@@ -133,6 +147,14 @@ def generate(spec: ListOpsSpec, seed: int, progress: Callable[[int], None] | Non
                 yield source, target
                 if len(seen) == total:
                     return
+            stalled = stalled + 1 if len(seen) == before else 0
+            if stalled == STALL_SHARDS:
+                raise ListOpsSpecError(
+                    f"the ListOps generator found only {len(seen)} distinct examples with {spec.min_length} < length "
+                    f"< {spec.max_length} (max_depth={spec.max_depth}, max_args={spec.max_args}), and its last "
+                    f"{STALL_SHARDS} shards of samples added none: fewer than the {total} asked for "
+                    "(data.num_train + data.num_val + data.num_test). Widen data.min_length / data.max_length, raise "
+                    "data.max_depth / data.max_args, or ask for fewer examples")
     finally:
         if pool is not None:
             pool.terminate()
