@@ -232,3 +232,30 @@ def test_a_source_that_fails_the_checks_is_not_marked_prepared(tmp_path):
     assert "label 5 at index 2 is outside [0, data.num_classes=3)" in message and "not marked prepared" in message
     assert f"correct the files in data.source_dir={tmp_path / 'src'}" in message and "re-run" not in message
     assert not (dm.root / "manifest.json").exists()
+
+
+def test_a_failed_rebuild_for_other_settings_keeps_the_data_prepared_before(tmp_path):
+    """Asking for other settings rebuilds the task's folder; the old files are set aside until the new ones are
+    complete, so a rebuild that fails (here: the new source folder is missing) or is killed leaves the old data in
+    place, and a run with the old settings goes on without preparing again."""
+    src = write_listops(tmp_path / "src")
+    dm = ListOps(data_dir=tmp_path / "data", source_dir=src)
+    dm.prepare_data()
+    manifest = (dm.root / "manifest.json").read_text()
+    with pytest.raises(FileNotFoundError, match="basic_train.tsv is missing"):
+        ListOps(data_dir=tmp_path / "data", source_dir=tmp_path / "moved").prepare_data()
+    assert (dm.root / "manifest.json").read_text() == manifest and not (dm.root / ".previous").exists()
+    again = ListOps(data_dir=tmp_path / "data", source_dir=src)
+    again.prepare_data()
+    again.setup()
+    assert again.verify() > 0
+    # a rebuild killed midway: the old files set aside, a half-written array in their place
+    (dm.root / ".previous").mkdir()
+    for path in [p for p in dm.root.iterdir() if p.is_file() and p.name != ".lock"]:
+        path.rename(dm.root / ".previous" / path.name)
+    (dm.root / "train.labels.npy").write_bytes(b"half")
+    resumed = ListOps(data_dir=tmp_path / "data", source_dir=src)
+    resumed.prepare_data()
+    assert (dm.root / "manifest.json").read_text() == manifest and not (dm.root / ".previous").exists()
+    resumed.setup()
+    assert resumed.verify() > 0

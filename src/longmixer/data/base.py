@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ from longmixer.data.integrity import (DataIntegrityError, DatasetNotPreparedErro
 
 log = logging.getLogger(__name__)
 
+SET_ASIDE = ".previous"  # the prepared files of other settings, kept while a rebuild runs
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2
 
@@ -83,6 +85,28 @@ def write_manifest(root: Path, splits: Mapping[str, Mapping[str, Any]], meta: Ma
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
     os.replace(tmp, root / MANIFEST)
     return manifest
+
+
+def _prepared_files(root: Path) -> list[Path]:
+    """The prepared files of `root`: its top-level files (the arrays and the manifest; downloads live in folders)."""
+    return [p for p in root.iterdir() if p.is_file() and p.name != ".lock"]
+
+
+def _set_prepared_aside(root: Path, aside: Path) -> None:
+    """Move the prepared files (manifest included) into `aside` while a rebuild for other settings runs: renames,
+    so a run still reading the old arrays through memory maps keeps reading them."""
+    aside.mkdir()
+    for path in _prepared_files(root):
+        os.replace(path, aside / path.name)
+
+
+def _restore_prepared(root: Path, aside: Path) -> None:
+    """Undo `_set_prepared_aside`: drop what the unfinished rebuild wrote at the top level, move the old files back."""
+    for path in _prepared_files(root):
+        path.unlink()
+    for path in aside.iterdir():
+        os.replace(path, root / path.name)
+    aside.rmdir()
 
 
 def read_manifest(root: Path, prepare_hint: str) -> dict:
@@ -343,30 +367,47 @@ class SequenceDataModule(pl.LightningDataModule):
             return
         self.root.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.root / ".lock")):
+            aside = self.root / SET_ASIDE
+            if aside.exists():  # a rebuild for other settings was killed: its half-made files go, the old data returns
+                _restore_prepared(self.root, aside)
             stale = self._manifest_staleness()  # again under the lock: another process may have prepared it
             if stale == {}:
                 return
             if stale is not None:
                 log.warning("prepared data at %s was made with other settings (key: (prepared, requested) = %s); "
-                            "rebuilding it", self.root, stale)
-                (self.root / MANIFEST).unlink()
-            splits, meta = self._prepare(self.root)
-            write_manifest(self.root, splits, {**meta, **self.fingerprint()})
-            try:  # the source's own faults (a label out of range, ...) must not pass as a complete dataset
-                check_prepared(self.root, read_manifest(self.root, self.prepare_hint), self.prepare_hint,
-                               num_classes=getattr(self, "num_classes", None),
-                               vocab_size=getattr(self, "vocab_size", None))
-            except DatasetNotPreparedError as err:
-                (self.root / MANIFEST).unlink()
-                source = getattr(self, "source_dir", None)
-                fix = (f"correct the files in data.source_dir={source}" if source is not None else
-                       f"delete {self.root} and run `{self.prepare_hint}` again to download the source afresh")
-                reason = str(err).split("; delete ")[0]  # its own fix (delete and re-prepare) would repeat this
-                raise DataIntegrityError(f"the {self.name} data prepared from "
-                                         f"{source if source is not None else 'the download'} fails its checks, so it "
-                                         f"is not marked prepared: {reason}; {fix}") from None
+                            "rebuilding it (the old files are kept until the new ones are complete)", self.root, stale)
+                _set_prepared_aside(self.root, aside)
+            try:
+                splits = self._prepare_and_check()
+            except BaseException:
+                if stale is not None:
+                    _restore_prepared(self.root, aside)
+                    log.warning("rebuilding %s failed; the data prepared before (with %s) is back in place",
+                                self.root, {k: prepared for k, (prepared, _) in stale.items()})
+                raise
+            if stale is not None:
+                shutil.rmtree(aside)
             log.info("prepared %s at %s: %s", self.name, self.root,
                      {k: v.get("count") for k, v in splits.items()})
+
+    def _prepare_and_check(self) -> dict:
+        """`_prepare` into the root, the manifest, then the checks `setup()` runs: the source's own faults (a label out
+        of range, an empty split) must not pass as a complete dataset. Returns the splits' summary."""
+        splits, meta = self._prepare(self.root)
+        write_manifest(self.root, splits, {**meta, **self.fingerprint()})
+        try:
+            check_prepared(self.root, read_manifest(self.root, self.prepare_hint), self.prepare_hint,
+                           num_classes=getattr(self, "num_classes", None), vocab_size=getattr(self, "vocab_size", None))
+        except DatasetNotPreparedError as err:
+            (self.root / MANIFEST).unlink()
+            source = getattr(self, "source_dir", None)
+            fix = (f"correct the files in data.source_dir={source}" if source is not None else
+                   f"delete {self.root} and run `{self.prepare_hint}` again to download the source afresh")
+            reason = str(err).split("; delete ")[0]  # its own fix (delete and re-prepare) would repeat this
+            raise DataIntegrityError(f"the {self.name} data prepared from "
+                                     f"{source if source is not None else 'the download'} fails its checks, so it "
+                                     f"is not marked prepared: {reason}; {fix}") from None
+        return splits
 
     def setup(self, stage: str | None = None) -> None:
         if self.datasets:
