@@ -26,47 +26,87 @@ from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
 from longmixer.runs.run import to_number
 from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_null_group_choices
 from longmixer.utils.config import validate_config
+from longmixer.utils.errors import UserFacingError
 from longmixer.utils.resolvers import register_resolvers
 
 log = logging.getLogger("longmixer")
 
 
-def _run_config(run_dir: Path, cfg: DictConfig) -> DictConfig:
-    """The run's stored config with this invocation's `trainer.*` device keys and `ckpt_path` on top."""
+class EvaluateError(UserFacingError, FileNotFoundError):
+    """A run dir or checkpoint that evaluate cannot use; the message names it and the fix."""
+
+
+# the trainer keys that say where and how the evaluation runs, which this invocation may change (the run's other
+# trainer keys stay as trained)
+DEVICE_KEYS = ("accelerator", "devices", "strategy", "num_nodes", "precision")
+
+
+def _device_overrides(overrides: list[str]) -> tuple[bool, set[str]]:
+    """From this invocation's command-line overrides: whether it chose a `trainer=<name>` group, and which
+    `trainer.<key>=` device keys it set."""
+    group = any(o.lstrip("+~").split("=", 1)[0] == "trainer" for o in overrides)
+    keys = {o.lstrip("+~").split("=", 1)[0].split(".", 1)[1] for o in overrides
+            if o.lstrip("+~").startswith("trainer.")}
+    return group, {k for k in keys if k in DEVICE_KEYS}
+
+
+def _run_config(run_dir: Path, cfg: DictConfig, overrides: list[str] = ()) -> DictConfig:
+    """The run's stored config with this invocation's `trainer.*` device keys (`trainer=cpu`, or
+    `trainer.accelerator=...`: a run trained on a GPU re-scored on a CPU) and `ckpt_path` on top."""
     path = run_dir / "config_resolved.yaml"
     if not path.is_file():
-        raise FileNotFoundError(f"run_dir={run_dir} holds no config_resolved.yaml; pass a run dir made by train")
+        raise EvaluateError(f"run_dir={run_dir} holds no config_resolved.yaml; pass a run dir made by train "
+                            "(logs/runs/<run name>/<hash>_seed<seed>)")
     stored = OmegaConf.create(yaml.safe_load(path.read_text()))
+    group, keys = _device_overrides(list(overrides))
     with open_dict(stored):
         stored.ckpt_path = cfg.ckpt_path
         stored.logger = None
         stored.callbacks = None
+        for key in DEVICE_KEYS if group else sorted(keys):
+            if key in cfg.trainer:
+                stored.trainer[key] = cfg.trainer[key]
+            elif group:
+                stored.trainer.pop(key, None)  # the chosen trainer leaves it at Lightning's default
     return stored
+
+
+def _check_fits(task, state: dict, ckpt: Path, run_dir: Path) -> None:
+    """Refuse a checkpoint whose weights are not this run's model's (another run's, another family's) before
+    Lightning's strict load dumps every key."""
+    wanted, found = set(task.state_dict()), set(state.get("state_dict", {}))
+    missing, unexpected = sorted(wanted - found), sorted(found - wanted)
+    if missing or unexpected:
+        raise EvaluateError(f"{ckpt} does not hold the weights of the model in {run_dir / 'config_resolved.yaml'}: "
+                            f"{len(missing)} of its parameters are missing (e.g. {missing[:2]}) and {len(unexpected)} "
+                            f"are not its own (e.g. {unexpected[:2]}); pass a checkpoint of this run "
+                            f"({run_dir / 'checkpoints'}) or the run_dir of the run that wrote it")
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Validate and test one checkpoint; writes `<run_dir>/eval/<checkpoint stem>/results.json`."""
     run_dir = Path(cfg.run_dir) if cfg.get("run_dir") else None
     if run_dir is None:
-        raise ValueError("evaluate needs run_dir=<a training run dir>; it reads that run's config and writes "
-                         "under <run_dir>/eval/")
-    run_cfg = _run_config(run_dir, cfg)
+        raise EvaluateError("evaluate needs run_dir=<a training run dir>; it reads that run's config and writes "
+                            "under <run_dir>/eval/")
+    run_cfg = _run_config(run_dir, cfg, _invocation_overrides())
     validate_config(run_cfg)
     ckpt_dir = run_dir / "checkpoints"
     if cfg.ckpt_path is not None:
         ckpt = Path(cfg.ckpt_path)
         if not ckpt.is_file():
-            raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path} does not exist")
+            raise EvaluateError(f"ckpt_path={cfg.ckpt_path} does not exist; the run's checkpoints are in {ckpt_dir}")
     else:
         results = run_dir / "results.json"
         best = json.loads(results.read_text()).get("best_ckpt") if results.is_file() else None
         if not best:
-            raise FileNotFoundError(f"{results} records no best checkpoint; pass ckpt_path=<file.ckpt>")
+            raise EvaluateError(f"{results} records no best checkpoint (the run has not finished); pass "
+                                f"ckpt_path=<file.ckpt>, e.g. {ckpt_dir / 'last.ckpt'}")
         moved = ckpt_dir / Path(best).name
         if Path(best).resolve().parent != ckpt_dir.resolve() and moved.is_file():
             best = str(moved)  # the run dir was moved (another machine or root) after results.json was written
         ckpt = Path(trusted_best_path(best, ckpt_dir))
-    load_checkpoint(ckpt)  # refuse a corrupt or unsafe file before building anything
+    state = load_checkpoint(ckpt)  # refuse a corrupt or unsafe file before building anything
     out_dir = run_dir / "eval" / ckpt.stem
     out_dir.mkdir(parents=True, exist_ok=True)
     with open_dict(run_cfg):
@@ -76,6 +116,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         run_cfg.trainer.enable_model_summary = False
     datamodule = instantiate(run_cfg.data)
     task = instantiate(run_cfg.task)
+    _check_fits(task, state, ckpt, run_dir)
+    del state
     trainer = instantiate(run_cfg.trainer, callbacks=[])
     metrics: dict[str, float] = {}
     for result in trainer.validate(task, datamodule=datamodule, ckpt_path=str(ckpt), weights_only=True,
@@ -88,9 +130,20 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+def _invocation_overrides() -> list[str]:
+    """The command line's overrides (Hydra's record of them; none outside a Hydra app, e.g. in tests)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_SEARCH_PATH, config_name="train")
 def _main(cfg: DictConfig) -> None:
-    evaluate(cfg)
+    try:
+        evaluate(cfg)
+    except UserFacingError as err:
+        log.error("%s", err)
+        sys.exit(2)
 
 
 def main() -> None:
@@ -99,6 +152,10 @@ def main() -> None:
     # Hydra's own output (its log, .hydra/) goes to <run_dir>/eval too, never into a training run dir
     run_dirs = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("run_dir=")]
     if run_dirs:
+        if not (Path(run_dirs[-1]) / "config_resolved.yaml").is_file():  # before Hydra makes <run_dir>/eval
+            print(f"error: run_dir={run_dirs[-1]} is not a training run dir (no config_resolved.yaml there); "
+                  "pass one made by train (logs/runs/<run name>/<hash>_seed<seed>)", file=sys.stderr)
+            sys.exit(2)
         sys.argv += [f"hydra.run.dir={Path(run_dirs[-1]) / 'eval'}"]
     _main()
 

@@ -190,3 +190,67 @@ def test_a_longer_time_budget_is_not_drift_but_more_steps_are():
     assert config_drift(stored, {"trainer": {"max_time": "00:00:16:00", "max_steps": 100}}) == {}
     assert config_drift(stored, {"trainer": {"max_time": "00:00:16:00", "max_steps": 200}}) == {
         "trainer.max_steps": (100.0, 200.0)}
+
+
+@pytest.mark.parametrize("content", [b"hello: world\n", b"", b"\x00" * 64, b"[1, 2, 3]"])
+def test_a_file_that_is_no_checkpoint_is_a_checkpoint_error(tmp_path, content):
+    """Text, empty or zero files make torch's safe unpickler raise KeyError / IndexError / EOFError...; every one
+    is a `CheckpointError` naming the file, so resume skips it and evaluate refuses it in one line."""
+    path = tmp_path / "last.ckpt"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match="last.ckpt"):
+        load_checkpoint(path)
+
+
+def test_resume_skips_a_last_ckpt_that_is_no_checkpoint(compose, tmp_path):
+    from longmixer.runs.checkpoints import newest_intact
+
+    train(compose(BASE))
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "last.ckpt").write_text("hello: world\n")
+    assert newest_intact(ckpts).name.startswith("best-")
+    torch.save([1, 2], ckpts / "last.ckpt")  # loads, but is no Lightning checkpoint
+    assert newest_intact(ckpts).name.startswith("best-")
+
+
+def test_evaluate_refuses_what_it_cannot_use_in_one_line(compose, tmp_path):
+    """Errors a user fixes: a file that is no checkpoint, another model's checkpoint (before Lightning's strict load
+    lists every key), a missing ckpt_path or run dir; each a UserFacingError naming the file."""
+    from longmixer.evaluate import EvaluateError, evaluate
+    from longmixer.utils.errors import UserFacingError
+
+    train(compose(BASE))
+    run = tmp_path / "run"
+    with pytest.raises(CheckpointError, match="config_resolved.yaml .*not a checkpoint"):
+        evaluate(compose([f"run_dir={run}", f"ckpt_path={run / 'config_resolved.yaml'}"]))
+    other = tmp_path / "other.ckpt"
+    state = load_checkpoint(next((run / "checkpoints").glob("best-*.ckpt")))
+    state["state_dict"] = {f"model.other.{i}": torch.zeros(1) for i in range(3)}
+    torch.save(state, other)
+    with pytest.raises(EvaluateError, match="does not hold the weights of the model in .*config_resolved.yaml"):
+        evaluate(compose([f"run_dir={run}", f"ckpt_path={other}"]))
+    with pytest.raises(EvaluateError, match="does not exist; the run's checkpoints are in"):
+        evaluate(compose([f"run_dir={run}", f"ckpt_path={tmp_path / 'nope.ckpt'}"]))
+    with pytest.raises(EvaluateError, match="holds no config_resolved.yaml"):
+        evaluate(compose([f"run_dir={tmp_path / 'nope'}"]))
+    assert issubclass(EvaluateError, UserFacingError) and issubclass(CheckpointError, UserFacingError)
+
+
+def test_evaluate_takes_the_invocations_device_keys(tmp_path):
+    """`evaluate run_dir=<a GPU run> trainer=cpu` re-scores it on a CPU: a trainer group chosen on the command line
+    replaces the stored device keys, and single `trainer.<key>=` overrides replace theirs; the rest stays."""
+    from omegaconf import OmegaConf
+
+    from longmixer.evaluate import _run_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config_resolved.yaml").write_text(
+        "trainer: {accelerator: gpu, devices: 1, precision: bf16-mixed, max_steps: 9}\nckpt_path: null\n")
+    cfg = OmegaConf.create({"ckpt_path": None, "trainer": {"accelerator": "cpu", "devices": 1,
+                                                           "precision": "32-true", "max_steps": 1}})
+    moved = _run_config(run, cfg, ["trainer=cpu"]).trainer
+    assert (moved.accelerator, moved.precision, moved.max_steps) == ("cpu", "32-true", 9)
+    one = _run_config(run, cfg, ["trainer.precision=32-true"]).trainer
+    assert (one.accelerator, one.precision) == ("gpu", "32-true")
+    assert _run_config(run, cfg, []).trainer.accelerator == "gpu"

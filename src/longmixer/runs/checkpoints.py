@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import logging
 import pickle
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from longmixer.utils.errors import UserFacingError
 
 log = logging.getLogger("longmixer")
 
 ALLOWED_GLOBALS: list[Any] = []  # nothing beyond torch's own weights_only set is needed by our checkpoints
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserFacingError, RuntimeError):
     """A checkpoint file is unreadable or refused by the safe loader; the message names the file."""
 
 
@@ -44,11 +45,13 @@ def load_checkpoint(path: str | Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        raise CheckpointError(f"refused to load {path}: it holds objects outside the weights-only allowlist (a "
-                              f"checkpoint is data, never code). Loader said: {str(err).splitlines()[0]}") from err
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as err:
-        raise CheckpointError(f"cannot read checkpoint {path} ({type(err).__name__}: {err}); it is truncated or "
-                              "corrupt") from err
+        raise CheckpointError(f"refused to load {path}: it is corrupt, or holds objects outside the weights-only "
+                              f"allowlist (a checkpoint is data, never code). Loader said: "
+                              f"{str(err).splitlines()[0]}") from err
+    except Exception as err:  # noqa: BLE001 - any file that is no checkpoint: the safe unpickler of a text or
+        # other non-zip file raises KeyError / IndexError / TypeError as well as the usual read errors
+        raise CheckpointError(f"cannot read checkpoint {path} ({type(err).__name__}: {err}); it is truncated, "
+                              "corrupt or not a checkpoint") from err
 
 
 def is_intact(path: Path) -> bool:
@@ -57,7 +60,10 @@ def is_intact(path: Path) -> bool:
     except CheckpointError as err:
         log.warning("%s", err)
         return False
-    return "state_dict" in ckpt and "global_step" in ckpt
+    if not (isinstance(ckpt, dict) and "state_dict" in ckpt and "global_step" in ckpt):
+        log.warning("%s loads but is not a Lightning checkpoint (no state_dict / global_step)", path)
+        return False
+    return True
 
 
 def newest_intact(ckpt_dir: Path) -> Path | None:
@@ -71,8 +77,8 @@ def newest_intact(ckpt_dir: Path) -> Path | None:
         if path == last:
             continue
         try:
-            others.append((load_checkpoint(path)["global_step"], path))
-        except (CheckpointError, KeyError) as err:
+            others.append((int(load_checkpoint(path)["global_step"]), path))
+        except (CheckpointError, KeyError, TypeError, ValueError) as err:
             log.warning("skipping checkpoint %s: %s", path, err)
     if not others:
         if last.exists():

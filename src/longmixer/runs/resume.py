@@ -21,6 +21,7 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from longmixer.runs.checkpoints import load_checkpoint, newest_intact
+from longmixer.utils.errors import UserFacingError
 
 log = logging.getLogger("longmixer")
 
@@ -36,11 +37,11 @@ DRIFT_IGNORED = ("resume", "ckpt_path", "run_dir", "train", "test", "tags", "tra
                  "data.num_workers")
 
 
-class RunLockedError(RuntimeError):
+class RunLockedError(UserFacingError, RuntimeError):
     """Another process holds the run dir's lock."""
 
 
-class ConfigDriftError(ValueError):
+class ConfigDriftError(UserFacingError, ValueError):
     """The resolved config differs from the one the run dir was started with."""
 
 

@@ -10,6 +10,8 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from longmixer.utils.config import ConfigError
+
 log = logging.getLogger("longmixer")
 
 
@@ -147,5 +149,5 @@ def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> 
     message = (f"{problem}: no validation, so no best checkpoint, before training stops. Raise trainer.max_steps "
                "or validate earlier (trainer.val_check_interval=<steps>)")
     if cfg.test:
-        raise ValueError(message + "; or pass test=false")
+        raise ConfigError(message + "; or pass test=false")
     log.warning(message)

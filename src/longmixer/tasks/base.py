@@ -17,6 +17,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
 from longmixer.utils.compile import COMPILE_MODES, STEP_GRAPH, TrainStepGraph, compile_blocks, resolve_compile_mode
+from longmixer.utils.config import ConfigError
 from longmixer.utils.optim import build_optimizer, clip_grad_norm
 from longmixer.utils.strategies import ZeroDDPStrategy
 
@@ -159,7 +160,7 @@ class SequenceTask(pl.LightningModule):
             problems.append(f"a model without data-dependent shapes ({', '.join(uncapturable)} select rows by value, "
                             "e.g. model.embedding=adaptive / model.head=adaptive): use task.compile=auto")
         if problems:
-            raise ValueError(f"task.compile={STEP_GRAPH} needs " + "; ".join(problems))
+            raise ConfigError(f"task.compile={STEP_GRAPH} needs " + "; ".join(problems))
 
     def _graph_update(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """One whole training step for `TrainStepGraph`: forward (under the trainer's autocast, which wraps

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from longmixer.utils.errors import UserFacingError
+
 # The config tree ships inside the package: a path for Hydra's compose API and globbing, a search path for
 # `hydra.main` that works from an editable checkout and a regular install alike.
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -28,7 +30,7 @@ CONFIG_SEARCH_PATH = "pkg://longmixer.configs"
 MIXER_BLOCKS = "mixers"
 
 
-class RecipeError(ValueError):
+class RecipeError(UserFacingError, ValueError):
     """A recipe or ablation whose mixer blocks cannot apply to the chosen model; the message names the fix."""
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from longmixer.utils.backends import BACKENDS
+from longmixer.utils.errors import UserFacingError
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 TOP_LEVEL = {"data", "model", "task", "optim", "scheduler", "trainer", "logger", "callbacks", "paths", "run_name", "tags",
@@ -21,7 +22,7 @@ TOP_LEVEL = {"data", "model", "task", "optim", "scheduler", "trainer", "logger",
 RESUME = ("auto", "never", "force")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserFacingError, ValueError):
     """A composed config that cannot run; the message names the key and the fix."""
 
 
