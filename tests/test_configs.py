@@ -212,6 +212,11 @@ def test_unknown_constructor_key_is_rejected(compose):
     ("+optim.betaz=[0.9,0.9]", "unknown key optim.betaz"),
     ("+scheduler.warmup=3", "unknown key scheduler.warmup .*did you mean 'warmup_steps'"),
     ("ops.backend=cuda", "ops.backend='cuda'"),
+    ("optim.lr=abc", "optim.lr='abc' must be a number"),
+    ("trainer.max_steps=abc", "trainer.max_steps='abc' must be a whole number"),
+    ("trainer.max_steps=2.5", "trainer.max_steps=2.5 must be a whole number"),
+    ("data.batch_size=true", "data.batch_size=True must be a whole number"),
+    ("trainer.gradient_clip_val=high", "trainer.gradient_clip_val='high' must be a number"),
 ])
 def test_impossible_values_fail_with_the_key(compose, override, message):
     cfg = compose([override])

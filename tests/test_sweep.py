@@ -17,13 +17,13 @@ from tests.conftest import TINY_LISTOPS, TINY_TRAINER
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _multirun(args: list[str], tmp_path: Path) -> tuple[Path, list[dict], str]:
+def _multirun(args: list[str], tmp_path: Path, status: int = 0) -> tuple[Path, list[dict], str]:
     """Run `python -m longmixer.train -m` on tiny ListOps; returns (sweep dir, summary.csv rows, stdout+stderr)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
     cmd = [sys.executable, "-m", "longmixer.train", "-m", f"paths.log_dir={tmp_path / 'logs'}",
            f"paths.data_dir={tmp_path / 'data'}", *TINY_LISTOPS, *TINY_TRAINER, *args]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-3000:]
     (sweep_dir,) = (tmp_path / "logs" / "multiruns").iterdir()
     rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
     return sweep_dir, rows, proc.stdout + proc.stderr
@@ -52,6 +52,14 @@ def test_grid_sweep_writes_a_summary_of_every_job_and_links_their_run_dirs(tmp_p
     keys = {r["key"]: r for r in compared}
     assert "optim.lr" in keys and "seed" not in keys and "val/acc_best" in keys
     assert [keys["optim.lr"][r["run_dir"]] for r in rows] == [0.001, 0.003]
+
+
+def test_a_sweep_with_a_failed_job_still_prints_its_summary(tmp_path):
+    """Hydra ends a grid sweep whose job failed by re-raising that failure before its end hook: every job still
+    ran, the sweep exits 1, and the summary table with the failed row is printed at exit."""
+    _, rows, output = _multirun(["optim.lr=0.001,-1"], tmp_path, status=1)
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "COMPLETED"), ("1", "FAILED")]
+    assert "sweep summary (" in output and "FAILED (ConfigError: optim.lr=-1 must be > 0)" in output
 
 
 def test_optuna_study_summary_has_every_trial(tmp_path):

@@ -26,7 +26,7 @@ from pytorch_lightning.callbacks import ProgressBar
 from pytorch_lightning.utilities import rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
+from longmixer.runs.checkpoints import CheckpointError, load_checkpoint, trusted_best_path
 from longmixer.runs.fault_injection import fault_callbacks
 from longmixer.runs.loggers import ResumableCSVLogger
 from longmixer.runs.resume import (
@@ -127,6 +127,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
             (run_dir / STORED_CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if ckpt_path is not None:
         _rewind_loggers(trainer, ckpt_path)
+    elif cfg.train:
+        _rewind_loggers(trainer, None)  # a fresh start: the rows of an attempt killed before its first checkpoint
     for logger in trainer.loggers:
         logger.log_hyperparams(resolved_config(cfg))
 
@@ -152,8 +154,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
                 raise RuntimeError("no best checkpoint was written, so the papers' reporting rule (test at the "
                                    "best validation checkpoint) cannot be applied; check callbacks.checkpoint and "
                                    "that validation ran (trainer.limit_val_batches, check_val_every_n_epoch)")
-        for result in trainer.test(task, datamodule=datamodule, ckpt_path=best_ckpt, weights_only=True,
-                                   verbose=False):
+        if best_ckpt:
+            _check_best_readable(best_ckpt, run_dir)
+        for result in _test_until_signal(trainer, task, datamodule, best_ckpt):
             metrics.update({k: to_number(v) for k, v in result.items()})
 
     majority = majority_rates(getattr(datamodule, "manifest", None))
@@ -179,15 +182,52 @@ def stopped_by_time_budget(trainer: pl.Trainer) -> bool:
     return any((t.time_remaining(RunningStage.TRAINING) or 0.0) <= 0.0 for t in timers)
 
 
-def _rewind_loggers(trainer: pl.Trainer, ckpt_path: str) -> None:
+def _rewind_loggers(trainer: pl.Trainer, ckpt_path: str | None) -> None:
     """Drop the CSV rows a killed run logged after `ckpt_path` was written (their step column, the optimizer step
-    count before the logged batch, is at least the checkpoint's global step); the resumed run logs them again."""
-    step = int(load_checkpoint(ckpt_path)["global_step"])
+    count before the logged batch, is at least the checkpoint's global step); the resumed run logs them again.
+    None: a fresh start, so every row of an earlier attempt (one killed before it wrote a checkpoint) goes."""
+    step = 0 if ckpt_path is None else int(load_checkpoint(ckpt_path)["global_step"])
     for logger in trainer.loggers:
         if isinstance(logger, ResumableCSVLogger) and trainer.is_global_zero:
             dropped = logger.rewind(step)
             if dropped:
                 log.info("metrics.csv: dropped %d rows logged after the checkpoint (step >= %d)", dropped, step)
+
+
+def _check_best_readable(best_ckpt: str, run_dir: Path) -> None:
+    """Read the best checkpoint before the test phase loads it: a damaged one is named with the way out, not
+    reported as the bare OSError of Lightning's load."""
+    try:
+        load_checkpoint(best_ckpt)
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}. The test split is scored at the best validation checkpoint, so this run cannot "
+                              f"report test metrics from it: train it again in a new run dir (run_tag=<name>), or "
+                              f"score another of its checkpoints with `python -m longmixer.evaluate "
+                              f"run_dir={run_dir} ckpt_path=<file>`") from None
+
+
+def _test_until_signal(trainer: pl.Trainer, task, datamodule, ckpt_path: str | None) -> list[dict]:
+    """`trainer.test`, ended by SIGTERM or SIGINT with the exit status a scheduler reads (143 / 130): there is
+    nothing to checkpoint, no results.json is written, and a rerun scores the test split again. (Lightning's own
+    SIGTERM handler ends the test with a `SIGTERMException` whose exit status is 0, and its Ctrl+C handling with
+    1, so a preempted job would look finished or crashed.)"""
+    interrupted = []
+
+    def on_sigint(signum, frame):
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        return trainer.test(task, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False)
+    except SIGTERMException:
+        raise SystemExit(128 + signal.SIGTERM) from None
+    except (SystemExit, KeyboardInterrupt):
+        if interrupted:
+            raise SystemExit(128 + signal.SIGINT) from None
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_SEARCH_PATH, config_name="train")

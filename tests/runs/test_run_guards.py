@@ -4,6 +4,7 @@ unreachable validation, progress bar off."""
 import json
 import os
 import pickle
+import time
 
 import pytest
 import torch
@@ -254,3 +255,64 @@ def test_evaluate_takes_the_invocations_device_keys(tmp_path):
     one = _run_config(run, cfg, ["trainer.precision=32-true"]).trainer
     assert (one.accelerator, one.precision) == ("gpu", "32-true")
     assert _run_config(run, cfg, []).trainer.accelerator == "gpu"
+
+
+def test_a_fresh_start_drops_the_rows_of_an_attempt_killed_before_its_first_checkpoint(compose, tmp_path):
+    """No checkpoint to resume from: the earlier attempt's rows (timings, and on a GPU losses that do not repeat
+    bit for bit) would stay beside the new run's; they go, as a resume drops the rows after its checkpoint."""
+    csv_dir = tmp_path / "run" / "csv"
+    csv_dir.mkdir(parents=True)
+    (csv_dir / "metrics.csv").write_text("epoch,step,train/speed/step_ms\n0,2,12345.0\n")
+    train(compose(BASE))
+    assert "12345" not in (csv_dir / "metrics.csv").read_text()
+
+
+def test_the_test_phase_ends_with_the_signals_exit_status():
+    """SIGTERM (a preemption) or Ctrl+C while the test split is scored: exit 143 / 130, as in training, so that a
+    scheduler requeues the job; Lightning alone ends it with 0 (SIGTERMException) or 1."""
+    import signal
+
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+    from longmixer.train import _test_until_signal
+
+    class _Trainer:
+        def __init__(self, action):
+            self.action = action
+
+        def test(self, *args, **kwargs):
+            self.action()
+
+    def sigterm():
+        raise SIGTERMException
+
+    def ctrl_c_as_lightning_handles_it():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            raise SystemExit(1) from None
+
+    before = signal.getsignal(signal.SIGINT)
+    for action, status in ((sigterm, 143), (ctrl_c_as_lightning_handles_it, 130)):
+        with pytest.raises(SystemExit) as exit_info:
+            _test_until_signal(_Trainer(action), None, None, None)
+        assert exit_info.value.code == status
+    assert signal.getsignal(signal.SIGINT) is before
+
+    def crash():
+        raise SystemExit(1)
+
+    with pytest.raises(SystemExit) as exit_info:  # no signal: the status is left as it was
+        _test_until_signal(_Trainer(crash), None, None, None)
+    assert exit_info.value.code == 1
+
+
+def test_a_damaged_best_checkpoint_is_named_before_the_test_phase(tmp_path):
+    from longmixer.train import _check_best_readable
+
+    best = tmp_path / "best-000006.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1000)}, "global_step": 6}, best)
+    best.write_bytes(best.read_bytes()[: best.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"best-000006.ckpt .*truncated.*longmixer.evaluate run_dir="):
+        _check_best_readable(str(best), tmp_path)

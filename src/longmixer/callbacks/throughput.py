@@ -74,6 +74,10 @@ class Throughput(Callback):
         if device.type == "cuda":
             metrics["train/speed/peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             torch.cuda.reset_peak_memory_stats(device)
+        # the step of the window's last batch as Lightning logs a training step's metrics: the optimizer steps
+        # before that batch. A resume drops the rows at or after its checkpoint's step (`ResumableCSVLogger.rewind`),
+        # so a row stamped with the count after the batch would be dropped for a checkpoint written at that batch
+        # and never logged again.
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=max(trainer.global_step - 1, 0))
         self._reset()

@@ -15,10 +15,12 @@ has every override of every job.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -126,13 +128,34 @@ def write_summary(sweep_dir: Path, announce: bool = True) -> dict[str, Path] | N
     return paths
 
 
+# the sweep that this process's jobs belong to, and whether its end was announced: Hydra skips `on_multirun_end`
+# when a job failed (its sweeper re-raises the failure first), so an exit hook announces it then
+# (`announce_unfinished_sweep`, registered by the first job's end)
+_SWEEP = {"dir": None, "announced": False, "hooked": False}
+
+
+def announce_unfinished_sweep() -> None:
+    """Print the summary of a sweep whose end Hydra did not reach (a failed job), once; nothing otherwise."""
+    if _SWEEP["dir"] is None or _SWEEP["announced"]:
+        return
+    _SWEEP["announced"] = True
+    paths = write_summary(Path(_SWEEP["dir"]), announce=False)
+    if paths is not None:
+        print(f"sweep summary ({paths['csv']}):\n{paths['markdown'].read_text()}", file=sys.stderr)
+
+
 class SweepSummary(Callback):
     """Hydra callback: a record per job at its end, the summary table after every job (so a sweep that stops
-    at a failed grid job or is killed still has one) and logged at the end of the multirun."""
+    at a failed grid job or is killed still has one) and logged at the end of the multirun (or, when a job failed,
+    printed when the process exits: `announce_unfinished_sweep`)."""
 
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN:
             return
+        _SWEEP.update(dir=str(config.hydra.sweep.dir), announced=False)
+        if not _SWEEP["hooked"]:
+            atexit.register(announce_unfinished_sweep)
+            _SWEEP["hooked"] = True
         record = job_record(config, job_return)
         records = Path(config.hydra.sweep.dir) / RECORDS
         records.mkdir(parents=True, exist_ok=True)
@@ -143,4 +166,5 @@ class SweepSummary(Callback):
         write_summary(records.parent, announce=False)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        _SWEEP["announced"] = True
         write_summary(Path(config.hydra.sweep.dir))

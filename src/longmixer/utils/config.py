@@ -77,6 +77,28 @@ def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
             yield from _targets(item, f"{path}[{i}]")
 
 
+# numeric keys a typo'd value reaches deep inside Lightning or a scheduler from (a TypeError there names no key)
+INTEGER_KEYS = ("trainer.max_steps", "trainer.max_epochs", "trainer.min_steps", "trainer.accumulate_grad_batches",
+                "trainer.check_val_every_n_epoch", "trainer.log_every_n_steps", "data.batch_size", "data.seq_len")
+NUMBER_KEYS = ("optim.weight_decay", "trainer.gradient_clip_val", "trainer.val_check_interval",
+               "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.limit_test_batches")
+
+
+def _number(cfg: DictConfig, key: str, kind: type) -> float | int | None:
+    """The value of `key` as `kind` (int: a whole number; float: any number), None where unset; a string, bool or
+    fraction where it does not belong raises `ConfigError` naming the key."""
+    value = OmegaConf.select(cfg, key)
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        want = "a whole number" if kind is int else "a number"
+        raise ConfigError(f"{key}={value!r} must be {want} (e.g. {key}={'100' if kind is int else '0.001'})")
+    return value
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` for unknown keys, impossible values or unimportable targets in a composed config."""
     for key in cfg.keys():
@@ -90,9 +112,13 @@ def validate_config(cfg: DictConfig) -> None:
     backend = OmegaConf.select(cfg, "ops.backend")
     if backend not in BACKENDS:
         raise ConfigError(f"ops.backend={backend!r} is not one of {BACKENDS}")
-    lr = OmegaConf.select(cfg, "optim.lr")
-    if lr is not None and not float(lr) > 0:
+    lr = _number(cfg, "optim.lr", float)
+    if lr is not None and not lr > 0:
         raise ConfigError(f"optim.lr={lr!r} must be > 0")
+    for key in INTEGER_KEYS:
+        _number(cfg, key, int)
+    for key in NUMBER_KEYS:
+        _number(cfg, key, float)
     for path, node in _targets(cfg, ""):
         if path.startswith("hydra"):
             continue
