@@ -113,8 +113,8 @@ def test_same_command_again_is_locked_out_then_reported_finished(reference):
         locked = run_train(tmp, [])
     finally:
         holder.release()
-    assert locked.returncode == 1
-    assert f"{reference / '.lock'} is held by pid {os.getpid()} on host" in locked.stderr, describe(locked)
+    assert locked.returncode == 2  # a UserFacingError: one line naming the holder, exit 2
+    assert f"{reference / '.lock'} is held by pid {os.getpid()} on host" in locked.stdout + locked.stderr, describe(locked)
     again = run_train(tmp, [])
     assert again.returncode == 0, describe(again)
     log = (reference / "train.log").read_text()
