@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -65,8 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         datamodule.setup("fit")
     except (UserFacingError, ValueError, FileNotFoundError) as err:
         # the one-line message a training run ends with, without the library traceback: download and integrity
-        # errors, a missing source file, and the readers' errors, which name the file and line of a malformed source
+        # errors, a missing source file, and the readers' errors, which name the file and line of a malformed
+        # source. LONGMIXER_TRACEBACK=1 shows the traceback of the other two kinds (a bug may raise them too).
+        if not isinstance(err, UserFacingError) and os.environ.get("LONGMIXER_TRACEBACK") == "1":
+            raise
         print(f"error: {err}", file=sys.stderr)
+        if not isinstance(err, UserFacingError):
+            print("(LONGMIXER_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
         return 2
     print(f"{args.task}: prepared at {datamodule.root} ({checked} files match their sha256)")
     print(summary(datamodule.manifest))

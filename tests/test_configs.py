@@ -215,6 +215,7 @@ def test_unknown_constructor_key_is_rejected(compose):
     ("optim.lr=abc", "optim.lr='abc' must be a number"),
     ("trainer.max_steps=abc", "trainer.max_steps='abc' must be a whole number"),
     ("trainer.max_steps=2.5", "trainer.max_steps=2.5 must be a whole number"),
+    ("data.batch_size=64.0", "data.batch_size=64.0 must be a whole number"),
     ("data.batch_size=true", "data.batch_size=True must be a whole number"),
     ("trainer.gradient_clip_val=high", "trainer.gradient_clip_val='high' must be a number"),
 ])

@@ -28,7 +28,8 @@ from torch.nn import functional as F
 from longmixer.ops.las_attention import las_attention, las_attention_ref, las_attention_separable_ref, smooth_values
 from longmixer.ops.las_attention.function import las_attention_flash, las_attention_separable
 
-from _common import out_of_bound, parity_status, peak_mem, skip_status  # scripts/bench/_common.py (this folder is sys.path[0])
+# scripts/bench/_common.py (this folder is sys.path[0])
+from _common import out_of_bound, parity_status, peak_mem, skip_status
 
 # parity bounds (relative L2 error against float64), as scripts/bench/parity.py's: the GPU gave float32 <= 1.1e-6
 # and bf16 <= 5.6e-3 (docs/benchmarks.md)

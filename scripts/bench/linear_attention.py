@@ -30,7 +30,8 @@ import triton
 from longmixer.ops.linear_attention import linear_attention, linear_attention_ref
 from longmixer.ops.linear_attention.function import linear_attention_triton
 
-from _common import out_of_bound, parity_status, peak_mem, skip_status  # scripts/bench/_common.py (this folder is sys.path[0])
+# scripts/bench/_common.py (this folder is sys.path[0])
+from _common import out_of_bound, parity_status, peak_mem, skip_status
 
 # parity bounds (max error relative to max |ref|). float32 against float64: 1e-4, as scripts/bench/parity.py. bf16:
 # 6e-2, about twice the worst recorded on a GPU (3.1e-2, dq of B2 L777 K128 causal against the reference of the

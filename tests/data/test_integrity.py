@@ -259,3 +259,39 @@ def test_a_failed_rebuild_for_other_settings_keeps_the_data_prepared_before(tmp_
     assert (dm.root / "manifest.json").read_text() == manifest and not (dm.root / ".previous").exists()
     resumed.setup()
     assert resumed.verify() > 0
+
+
+def test_a_rebuild_or_restore_killed_anywhere_is_finished_by_the_next_run(tmp_path):
+    """The steps of setting aside and restoring can be cut by a kill at any point; the next locked run finishes
+    them: a restore cut short completes (not deleting the files it had already moved back), and a `.previous` left
+    beside a complete rebuild's manifest (a kill while it was being deleted) is dropped, not restored over it."""
+    from longmixer.data.base import SET_ASIDE, _set_prepared_aside
+
+    a, b = write_listops(tmp_path / "a"), write_listops(tmp_path / "b")
+    dm = ListOps(data_dir=tmp_path / "data", source_dir=a)
+    dm.prepare_data()
+    manifest_a = (dm.root / "manifest.json").read_text()
+    # a rebuild for b set a aside and wrote part of its files; then its restore moved one file back and was killed
+    aside = dm.root / SET_ASIDE
+    _set_prepared_aside(dm.root, aside)
+    (dm.root / "train.labels.npy").write_bytes(b"half")
+    (dm.root / "stray.npy").write_bytes(b"only the rebuild wrote this")
+    moved_back = sorted(p for p in aside.iterdir() if p.suffix == ".npy")[0]
+    moved_back.rename(dm.root / moved_back.name)
+    again = ListOps(data_dir=tmp_path / "data", source_dir=a)
+    again.prepare_data()
+    assert (dm.root / "manifest.json").read_text() == manifest_a and not aside.exists()
+    assert not (dm.root / "stray.npy").exists()
+    again.setup()
+    assert again.verify() > 0
+    # a complete rebuild for b, killed while deleting a's set-aside copy: b's data stays
+    ListOps(data_dir=tmp_path / "data", source_dir=b).prepare_data()
+    manifest_b = (dm.root / "manifest.json").read_text()
+    aside.mkdir()
+    (aside / "train.labels.npy").write_bytes(b"what was left of a")
+    with pytest.raises(FileNotFoundError):  # another rebuild, which fails: b comes back, not a's remains
+        ListOps(data_dir=tmp_path / "data", source_dir=tmp_path / "missing").prepare_data()
+    assert (dm.root / "manifest.json").read_text() == manifest_b and not aside.exists()
+    kept = ListOps(data_dir=tmp_path / "data", source_dir=b)
+    kept.setup()
+    assert kept.verify() > 0

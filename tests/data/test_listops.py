@@ -115,8 +115,8 @@ def test_labels_are_not_degenerate():
 
 
 def test_a_spec_with_too_few_distinct_examples_stops_with_the_fix(monkeypatch):
-    """A spec whose length window holds fewer distinct trees than asked for used to loop forever; after a few
-    shards that add nothing the generator names the spec and what to change."""
+    """A spec whose length window holds fewer distinct trees than asked for cannot be filled: after a few shards
+    that add nothing the generator stops, naming the spec and what to change."""
     import longmixer.data.generators.listops as gen
 
     monkeypatch.setattr(gen, "SHARD", 32)

@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 import signal
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +67,12 @@ def manifest_digest(manifest: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def write_manifest(root: Path, splits: Mapping[str, Mapping[str, Any]], meta: Mapping[str, Any]) -> dict:
+def write_manifest(root: Path, splits: Mapping[str, Mapping[str, Any]], meta: Mapping[str, Any],
+                   check: Callable[[dict], None] | None = None) -> dict:
     """Write `root/manifest.json`: per split counts and label balance, the config that made the data, a sha256 of
     every file in `root` (the manifest itself excluded), the shape and dtype of every `.npy` array, and a digest
-    of all of it. Written last and atomically, so a manifest means the data is complete."""
+    of all of it. Written last and atomically, so a manifest means the data is complete; `check`, given the manifest
+    before it is written, may refuse it by raising (then nothing is written)."""
     paths = [p for p in sorted(root.iterdir()) if p.is_file() and p.name not in (MANIFEST, ".lock")]
     files = {p.name: sha256_of(p) for p in paths}
     arrays = {}
@@ -81,6 +83,8 @@ def write_manifest(root: Path, splits: Mapping[str, Mapping[str, Any]], meta: Ma
     manifest = {"version": MANIFEST_VERSION, "splits": json.loads(json.dumps(splits)), "meta": dict(meta),
                 "files": files, "arrays": arrays}
     manifest["digest"] = manifest_digest(manifest)
+    if check is not None:
+        check(manifest)
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
     os.replace(tmp, root / MANIFEST)
@@ -92,21 +96,48 @@ def _prepared_files(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.is_file() and p.name != ".lock"]
 
 
+# Setting the prepared files of other settings aside while a rebuild runs, and putting them back, in steps that a
+# kill may stop anywhere and a rerun (under the task's lock) finishes: the top-level manifest is the last file moved
+# in and the first moved out, so a manifest at the top level always lies over complete files (the fast path of
+# `prepare_data` reads it without the lock); `.previous/.names` lists the files set aside, so a restore can tell
+# them from what the unfinished rebuild wrote.
+NAMES = ".names"
+
+
 def _set_prepared_aside(root: Path, aside: Path) -> None:
-    """Move the prepared files (manifest included) into `aside` while a rebuild for other settings runs: renames,
-    so a run still reading the old arrays through memory maps keeps reading them."""
+    """Move the prepared files into `aside`, the manifest first: renames, so a run still reading the old arrays
+    through memory maps keeps reading them."""
+    files = _prepared_files(root)
     aside.mkdir()
-    for path in _prepared_files(root):
+    (aside / NAMES).write_text("\n".join(p.name for p in files) + "\n")
+    for path in sorted(files, key=lambda p: p.name != MANIFEST):
         os.replace(path, aside / path.name)
 
 
 def _restore_prepared(root: Path, aside: Path) -> None:
-    """Undo `_set_prepared_aside`: drop what the unfinished rebuild wrote at the top level, move the old files back."""
-    for path in _prepared_files(root):
-        path.unlink()
+    """Undo `_set_prepared_aside`: the old files back over what an unfinished rebuild wrote, its other files
+    removed, the old manifest last."""
+    if (aside / MANIFEST).exists():
+        (root / MANIFEST).unlink(missing_ok=True)
+    names = {p.name for p in aside.iterdir()}  # the files still set aside, and those already moved back:
+    names |= set((aside / NAMES).read_text().split()) if (aside / NAMES).exists() else set()
     for path in aside.iterdir():
-        os.replace(path, root / path.name)
-    aside.rmdir()
+        if path.name not in (NAMES, MANIFEST):
+            os.replace(path, root / path.name)
+    for path in _prepared_files(root):
+        if path.name not in names and path.name != MANIFEST:
+            path.unlink()
+    if (aside / MANIFEST).exists():
+        os.replace(aside / MANIFEST, root / MANIFEST)
+    _discard(aside)
+
+
+def _discard(folder: Path) -> None:
+    """Delete `folder` by first renaming it out of `SET_ASIDE`'s name, so that a kill midway leaves a
+    `.discard-*` folder that nothing reads (the next locked run deletes it) rather than half a `.previous`."""
+    doomed = folder.with_name(f".discard-{folder.name.lstrip('.')}-{os.getpid()}")
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed)
 
 
 def read_manifest(root: Path, prepare_hint: str) -> dict:
@@ -367,12 +398,11 @@ class SequenceDataModule(pl.LightningDataModule):
             return
         self.root.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.root / ".lock")):
-            aside = self.root / SET_ASIDE
-            if aside.exists():  # a rebuild for other settings was killed: its half-made files go, the old data returns
-                _restore_prepared(self.root, aside)
+            self._finish_interrupted_rebuild()
             stale = self._manifest_staleness()  # again under the lock: another process may have prepared it
             if stale == {}:
                 return
+            aside = self.root / SET_ASIDE
             if stale is not None:
                 log.warning("prepared data at %s was made with other settings (key: (prepared, requested) = %s); "
                             "rebuilding it (the old files are kept until the new ones are complete)", self.root, stale)
@@ -386,27 +416,43 @@ class SequenceDataModule(pl.LightningDataModule):
                                 self.root, {k: prepared for k, (prepared, _) in stale.items()})
                 raise
             if stale is not None:
-                shutil.rmtree(aside)
+                _discard(aside)
             log.info("prepared %s at %s: %s", self.name, self.root,
                      {k: v.get("count") for k, v in splits.items()})
 
+    def _finish_interrupted_rebuild(self) -> None:
+        """What a killed process left (under the lock): deleted folders' remains go; a `.previous` beside a
+        top-level manifest belongs to a rebuild (or restore) that completed, and goes; one without puts the old
+        data back (the rebuild did not complete)."""
+        for doomed in self.root.glob(".discard-*"):
+            shutil.rmtree(doomed, ignore_errors=True)
+        aside = self.root / SET_ASIDE
+        if aside.exists():
+            if (self.root / MANIFEST).exists():
+                _discard(aside)
+            else:
+                _restore_prepared(self.root, aside)
+
     def _prepare_and_check(self) -> dict:
-        """`_prepare` into the root, the manifest, then the checks `setup()` runs: the source's own faults (a label out
-        of range, an empty split) must not pass as a complete dataset. Returns the splits' summary."""
+        """`_prepare` into the root, then the manifest, written only once the checks `setup()` runs pass: the
+        source's own faults (a label out of range, an empty split) must not pass as a complete dataset. Returns the
+        splits' summary."""
         splits, meta = self._prepare(self.root)
-        write_manifest(self.root, splits, {**meta, **self.fingerprint()})
-        try:
-            check_prepared(self.root, read_manifest(self.root, self.prepare_hint), self.prepare_hint,
-                           num_classes=getattr(self, "num_classes", None), vocab_size=getattr(self, "vocab_size", None))
-        except DatasetNotPreparedError as err:
-            (self.root / MANIFEST).unlink()
-            source = getattr(self, "source_dir", None)
-            fix = (f"correct the files in data.source_dir={source}" if source is not None else
-                   f"delete {self.root} and run `{self.prepare_hint}` again to download the source afresh")
-            reason = str(err).split("; delete ")[0]  # its own fix (delete and re-prepare) would repeat this
-            raise DataIntegrityError(f"the {self.name} data prepared from "
-                                     f"{source if source is not None else 'the download'} fails its checks, so it "
-                                     f"is not marked prepared: {reason}; {fix}") from None
+
+        def check(manifest: dict) -> None:
+            try:
+                check_prepared(self.root, manifest, self.prepare_hint, num_classes=getattr(self, "num_classes", None),
+                               vocab_size=getattr(self, "vocab_size", None))
+            except DatasetNotPreparedError as err:
+                source = getattr(self, "source_dir", None)
+                fix = (f"correct the files in data.source_dir={source}" if source is not None else
+                       f"delete {self.root} and run `{self.prepare_hint}` again to download the source afresh")
+                reason = str(err).split("; delete ")[0]  # its own fix (delete and re-prepare) would repeat this
+                raise DataIntegrityError(f"the {self.name} data prepared from "
+                                         f"{source if source is not None else 'the download'} fails its checks, so "
+                                         f"it is not marked prepared: {reason}; {fix}") from None
+
+        write_manifest(self.root, splits, {**meta, **self.fingerprint()}, check=check)
         return splits
 
     def setup(self, stage: str | None = None) -> None:

@@ -79,7 +79,8 @@ def ensure_lra_release(root: Path, parts: Sequence[str] | None = None, url: str 
     `pathfinder*/`.
 
     A release already extracted under `root` (by this function, or by hand: `tar xzf lra_release.gz -C root`) is
-    used as it is; one whose extraction by this function was cut short is extracted again. Otherwise `root/lra_release.gz` is downloaded (resumable) and the requested `parts` extracted.
+    used as it is; one whose extraction by this function was cut short is extracted again. Otherwise
+    `root/lra_release.gz` is downloaded (resumable) and the requested `parts` extracted.
 
     Args:
         root: where the archive and its extracted tree live (`<data_dir>/lra_release`).

@@ -48,8 +48,10 @@ def load_checkpoint(path: str | Path) -> dict:
         raise CheckpointError(f"refused to load {path}: it is corrupt, or holds objects outside the weights-only "
                               f"allowlist (a checkpoint is data, never code). Loader said: "
                               f"{str(err).splitlines()[0]}") from err
-    except Exception as err:  # noqa: BLE001 - any file that is no checkpoint: the safe unpickler of a text or
-        # other non-zip file raises KeyError / IndexError / TypeError as well as the usual read errors
+    except MemoryError:
+        raise  # not the file's fault: a resume must not skip a good checkpoint for it
+    except Exception as err:  # any file that is no checkpoint: the safe unpickler of a text or other non-zip
+        # file raises KeyError / IndexError / TypeError as well as the usual read errors
         raise CheckpointError(f"cannot read checkpoint {path} ({type(err).__name__}: {err}); it is truncated, "
                               "corrupt or not a checkpoint") from err
 

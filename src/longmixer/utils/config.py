@@ -85,14 +85,12 @@ NUMBER_KEYS = ("optim.weight_decay", "trainer.gradient_clip_val", "trainer.val_c
 
 
 def _number(cfg: DictConfig, key: str, kind: type) -> float | int | None:
-    """The value of `key` as `kind` (int: a whole number; float: any number), None where unset; a string, bool or
-    fraction where it does not belong raises `ConfigError` naming the key."""
+    """The value of `key`, None where unset; one that is not of `kind` (int: an integer, so not 1e5 or 64.0, which
+    reach Lightning and the DataLoader as floats; float: any number) raises `ConfigError` naming the key."""
     value = OmegaConf.select(cfg, key)
     if value is None:
         return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        ok = ok and float(value).is_integer()
+    ok = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
     if not ok:
         want = "a whole number" if kind is int else "a number"
         raise ConfigError(f"{key}={value!r} must be {want} (e.g. {key}={'100' if kind is int else '0.001'})")

@@ -152,7 +152,7 @@ def generate(spec: ListOpsSpec, seed: int, progress: Callable[[int], None] | Non
                 raise ListOpsSpecError(
                     f"the ListOps generator found only {len(seen)} distinct examples with {spec.min_length} < length "
                     f"< {spec.max_length} (max_depth={spec.max_depth}, max_args={spec.max_args}), and its last "
-                    f"{STALL_SHARDS} shards of samples added none: fewer than the {total} asked for "
+                    f"{STALL_SHARDS} shards of samples added none, short of the {total} asked for "
                     "(data.num_train + data.num_val + data.num_test). Widen data.min_length / data.max_length, raise "
                     "data.max_depth / data.max_args, or ask for fewer examples")
     finally:
