@@ -146,6 +146,69 @@ def apply_mixer_blocks(cfg: DictConfig, choices: Mapping[str, str | None], overr
     return cfg
 
 
+def command_line_overrides(argv: Sequence[str]) -> list[str]:
+    """The Hydra overrides of an entry point's command line (its flags, `-m`, `--cfg job`, ... left out)."""
+    return [a for a in argv if not a.startswith("-") and "=" in a]
+
+
+def explain_refused_overrides(argv: Sequence[str]) -> None:
+    """After Hydra refused to start (exit status 1, not a sweep), print `override_hint`'s line, if any."""
+    if "-m" in argv or "--multirun" in argv:
+        return
+    hint = override_hint(command_line_overrides(argv))
+    if hint:
+        print(f"error: {hint}", file=sys.stderr)
+
+
+def override_hint(overrides: Sequence[str], config_dir: str = CONFIG_DIR) -> str | None:
+    """Why Hydra refused `overrides`, in one line with a "did you mean", or None where they compose (the run failed
+    for another reason). Hydra's own messages say that a key is "not in struct" without naming the keys there are,
+    and list a nested group's options only at its top level (`experiment=chela/listopz` shows `quickstart`)."""
+    import difflib
+    import re
+
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
+    overrides = [o for o in overrides if not o.startswith("hydra")]
+    try:
+        compose(overrides, config_dir=config_dir)
+        return None
+    except MissingConfigException as err:
+        missing = re.search(r"Could not find '([^']+)'", str(err))
+        if missing is None:
+            return None
+        wanted = missing.group(1)
+        folder = Path(config_dir) / Path(wanted).parent
+        group = wanted.split("/", 1)[0]
+        names = sorted(str(p.relative_to(Path(config_dir) / group).with_suffix(""))
+                       for p in (Path(config_dir) / group).rglob("*.yaml"))
+        close = difflib.get_close_matches(wanted.split("/", 1)[1], names, n=1)
+        if folder.is_dir():
+            where, known = f"configs/{Path(wanted).parent}/", sorted(p.stem for p in folder.glob("*.yaml"))
+        else:
+            where, known = f"configs/{group}/", names
+        return (f"{group}={wanted.split('/', 1)[1]} is not a config of configs/{group}/"
+                + (f" (did you mean {group}={close[0]}?)" if close else "") + f"; in {where}: {', '.join(known)}")
+    except ConfigCompositionException as err:
+        refused = re.search(r"Could not override '([^']+)'", str(err))
+        if refused is None or "not in struct" not in str(err.__cause__):
+            return None
+        key = refused.group(1)
+        parent, _, leaf = key.rpartition(".")
+        rest = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key]
+        try:
+            node = compose(rest, config_dir=config_dir)
+        except Exception:  # noqa: BLE001 - another override is wrong too; Hydra's message stands
+            return None
+        if parent:
+            node = OmegaConf.select(node, parent)
+        keys = sorted(node.keys()) if isinstance(node, DictConfig) else []
+        close = difflib.get_close_matches(leaf, keys, n=1)
+        return (f"{key} is not a key of {parent or 'the config'}"
+                + (f" (did you mean {(parent + '.') if parent else ''}{close[0]}?)" if close else "")
+                + f"; its keys: {', '.join(keys)}. A key that is not there yet is added with +{key}=...")
+
+
 def compose(overrides: Sequence[str] = (), *, config_dir: str = CONFIG_DIR, hydra_config: bool = False) -> DictConfig:
     """Compose `train.yaml` with `overrides` as `python -m longmixer.train` would, mixer blocks applied.
 
