@@ -99,7 +99,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
                  config_tree(cfg, choices, compact=True))
     drift = check_config_drift(cfg, run_dir)
     finished = finished_results(run_dir)
-    if finished is not None and not drift and cfg.ckpt_path is None:
+    if finished is not None and not drift and cfg.ckpt_path is None and cfg.resume != "never":
         log.info("%s already finished (results.json); nothing to train. Pass run_tag=<name> for a new run.%s",
                  run_dir, result_table(finished))
         return finished

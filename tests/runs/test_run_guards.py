@@ -316,3 +316,13 @@ def test_a_damaged_best_checkpoint_is_named_before_the_test_phase(tmp_path):
     best.write_bytes(best.read_bytes()[: best.stat().st_size // 2])
     with pytest.raises(CheckpointError, match=r"best-000006.ckpt .*truncated.*longmixer.evaluate run_dir="):
         _check_best_readable(str(best), tmp_path)
+
+
+def test_resume_never_refuses_a_finished_run_dir_too(compose, tmp_path):
+    """`resume=never` refuses a run dir that holds checkpoints, as the README says, also when that run finished: a
+    report of the old results with exit 0 would look like a run of the command."""
+    from longmixer.runs.resume import ResumeRefusedError
+
+    train(compose(BASE))
+    with pytest.raises(ResumeRefusedError, match=r"already holds checkpoints .*\(resume=never\)"):
+        train(compose([*BASE, "resume=never"]))

@@ -41,6 +41,10 @@ class RunLockedError(UserFacingError, RuntimeError):
     """Another process holds the run dir's lock."""
 
 
+class ResumeRefusedError(UserFacingError, ValueError):
+    """`resume=never` for a run dir that holds checkpoints, or a `ckpt_path` that does not exist."""
+
+
 class ConfigDriftError(UserFacingError, ValueError):
     """The resolved config differs from the one the run dir was started with."""
 
@@ -169,15 +173,16 @@ def select_resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
     if cfg.ckpt_path is not None:
         path = Path(cfg.ckpt_path)
         if not path.is_file():
-            raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path} does not exist")
+            raise ResumeRefusedError(f"ckpt_path={cfg.ckpt_path} does not exist")
         load_checkpoint(path)  # refuse an unsafe or corrupt file before anything starts
         return str(path)
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir() or not any(ckpt_dir.glob("*.ckpt")):
         return None
     if cfg.resume == "never":
-        raise ValueError(f"run dir {run_dir} already holds checkpoints in {ckpt_dir}; pass resume=auto to continue "
-                         "that run, or run_tag=<name> to start a separate run")
+        raise ResumeRefusedError(f"run dir {run_dir} already holds checkpoints in {ckpt_dir} (resume=never); pass "
+                                 "resume=auto to continue that run (or report it, if it finished), or run_tag=<name> "
+                                 "to start a separate run")
     path = newest_intact(ckpt_dir)
     if path is not None:
         log.info("resuming from %s", path)
