@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
 from longmixer.runs.run import to_number
-from longmixer.utils.compose import CONFIG_SEARCH_PATH, explain_refused_overrides, refuse_null_group_choices
+from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_null_group_choices, run_explaining_refusals
 from longmixer.utils.config import validate_config
 from longmixer.utils.errors import UserFacingError
 from longmixer.utils.resolvers import register_resolvers
@@ -157,12 +157,7 @@ def main() -> None:
                   "pass one made by train (logs/runs/<run name>/<hash>_seed<seed>)", file=sys.stderr)
             sys.exit(2)
         sys.argv += [f"hydra.run.dir={Path(run_dirs[-1]) / 'eval'}"]
-    try:
-        _main()
-    except SystemExit as exit_:
-        if exit_.code == 1:  # Hydra refused the command line, or the evaluation failed: a hint only for the former
-            explain_refused_overrides(sys.argv[1:])
-        raise
+    run_explaining_refusals(_main, sys.argv[1:])
 
 
 if __name__ == "__main__":

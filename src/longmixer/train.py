@@ -47,8 +47,8 @@ from longmixer.runs.run import (
     write_results,
 )
 from longmixer.runs.run_info import write_run_info
-from longmixer.utils.compose import (CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer_blocks, explain_refused_overrides,
-                                     refuse_null_group_choices)
+from longmixer.utils.compose import (CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer_blocks, refuse_null_group_choices,
+                                     run_explaining_refusals)
 from longmixer.utils.errors import UserFacingError
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
@@ -250,12 +250,7 @@ def _main(cfg: DictConfig) -> float | None:
 def main() -> None:
     refuse_null_group_choices(sys.argv[1:])
     register_resolvers()
-    try:
-        _main()
-    except SystemExit as exit_:
-        if exit_.code == 1:  # Hydra refused the command line, or the run failed: a hint only for the former
-            explain_refused_overrides(sys.argv[1:])
-        raise
+    run_explaining_refusals(_main, sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ the recipe, and must name the chosen model's family.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -151,13 +152,17 @@ def command_line_overrides(argv: Sequence[str]) -> list[str]:
     return [a for a in argv if not a.startswith("-") and "=" in a]
 
 
-def explain_refused_overrides(argv: Sequence[str]) -> None:
-    """After Hydra refused to start (exit status 1, not a sweep), print `override_hint`'s line, if any."""
-    if "-m" in argv or "--multirun" in argv:
-        return
-    hint = override_hint(command_line_overrides(argv))
-    if hint:
-        print(f"error: {hint}", file=sys.stderr)
+def run_explaining_refusals(hydra_main: Callable[[], Any], argv: Sequence[str]) -> None:
+    """Run an entry point's `hydra.main` function; when it ends with exit status 1 (Hydra refused the command line,
+    or the run failed) outside a sweep, print `override_hint`'s line, which is None for the latter."""
+    try:
+        hydra_main()
+    except SystemExit as exit_:
+        if exit_.code == 1 and "-m" not in argv and "--multirun" not in argv:
+            hint = override_hint(command_line_overrides(argv))
+            if hint:
+                print(f"error: {hint}", file=sys.stderr)
+        raise
 
 
 def override_hint(overrides: Sequence[str], config_dir: str = CONFIG_DIR) -> str | None:
