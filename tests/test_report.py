@@ -95,8 +95,42 @@ def test_report_cli_with_the_packaged_paper_tables(tiny_runs, tmp_path):
     paths = main(["--runs", str(tiny_runs), "--out", str(tmp_path / "out"), "--papers", "seqboat"])
     md = paths["markdown"].read_text()
     assert "SeqBoat Table 1" in md and "CHELA" not in md and "| SeqBoat (`seqboat`) | – (61.70)" in md
-    with pytest.raises(FileNotFoundError, match="--runs"):
+    with pytest.raises(SystemExit) as exit_info:  # one line, exit 2: the CLI's errors a user fixes
         main(["--runs", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--runs", str(tiny_runs), "--out", str(tmp_path / "o"), "--papers", "mega"])
+    assert exit_info.value.code == 2
+
+
+def test_report_cli_errors_name_the_fix(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--runs", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
+    assert "error: --runs=" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main(["--runs", str(tmp_path / "empty"), "--out", str(tmp_path / "o"), "--papers", "mega", "--no-plots"])
+    assert "--papers mega: no table of that paper; choose from chela las longvq seqboat" in capsys.readouterr().err
+
+
+def test_an_empty_runs_dir_gives_csvs_with_their_headers(tmp_path):
+    """The results notebook reads runs.csv and groups.csv with pandas, which refuses an empty file."""
+    (tmp_path / "runs").mkdir()
+    paths = build_report(tmp_path / "runs", tmp_path / "out", plots=False)
+    assert paths["runs"].read_text().startswith("run_dir,experiment,family,model,data,ablation,variant,seed")
+    assert paths["groups"].read_text().startswith("experiment,family,model,data,ablation,variant,metric")
+
+
+@pytest.mark.xdist_group("report")
+def test_paper_cells_from_runs_off_the_recipe_are_marked(tiny_runs, tmp_path):
+    """The tiny runs start from no paper recipe and change the model's sizes: the paper table still shows them (the
+    only runs there are) but marks the cell and says what the runs were, so a debug run cannot pass for a result."""
+    paper = tmp_path / "paper.yaml"
+    paper.write_text(TINY_PAPER)
+    md = build_report(tiny_runs, tmp_path / "out", paper_results=paper, plots=False)["markdown"].read_text()
+    line = next(line for line in md.splitlines() if line.startswith("| Transformer"))
+    assert "†" in line and "– (30.00)" in md
+    assert "† Transformer, " in md and "from runs that are not the paper's recipe as given (no experiment" in md
 
 
 @pytest.mark.xdist_group("report")

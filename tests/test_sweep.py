@@ -72,11 +72,28 @@ def test_optuna_study_summary_has_every_trial(tmp_path):
     assert [r["best"] for r in rows] == [str(float(r["value"]) == top) for r in rows]  # ties are all marked
 
 
-def test_runs_cli_marks_unfinished_runs_and_refuses_a_missing_dir(tmp_path):
-    (tmp_path / "runs" / "a").mkdir(parents=True)
-    (tmp_path / "runs" / "a" / "config_resolved.yaml").write_text("seed: 0\n")
-    (row,) = runs_cli.main(["--runs", str(tmp_path / "runs"), "--csv", str(tmp_path / "runs.csv")])
-    assert (row["run"], row["status"]) == ("a", "unfinished")
-    assert (tmp_path / "runs.csv").read_text().startswith("run,status")
-    with pytest.raises(FileNotFoundError, match="--runs"):
+def test_runs_cli_marks_unfinished_runs_and_refuses_a_missing_dir(tmp_path, capsys):
+    """An unfinished run (killed: no results.json) is listed with what it is, read from the files its start wrote,
+    and with the same columns as a finished one, whichever sorts first (the table and the CSV take the columns of
+    the first row)."""
+    killed = tmp_path / "runs" / "a"
+    (killed / ".hydra").mkdir(parents=True)
+    (killed / "config_resolved.yaml").write_text("seed: 5\n")
+    (killed / ".hydra" / "overrides.yaml").write_text("- experiment=quickstart\n- seed=5\n- optim.lr=0.003\n")
+    (killed / ".hydra" / "hydra.yaml").write_text(
+        "hydra:\n  runtime:\n    choices: {experiment: quickstart, model: chela, data: listops_quick}\n")
+    finished = tmp_path / "runs" / "b"
+    finished.mkdir()
+    (finished / "results.json").write_text(json.dumps({"metrics": {"val/acc_best": 0.5, "test/acc": 0.4},
+                                                       "choices": {"model": "chela", "data": "listops_quick"},
+                                                       "seed": 0}))
+    rows = runs_cli.main(["--runs", str(tmp_path / "runs"), "--csv", str(tmp_path / "runs.csv")])
+    assert [(r["run"], r["status"]) for r in rows] == [("a", "unfinished"), ("b", "finished")]
+    assert rows[0] | {"run": "a"} == {"run": "a", "status": "unfinished", "experiment": "quickstart",
+                                      "model": "chela", "data": "listops_quick", "seed": 5,
+                                      "overrides": "optim.lr=0.003", "best": "", "test": ""}
+    assert list(rows[0]) == list(rows[1])
+    assert (tmp_path / "runs.csv").read_text().startswith("run,status,experiment,model,data,seed,overrides,best,test")
+    with pytest.raises(SystemExit) as exit_info:
         runs_cli.main(["--runs", str(tmp_path / "missing")])
+    assert exit_info.value.code == 2 and "error: --runs=" in capsys.readouterr().err

@@ -28,6 +28,10 @@ from longmixer.report.tables import (LAYOUT_TITLES, collect_runs, fill_table, gr
 
 log = logging.getLogger(__name__)
 LAYOUT_ORDER = ("lra", "scifar", "sc10", "wikitext103", "enwik8", "mnist", "ablation")
+# the CSVs' columns when there is no run to take them from (the notebook reads them with pandas)
+RUN_COLUMNS = ["run_dir", "experiment", "family", "model", "data", "ablation", "variant", "seed"]
+GROUP_COLUMNS = ["experiment", "family", "model", "data", "ablation", "variant", "metric", "n_seeds", "seeds", "mean",
+                 "std", "run_dirs"]
 
 
 def build_report(runs_dir: Path, out_dir: Path, paper_results: Path | None = None,
@@ -38,6 +42,10 @@ def build_report(runs_dir: Path, out_dir: Path, paper_results: Path | None = Non
     runs = collect_runs(Path(runs_dir))
     groups = group_runs(runs)
     spec = load_paper_tables(paper_results)
+    known = sorted({t.get("paper", "").lower() for t in spec.get("tables", [])})
+    unknown = sorted(set(papers or []) - set(known))
+    if unknown:
+        raise ValueError(f"--papers {' '.join(unknown)}: no table of that paper; choose from {' '.join(known)}")
     tables = [t for t in spec.get("tables", []) if not papers or t.get("paper", "").lower() in papers]
     order = {name: i for i, name in enumerate(LAYOUT_ORDER)}
     tables.sort(key=lambda t: (order.get(t["layout"], len(order)), t.get("paper", "")))
@@ -64,12 +72,13 @@ def build_report(runs_dir: Path, out_dir: Path, paper_results: Path | None = Non
     paths["markdown"].write_text("\n".join(md))
     paths["latex"].write_text("\n".join(tex))
     write_csv(paths["tables"], cells)
-    write_csv(paths["groups"], group_rows(groups))
+    write_csv(paths["groups"], group_rows(groups), columns=None if groups else GROUP_COLUMNS)
     metric_names = sorted({k for r in runs for k in r.metrics})
     write_csv(paths["runs"], [{"run_dir": str(r.run_dir), "experiment": r.experiment or "", "family": r.family,
                                "model": r.model or "", "data": r.data or "", "ablation": r.ablation or "",
                                "variant": r.variant, "seed": r.seed, **{m: r.metrics.get(m) for m in metric_names}}
-                              for r in sorted(runs, key=lambda r: (str(r.key), r.seed))])
+                              for r in sorted(runs, key=lambda r: (str(r.key), r.seed))],
+              columns=None if runs else RUN_COLUMNS)
     if plots:
         paths.update(write_plots(groups, cells, out_dir, bench))
     log.info("report: %d runs, %d groups, %d tables -> %s", len(runs), len(groups), len(tables), out_dir)
@@ -94,7 +103,10 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         log.warning("matplotlib is not installed (pip install 'longmixer[notebook]'): writing tables only; "
                     "--no-plots silences this")
         plots = False
-    paths = build_report(args.runs, args.out, args.paper_results, papers, bench=args.bench, plots=plots)
+    try:
+        paths = build_report(args.runs, args.out, args.paper_results, papers, bench=args.bench, plots=plots)
+    except (FileNotFoundError, ValueError) as err:
+        parser.exit(2, f"error: {err}\n")
     for name, path in paths.items():
         log.info("%-8s %s", name, path)
     return paths

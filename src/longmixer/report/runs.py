@@ -34,8 +34,10 @@ def run_row(run_dir: Path, root: Path, metrics: list[str] | None = None) -> dict
     """One listing row: the run's name, status, choices, variant overrides and its headline metrics."""
     row = {"run": str(run_dir.relative_to(root)) if run_dir.is_relative_to(root) else str(run_dir)}
     if not (run_dir / "results.json").exists():
-        return {**row, "status": "unfinished", "experiment": "", "model": "", "data": "", "seed": "",
-                "overrides": "", **{m: None for m in metrics or []}}
+        # every row has the same columns (the table and the CSV take them from the first row); what the run is
+        # comes from the files training writes when it starts
+        return {**row, "status": "unfinished", **_started_as(run_dir),
+                **({m: None for m in metrics} if metrics else {"best": "", "test": ""})}
     run = load_run(run_dir / "results.json")
     row.update(status="finished", experiment=run.experiment or "", model=run.model or "", data=run.data or "",
                seed=run.seed, overrides=" ".join(filter(None, [f"+ablation={run.ablation}" if run.ablation else "",
@@ -49,6 +51,25 @@ def run_row(run_dir: Path, root: Path, metrics: list[str] | None = None) -> dict
         row.update(best=f"{best}={run.metrics[best]:.4f}" if best else "",
                    test=f"{test}={run.metrics[test]:.4f}" if test and test.startswith("test/") else "")
     return row
+
+
+def _started_as(run_dir: Path) -> dict:
+    """experiment, model, data, seed and overrides of a run without results.json, from the `.hydra/` files and
+    `config_resolved.yaml` its start wrote (blank where a file is missing)."""
+    def read(path: Path):
+        try:
+            return yaml.safe_load(path.read_text()) if path.is_file() else None
+        except yaml.YAMLError:
+            return None
+
+    choices = ((read(run_dir / ".hydra" / "hydra.yaml") or {}).get("hydra", {}).get("runtime", {})
+               .get("choices", {})) or {}
+    overrides = read(run_dir / ".hydra" / "overrides.yaml") or []
+    seed = (read(run_dir / "config_resolved.yaml") or {}).get("seed", "")
+    named = ("experiment", "model", "data", "seed")
+    rest = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in named]
+    return {"experiment": choices.get("experiment") or "", "model": choices.get("model") or "",
+            "data": choices.get("data") or "", "seed": seed, "overrides": " ".join(rest)}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -118,12 +139,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--csv", type=Path, default=None, help="also write the table to this CSV file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.compare is not None:
-        if len(args.compare) < 2:
-            parser.error("--compare needs at least two run dirs")
-        rows = compare_runs(args.compare)
-    else:
-        rows = list_runs(args.runs, args.metric)
+    try:
+        if args.compare is not None:
+            if len(args.compare) < 2:
+                parser.error("--compare needs at least two run dirs")
+            rows = compare_runs(args.compare)
+        else:
+            rows = list_runs(args.runs, args.metric)
+    except FileNotFoundError as err:
+        parser.exit(2, f"error: {err}\n")
     log.info("%s", markdown(rows))
     if args.csv:
         write_csv(args.csv, rows)

@@ -188,6 +188,8 @@ class Cell:
     n: int = 0
     paper: float | None = None
     variant: str = ""
+    recipe: str = ""                  # the experiment the runs were started from
+    off_recipe: bool = False          # not a paper recipe as given: another experiment, or extra overrides
 
     @property
     def diff(self) -> float | None:
@@ -201,7 +203,13 @@ def _pick(groups: list[Group], model: str, data: str, ablation: str | None, metr
                and g.stats(metric) is not None]
     if not matches:
         return None
-    return sorted(matches, key=lambda g: (g.variant != "", -len(g.runs), g.variant))[0]
+    return sorted(matches, key=lambda g: (_off_recipe(g), -len(g.runs), g.variant))[0]
+
+
+def _off_recipe(g: Group) -> bool:
+    """Whether a group's runs are not a paper recipe as given: started from no `<family>/<task>` experiment (the
+    quickstart, a bare model= data= command) or with overrides that change results (a debug run's max_steps)."""
+    return bool(g.variant) or "/" not in (g.experiment or "")
 
 
 def fill_table(table: dict, groups: list[Group]) -> list[tuple[dict, dict[str, Cell]]]:
@@ -217,6 +225,7 @@ def fill_table(table: dict, groups: list[Group]) -> list[tuple[dict, dict[str, C
                 mean, std, n = group.stats(table["metric"])
                 cell.mean, cell.std, cell.n, cell.variant = mean * scale, None if std is None else std * scale, n, \
                     group.variant
+                cell.recipe, cell.off_recipe = group.experiment or "", _off_recipe(group)
             cells[column] = cell
         if table.get("average"):
             # the papers average over the tasks a model ran (a cross counts as absent): so do we, over the same set
@@ -238,11 +247,28 @@ def cell_text(cell: Cell, digits: int, latex: bool = False) -> str:
     """`ours ± std (paper, Δ)`; `– (paper)` when we have no run; `ours ± std` when the paper has no number."""
     pm = r"$\pm$" if latex else "±"
     ours = _fmt(cell.mean, digits) + (f" {pm} {cell.std:.{digits}f}" if cell.std is not None else "")
+    ours += OFF_RECIPE_MARK if cell.off_recipe else ""
     if cell.paper is None:
         return ours
     if cell.mean is None:
         return f"– ({cell.paper:.{digits}f})"
     return f"{ours} ({cell.paper:.{digits}f}, {cell.diff:+.{digits}f})"
+
+
+OFF_RECIPE_MARK = "†"
+
+
+def _off_recipe_notes(table: dict, filled) -> list[str]:
+    """One line per cell filled from runs that are not the paper's recipe as given, naming what they were."""
+    notes = []
+    for row, cells in filled:
+        for column, cell in cells.items():
+            if cell.off_recipe:
+                what = " ".join(filter(None, [f"experiment={cell.recipe}" if cell.recipe else "no experiment",
+                                              cell.variant.replace(",", " ")]))
+                notes.append(f"{OFF_RECIPE_MARK} {row['label']}, {COLUMN_TITLES.get(column, column)}: from runs "
+                             f"that are not the paper's recipe as given ({what})")
+    return notes
 
 
 def _digits(table: dict) -> int:
@@ -260,7 +286,8 @@ def table_markdown(table: dict, filled) -> str:
         label = row["label"] + (f" (`{row['model']}`" + (f", `ablation={row['ablation']}`" if row.get("ablation")
                                                           else "") + ")" if row.get("model") else "")
         lines.append(f"| {label} | " + " | ".join(cell_text(cells[c], _digits(table)) for c in columns) + " |")
-    return "\n".join(lines) + "\n"
+    notes = _off_recipe_notes(table, filled)
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 def _tex_escape(text: str) -> str:
@@ -276,7 +303,9 @@ def table_latex(table: dict, filled) -> str:
              r"\begin{tabular}{l" + "c" * len(columns) + "}", r"\toprule",
              "Model & " + " & ".join(_tex_escape(COLUMN_TITLES.get(c, c)) for c in columns) + r" \\", r"\midrule"]
     for row, cells in filled:
-        texts = [cell_text(cells[c], _digits(table), latex=True).replace("–", "--") for c in columns]
+        texts = [cell_text(cells[c], _digits(table), latex=True).replace("–", "--").replace(OFF_RECIPE_MARK,
+                                                                                          r"$^\dagger$")
+                 for c in columns]
         lines.append(_tex_escape(row["label"]) + " & " + " & ".join(texts) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}",
               r"\caption{" + _tex_escape(f"{table.get('source', table['id'])}: ours (paper, ours - paper).") + "}",
@@ -334,11 +363,13 @@ def groups_markdown(groups: list[Group]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
-    if not rows:
+def write_csv(path: Path, rows: list[dict], columns: list[str] | None = None) -> None:
+    """`rows` as CSV, the columns those of the first row (or `columns`, which an empty table still gets as its
+    header, so that readers such as pandas see a table with no rows rather than an empty file)."""
+    if not rows and not columns:
         path.write_text("")
         return
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=columns or list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
