@@ -178,6 +178,18 @@ def _fetch(url: str, part: Path, expected_size: int | None, chunk: int) -> None:
                                 f"to resume (the partial file is {part})")
 
 
+# what reading a damaged or cut .tar(.gz) / .zip raises
+UNPACK_ERRORS = (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error)
+
+
+def damaged_archive(archive: Path, err: BaseException, also: str) -> DataDownloadError:
+    """The one-line error for an archive that `UNPACK_ERRORS` stopped, naming it and the fix (`also`: what else
+    the caller's user can do)."""
+    return DataDownloadError(f"{archive} could not be unpacked ({type(err).__name__}: {err}): a damaged or cut "
+                             f"download; delete {archive} and run the same command again to download it afresh, "
+                             f"{also}")
+
+
 def extract_marker(dest: Path, archive_name: str) -> Path:
     """The file that `extract` writes in `dest` once every member of `archive_name` is in place."""
     return Path(dest) / f".extracted-{archive_name}"
@@ -214,11 +226,10 @@ def extract(archive: Path, dest: Path) -> None:
         else:
             with tarfile.open(archive) as t:
                 t.extractall(scratch, filter="data")
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error) as err:
+    except UNPACK_ERRORS as err:
         shutil.rmtree(scratch, ignore_errors=True)
-        raise DataDownloadError(f"{archive} could not be unpacked ({type(err).__name__}: {err}): a damaged or cut "
-                                f"download; delete {archive} and run the same command again to download it afresh, "
-                                "or pass data.source_dir=<folder> with the files extracted by hand") from None
+        raise damaged_archive(archive, err, "or pass data.source_dir=<folder> with the files extracted by hand") \
+            from None
     for entry in scratch.iterdir():
         target = dest / entry.name
         if target.is_dir() and not target.is_symlink():

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import logging
 import tarfile
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from longmixer.data.download import DataDownloadError, download, progress
+from longmixer.data.download import UNPACK_ERRORS, damaged_archive, download, progress
 from longmixer.data.integrity import SourceFileMissingError
 
 log = logging.getLogger(__name__)
@@ -65,10 +64,8 @@ def extract(archive: Path, dest: Path, parts: Sequence[str] | None = None) -> No
                     tar.extract(member, dest, filter="data")
                 advance(raw.tell() - done)
                 done = raw.tell()
-    except (tarfile.TarError, EOFError, zlib.error) as err:
-        raise DataDownloadError(f"{archive} could not be unpacked ({type(err).__name__}: {err}): a damaged or cut "
-                                f"download; delete {archive} and run the same command again to download it afresh "
-                                "(the parts unpacked so far are redone)") from None
+    except UNPACK_ERRORS as err:
+        raise damaged_archive(archive, err, "and the parts unpacked so far are redone") from None
     for part in wanted:
         (dest / f".extracted-{part}").touch()
         (dest / f".extracting-{part}").unlink()
