@@ -196,16 +196,23 @@ def test_long_span_baselines_are_the_previous_paths():
     assert long_span.ONE_PASS_BWD["dq_atomic"] and "dv_pass" not in long_span.ONE_PASS_BWD
     assert long_span.ONE_PASS_BWD["BLOCK_M"] == 32
     assert long_span.local_kernel.LONG_SPAN_K64["dq_atomic"] and long_span.local_kernel.LONG_SPAN_K64["dv_pass"]
-    assert long_span.sparse_kernel.DV_PASS_TILES is not None
+    assert long_span.sparse_kernel.DV_PASS_TILES is not None and long_span.sparse_kernel.PACKED_LONG_SPAN
 
 
-def test_long_span_table_sets_each_path_beside_the_one_before():
+def test_long_span_table_sets_each_path_beside_the_default():
+    """A table per op: each path's time in the order measured, the default last, and each path's time over the
+    default's; a path an op did not measure is a dash."""
     rows = [dict(op="mega", shape="B8 L4096", what="backward", path=p, ms=ms)
             for p, ms in (("split", 2.0), ("one-pass", 1.0), ("default", 0.8))]
-    rows.append(dict(op="seqboat-full", shape="B8 L4096", what="forward", path="one-pass", ms=0.5))
+    rows += [dict(op="seqboat-full", shape="B8 L4096 78%", what="forward", path=p, ms=ms)
+             for p, ms in (("fused", 0.5), ("default", 0.4))]
+    rows.append(dict(op="seqboat-full", shape="B2 L16384 78%", what="forward", path="default", ms=1.0))
     table = _bench_script("long_span").markdown(rows).splitlines()
-    assert table[2] == "| mega | B8 L4096 | backward | 2.000 | 1.000 | 0.800 | 2.00x | 1.25x |"
-    assert table[3] == "| seqboat-full | B8 L4096 | forward | - | 0.500 | - | - | - |"  # paths not measured
+    assert table[0] == "| op | shape | what | split ms | one-pass ms | default ms | split / default | one-pass / default |"
+    assert table[2] == "| mega | B8 L4096 | backward | 2.000 | 1.000 | 0.800 | 2.50x | 1.25x |"
+    assert table[4] == "| op | shape | what | fused ms | default ms | fused / default |"
+    assert table[6:] == ["| seqboat-full | B8 L4096 78% | forward | 0.500 | 0.400 | 1.25x |",
+                         "| seqboat-full | B2 L16384 78% | forward | - | 1.000 | - |"]
 
 
 def test_optimizer_step_skips_without_a_gpu(monkeypatch, capsys):

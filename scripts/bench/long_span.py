@@ -2,15 +2,18 @@
 
 1. Parity on the GPU against the float64 references: MEGA's full-length `local_attention` (K 64, V 256, softmax and
    laplace, bidirectional and causal, a padded row) and SeqBoat's `sparse_local_attention` in full mode (70% of the
-   tokens active, compressed and original bias), float32 and bf16, o and every gradient.
-2. Times (bf16, `triton.testing.do_bench` means) at B8 L4096 and B2 L16384:
+   tokens active, compressed and original bias), float32 and bf16, o and every gradient; those of the ops in --ops.
+2. Times (bf16, `triton.testing.do_bench` means, which include the host's launches; SeqBoat-full also the GPU
+   kernels' time, from torch.profiler) at B8 L4096 and B2 L16384:
    - MEGA: the forward and the backward launchers with the default tiles (two passes: dk, dq by atomics and the
      bias partials, then dv by its own kernel), with the one-pass backward they replaced (`ONE_PASS_BWD`: dv in
      the same kernel, 32-query tiles) and with the split path before that (`SPLIT_BWD` / `SPLIT_FWD`: a dq kernel
      and a dk/dv kernel per 128-wide value block, the bias gradient by atomics), the bias gradient on and off;
-   - SeqBoat-full: forward and forward + backward of the op: the default (the one-kernel backward without dv,
-     then a dv pass), the one-pass backward it replaced (`DV_PASS_TILES = None`: dv in the same kernel, 32-query
-     tiles) and the split path (`FUSED_BWD_MODES` emptied, which also restores the 64-wide forward).
+   - SeqBoat-full (K 64, V 256, the compressed bias): forward and forward + backward of the op with all tokens
+     active and with 78% (what SeqBoat-full Text's router activated at 16K from seed 0): the default (MEGA's
+     full-length kernels on the packed sequence, `PACKED_LONG_SPAN`), the fused sparse kernels it replaced
+     (the one-kernel backward without dv, then a dv pass), their one-pass backward (`DV_PASS_TILES = None`) and
+     the split path (`FUSED_BWD_MODES` emptied, which also restores the 64-wide forward).
 
 GPU:  PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/long_span.py [--csv rows.csv] [--skip-parity]
           [--ops mega seqboat-full]
@@ -50,7 +53,7 @@ def check(name: str, got: list, ref: list, dtype) -> bool:
     return ok
 
 
-def parity(device) -> bool:
+def parity(device, ops: list[str]) -> bool:
     g = torch.Generator().manual_seed(0)
     B, L, K, V = 2, 1000, 64, 256
     q, k = (torch.randn(B, 1, L, K, generator=g) for _ in range(2))
@@ -59,7 +62,7 @@ def parity(device) -> bool:
     mask = torch.ones(B, L, dtype=torch.bool)
     mask[1, 700:] = False
     ok = True
-    for attention in ("softmax", "laplace"):
+    for attention in ("softmax", "laplace") if "mega" in ops else ():
         for causal in (False, True):
             leaves = [t.double().to(device).requires_grad_() for t in (q, k, v, table)]
             kw = dict(attention=attention, causal=causal, mask=mask.to(device))
@@ -76,7 +79,7 @@ def parity(device) -> bool:
     qs, ks = (t[:, 0] for t in (q, k))
     vs = v[:, 0]
     active = torch.rand(B, L, generator=g) < 0.7
-    for rel_pos in ("compressed", "original"):
+    for rel_pos in ("compressed", "original") if "seqboat-full" in ops else ():
         for causal in (False, True):
             leaves = [t.double().to(device).requires_grad_() for t in (qs, ks, vs, table)]
             kw = dict(window=None, causal=causal, rel_pos=rel_pos)
@@ -120,15 +123,31 @@ def mega(device, B: int, L: int) -> None:
                     q, k, v, o, stat, do, table, None, bias_grad=bg, cfg=c, **kw)))
 
 
-def seqboat_full(device, B: int, L: int) -> None:
+def kernel_ms(fn, calls: int = 3) -> float:
+    """GPU kernel time of one call (torch.profiler, summed over the kernels of `calls` calls): the op's wall time
+    at 4K is its launcher's and autograd's host time, which a model's CUDA graphs do not pay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    # only CUDA activity is recorded, so every averaged entry is a kernel (or a memset / copy) on the GPU
+    return sum(e.device_time_total for e in prof.key_averages()) / calls / 1e3
+
+
+def seqboat_full(device, B: int, L: int, share: float) -> None:
     from triton.testing import do_bench
 
     g = torch.Generator().manual_seed(2)
     K, V = 64, 256
     q, k = (torch.randn(B, L, K, generator=g).to(device, torch.bfloat16).requires_grad_() for _ in range(2))
     v = torch.randn(B, L, V, generator=g).to(device, torch.bfloat16).requires_grad_()
-    active = torch.ones(B, L, dtype=torch.bool, device=device)
+    active = (torch.rand(B, L, generator=g) < share).to(device)
     bias = (0.1 * torch.randn(2 * L - 1, generator=g)).to(device).requires_grad_()
+    shape = f"B{B} L{L} {share:.0%}"
 
     def fwd():
         return sparse_local_attention(q, k, v, active, bias, window=None, rel_pos="compressed")
@@ -141,31 +160,40 @@ def seqboat_full(device, B: int, L: int) -> None:
     modes = set(sparse_kernel.FUSED_BWD_MODES)
     dv_pass = sparse_kernel.DV_PASS_TILES
     try:
-        for path, fused, second in (("split", set(), dv_pass), ("one-pass", modes, None), ("default", modes, dv_pass)):
+        for path, fused, second, packed in (("split", set(), dv_pass, False), ("one-pass", modes, None, False),
+                                            ("fused", modes, dv_pass, False), ("default", modes, dv_pass, True)):
             sparse_kernel.FUSED_BWD_MODES.clear()
             sparse_kernel.FUSED_BWD_MODES.update(fused)
             sparse_kernel.DV_PASS_TILES = second
+            sparse_kernel.PACKED_LONG_SPAN = packed
             with torch.no_grad():
-                add("seqboat-full", f"B{B} L{L}", path, "forward", do_bench(fwd))
-            add("seqboat-full", f"B{B} L{L}", path, "forward + backward", do_bench(step))
+                add("seqboat-full", shape, path, "forward", do_bench(fwd))
+            add("seqboat-full", shape, path, "forward + backward", do_bench(step))
+            add("seqboat-full", shape, path, "forward + backward, GPU kernels", kernel_ms(step))
     finally:
         sparse_kernel.FUSED_BWD_MODES.clear()
         sparse_kernel.FUSED_BWD_MODES.update(modes)
         sparse_kernel.DV_PASS_TILES = dv_pass
+        sparse_kernel.PACKED_LONG_SPAN = True
 
 
 def markdown(rows: list[dict]) -> str:
-    """One line per (op, shape, what): each path's ms, split / one-pass and one-pass / the default (two-pass)."""
-    lines = ["| op | shape | what | split ms | one-pass ms | two-pass ms | split / one-pass | one-pass / two-pass |",
-             "|---|---|---|---|---|---|---|---|"]
-    keys = dict.fromkeys((r["op"], r["shape"], r["what"]) for r in rows)
-    for key in keys:
-        ms = {r["path"]: r["ms"] for r in rows if (r["op"], r["shape"], r["what"]) == key}
-        split, one, two = ms.get("split"), ms.get("one-pass"), ms.get("default")
-        cells = [f"{x:.3f}" if x else "-" for x in (split, one, two)]
-        ratios = [f"{a / b:.2f}x" if a and b else "-" for a, b in ((split, one), (one, two))]
-        lines.append("| " + " | ".join([*key, *cells, *ratios]) + " |")
-    return "\n".join(lines)
+    """A table per op, a line per (shape, what): each path's ms and its time over the default's."""
+    tables = []
+    for op in dict.fromkeys(r["op"] for r in rows):
+        mine = [r for r in rows if r["op"] == op]
+        paths = [p for p in dict.fromkeys(r["path"] for r in mine) if p != "default"] + ["default"]
+        others = paths[:-1]
+        lines = ["| op | shape | what | " + " | ".join(f"{p} ms" for p in paths) + " | "
+                 + " | ".join(f"{p} / default" for p in others) + " |",
+                 "|" + "---|" * (3 + len(paths) + len(others))]
+        for shape, what in dict.fromkeys((r["shape"], r["what"]) for r in mine):
+            ms = {r["path"]: r["ms"] for r in mine if (r["shape"], r["what"]) == (shape, what)}
+            cells = [f"{ms[p]:.3f}" if ms.get(p) else "-" for p in paths]
+            ratios = [f"{ms[p] / ms['default']:.2f}x" if ms.get(p) and ms.get("default") else "-" for p in others]
+            lines.append("| " + " | ".join([op, shape, what, *cells, *ratios]) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,19 +202,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-parity", action="store_true",
                         help="timings only (the parity cases take about 150 s on an H100)")
     parser.add_argument("--ops", nargs="+", choices=("mega", "seqboat-full"), default=["mega", "seqboat-full"],
-                        help="which ops to time (default: both)")
+                        help="which ops to check and time (default: both)")
+    parser.add_argument("--active", nargs="+", type=float, default=[1.0, 0.78],
+                        help="SeqBoat-full's shares of active tokens to time (default: 1.0 0.78)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("long_span.py times GPU kernels: it needs a CUDA GPU (skipped)")
         return 0
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
-    ok = True if args.skip_parity else parity(device)
+    ok = True if args.skip_parity else parity(device, args.ops)
     for B, L in ((8, 4096), (2, 16384)):
         if "mega" in args.ops:
             mega(device, B, L)
         if "seqboat-full" in args.ops:
-            seqboat_full(device, B, L)
+            for share in args.active:
+                seqboat_full(device, B, L, share)
     print(markdown(ROWS))
     if args.csv:
         with open(args.csv, "w", newline="") as f:

@@ -192,3 +192,77 @@ def test_full_mode_plan_on_a_gpu(monkeypatch, V, dv_pass_tiles, two_pass):
     assert plan["DV"] is not two_pass and (plan["dv_pass"] == kernel.DV_PASS_TILES if two_pass else
                                             plan["dv_pass"] is None)
     assert plan["BLOCK_V"] == triton.next_power_of_2(V) and plan["BIAS_DIAG"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("table", [None, 153, 200], ids=["no-bias", "table-M153<padded", "table-M200>padded"])
+@pytest.mark.parametrize("V", [40, 160], ids=["V40-one-pass", "V160-two-pass"])
+def test_packed_long_span_route(monkeypatch, causal, table, V):
+    """SeqBoat-full's softmax attention over L > 128 runs as MEGA's full-length attention on the packed sequence
+    (rows read and written through the slot index, one chunk of 192 slots, each row's count its length): forward
+    and every gradient against the reference, with a row that has nothing activated and a ragged one; a bias
+    table shorter than the chunk (zeros past it) and a longer one (sliced); values of 40 (dv in the one pass) and
+    160 (the dv pass)."""
+    from longmixer.ops.sparse_local_attention import kernel
+
+    fwd_rows, bwd_rows = [], []
+    for name, seen in (("local_attention_fwd", fwd_rows), ("local_attention_bwd", bwd_rows)):
+        launcher = getattr(kernel.local_kernel, name)
+        monkeypatch.setattr(kernel.local_kernel, name, lambda *a, f=launcher, s=seen, **kw: s.append(
+            (tuple(a[0].shape), kw["chunk"], kw["rows"][1].tolist())) or f(*a, **kw))
+    B, L, K = 3, 150, 16
+    q, k, v, active, bias = _inputs(B, L, K, V, 0.7, seed=V)
+    active[1] = False
+    bias = None if table is None else torch.randn(2 * table - 1, generator=torch.Generator().manual_seed(5)) * 0.5
+    leaves = [t.requires_grad_() for t in (q, k, v) + (() if bias is None else (bias,))]
+    do = torch.randn(B, L, V)
+    results = {}
+    for backend in ("torch", "triton"):
+        o = sparse_local_attention(q, k, v, active, bias, causal=causal, rel_pos="compressed", backend=backend)
+        results[backend] = (o, *torch.autograd.grad(o, leaves, do))
+    for name, tri, ref in zip(("o", "dq", "dk", "dv", "dbias"), results["triton"], results["torch"]):
+        assert ((tri - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item() < 2e-5, name
+    counts = active.sum(-1).tolist()
+    assert fwd_rows == [((B, 1, L, K), 192, counts)] and bwd_rows == fwd_rows, (fwd_rows, bwd_rows)
+    assert (results["triton"][0][~active] == 0).all()
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    (dict(), True), (dict(L=128), False), (dict(K=96), False), (dict(V=320), False), (dict(rel_pos="original"), False),
+    (dict(m_bias=140), False), (dict(no_bias=True, rel_pos="original"), True), (dict(attention="relu2"), False),
+    (dict(window=256), False), (dict(chunk=64), False),
+], ids=["full-softmax-compressed", "L128", "K96", "V320", "original-bias", "short-table", "no-bias", "relu2",
+        "window", "chunk"])
+def test_packed_long_span_routing(kwargs, expected):
+    """Which calls take MEGA's full-length kernels: full softmax attention over more than 128 slots with K <= 64,
+    V <= 256 and a bias, if any, Toeplitz in packed slots over every distance."""
+    L, K, V = kwargs.get("L", 150), kwargs.get("K", 64), kwargs.get("V", 256)
+    q, v = torch.zeros(1, L, K), torch.zeros(1, L, V)
+    bias = None if kwargs.get("no_bias") else torch.zeros(2 * kwargs.get("m_bias", L) - 1)
+    assert sparse_kernel.packed_long_span(q, v, bias, window=kwargs.get("window"), chunk=kwargs.get("chunk"),
+                                          attention=kwargs.get("attention", "softmax"),
+                                          rel_pos=kwargs.get("rel_pos", "compressed")) is expected
+
+
+def test_packed_rows_refused_off_their_path():
+    """A packed sequence (`rows`) is only for one head's full-length softmax attention on the one-pass long-span
+    backward, with int32 indices of the right shapes."""
+    from longmixer.ops.local_attention import kernel as local_kernel
+
+    q = torch.zeros(1, 1, 150, 16)
+    rows = (torch.zeros(1, 150, dtype=torch.int32), torch.tensor([100], dtype=torch.int32))
+    kw = dict(causal=False, scale=0.25)
+    for attention, chunk, qq in (("laplace", 192, q), ("softmax", 64, q), ("softmax", 192, q.expand(1, 2, 150, 16))):
+        with pytest.raises(ValueError, match="full-length softmax"):
+            local_kernel.local_attention_fwd(qq, qq, qq, None, None, attention=attention, chunk=chunk, rows=rows, **kw)
+    with pytest.raises(ValueError, match="count must be a contiguous int32"):
+        local_kernel.local_attention_fwd(q, q, q, None, None, attention="softmax", chunk=192,
+                                         rows=(rows[0], rows[1].long()), **kw)
+    with pytest.raises(ValueError, match=r"idx must be a contiguous int32 \[1, 150\]"):
+        local_kernel.local_attention_fwd(q, q, q, None, None, attention="softmax", chunk=192,
+                                         rows=(rows[0][:, :100], rows[1]), **kw)
+    stat = torch.zeros(1, 1, 150)
+    with pytest.raises(ValueError, match="dq by atomics"):
+        local_kernel.local_attention_bwd(q, q, q, q, stat, q, None, None, attention="softmax", chunk=192, rows=rows,
+                                         cfg=dict(span=64, BLOCK_M=64, BLOCK_V_MAX=128, num_warps=4, num_stages=1),
+                                         **kw)

@@ -158,10 +158,20 @@ def use_bias_table(C: int, BLOCK_M: int, BLOCK_N: int) -> bool:
 
 
 @triton.jit
-def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, stat_ptr, bias_ptr, mask_ptr,
+def _row_offsets(idx_ptr, i_b, L, o, m, PACKED: tl.constexpr):
+    """Where the outputs of slots o of row b go: o, or (PACKED) the positions idx[b, o] of SeqBoat's packed sequence
+    (slots outside m read position 0; the stores there are masked)."""
+    if PACKED:
+        return tl.load(idx_ptr + i_b * L + o, mask=m, other=0)
+    return o
+
+
+@triton.jit
+def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, stat_ptr, bias_ptr, mask_ptr, idx_ptr, lens_ptr,
                                 H, L, K, V, C, scale, seed_ptr, p_drop,
                                 ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+                                BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, PACKED: tl.constexpr,
+                                DROPOUT: tl.constexpr,
                                 DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr, ALIGNED: tl.constexpr,
                                 TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -171,10 +181,14 @@ def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, stat_ptr, bias_ptr, 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_k = tl.arange(0, BLOCK_K)
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    m_row = o_m < L
+    lo, hi = _key_range(i_m * BLOCK_M, L, C, BLOCK_M, CAUSAL)
+    r_hi = L
+    if PACKED:  # slots at or past the row's count take no part (`local_attention_fwd`'s rows)
+        r_hi = tl.load(lens_ptr + i_b)
+        hi = tl.where(i_m * BLOCK_M < r_hi, tl.minimum(hi, r_hi), 0)
+    m_row = o_m < r_hi
     b_q = tl.load(q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], mask=m_row[:, None] & (o_k[None, :] < K),
                   other=0.)
-    lo, hi = _key_range(i_m * BLOCK_M, L, C, BLOCK_M, CAUSAL)
     b_inv = tl.full([BLOCK_M], 1., dtype=tl.float32)
     if ATTN != 0:
         b_inv = _inv_count(o_m, i_b, L, C, lo, hi, mask_ptr, CAUSAL, HAS_MASK, BLOCK_M, BLOCK_N)
@@ -196,8 +210,8 @@ def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, stat_ptr, bias_ptr, 
             b_s = b_s * b_inv[:, None]  # element attention divides by the key count before the bias (MEGA code)
         if HAS_BIAS and TABLE:  # key tile n0 / BLOCK_N - i_m tiles right of the query tile (BLOCK_M == BLOCK_N)
             b_s = b_s + tl.load(p_tab + (n0 // BLOCK_N) * (BLOCK_M * BLOCK_N))
-        b_s, m_valid = _bias_and_mask(b_s, o_m[:, None], o_n[None, :], i_b, i_h, L, C, L, hi, bias_ptr, mask_ptr,
-                                      CAUSAL, HAS_BIAS and not TABLE, BIAS_PER_HEAD, HAS_MASK, ALIGNED)
+        b_s, m_valid = _bias_and_mask(b_s, o_m[:, None], o_n[None, :], i_b, i_h, L, C, r_hi, hi, bias_ptr,
+                                      mask_ptr, CAUSAL, HAS_BIAS and not TABLE, BIAS_PER_HEAD, HAS_MASK, ALIGNED)
         if ATTN == 0:
             # online softmax; a row with no valid key so far keeps max -inf, guarded to avoid inf - inf
             b_s = tl.where(m_valid, b_s, float("-inf"))
@@ -218,8 +232,9 @@ def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, stat_ptr, bias_ptr, 
         b_acc = b_acc / tl.where(b_l == 0., 1., b_l)[:, None]
         # rows with no key: lse = +inf so that the backward's exp(s - lse) is 0 there
         b_stat = tl.where(b_l == 0., float("inf"), b_mx + tl.log(tl.where(b_l == 0., 1., b_l)))
-    tl.store(stat_ptr + i_bh * L + o_m, b_stat, mask=m_row & (i_v == 0))
-    tl.store(o_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :], b_acc.to(o_ptr.dtype.element_ty),
+    r_m = _row_offsets(idx_ptr, i_b, L, o_m, m_row, PACKED)
+    tl.store(stat_ptr + i_bh * L + r_m, b_stat, mask=m_row & (i_v == 0))
+    tl.store(o_ptr + (i_bh * L + r_m[:, None]) * V + o_v[None, :], b_acc.to(o_ptr.dtype.element_ty),
              mask=m_row[:, None] & (o_v[None, :] < V))
 
 
@@ -295,9 +310,10 @@ def _weights_T(q_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, b_k, o_m, o_n, o_k, 
 
 @triton.jit
 def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, delta_ptr, bias_ptr, mask_ptr,
-                                dq_ptr, dk_ptr, dv_ptr, dbias_ptr, H, L, K, V, C, SPAN, scale, seed_ptr,
-                                p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+                                idx_ptr, lens_ptr, dq_ptr, dk_ptr, dv_ptr, dbias_ptr, H, L, K, V, C, SPAN, scale,
+                                seed_ptr, p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, PACKED: tl.constexpr,
+                                DROPOUT: tl.constexpr,
                                 FUSED: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
                                 ALIGNED: tl.constexpr, BIAS_GRAD: tl.constexpr, DQ_ATOMIC: tl.constexpr,
                                 SPAN_PART: tl.constexpr, CARRY: tl.constexpr, DV: tl.constexpr,
@@ -317,6 +333,10 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
     o_k = tl.arange(0, BLOCK_K)
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     k_hi = tl.minimum(n0 + SPAN, L)
+    r_hi = L
+    if PACKED:  # not FUSED (the launcher checks): slots past the row's count take no part
+        r_hi = tl.load(lens_ptr + i_b)
+        k_hi = tl.minimum(k_hi, r_hi)
     m_keys = o_n < k_hi
     m_k, m_v = o_k < K, o_v < V
     b_k = tl.load(k_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :], mask=m_keys[:, None] & m_k[None, :], other=0.)
@@ -347,6 +367,8 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
         lo, hi = n0, k_hi
     else:
         lo, hi = _query_range(n0, L, C, BLOCK_N, CAUSAL)
+        if PACKED:
+            hi = tl.where(n0 < r_hi, tl.minimum(hi, r_hi), lo)
     n_iter = tl.cdiv(hi - lo, BLOCK_M)
     # CARRY (BLOCK_N == BLOCK_M, split paths): each tile's wrap classes are w = 0 (jj >= c) and w = -1 (jj < c), and
     # class 0 of a tile holds the same diagonals, column by column, as class -1 of the tile BLOCK_M queries below.
@@ -356,7 +378,7 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
     b_cls0 = tl.arange(0, BLOCK_N)[:, None] >= o_c[None, :]
     b_prev = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if DQ_ATOMIC:
-        prev_m0 = lo + ((i_n % n_iter) - 1) * BLOCK_M
+        prev_m0 = lo + ((i_n % tl.maximum(n_iter, 1)) - 1) * BLOCK_M  # n_iter is 0 for spans past a row's length
     else:
         prev_m0 = lo - BLOCK_M
     for it in range(0, n_iter):
@@ -424,26 +446,28 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                          mask=m_rows[:, None] & m_k[None, :])
             elif DQ_ATOMIC:
                 b_dq = tl.dot(tl.trans(b_dsT).to(b_k.dtype), b_k, input_precision=DOT_PREC)
-                tl.atomic_add(dq_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], b_dq,
+                r_m = _row_offsets(idx_ptr, i_b, L, o_m, m_rows, PACKED)
+                tl.atomic_add(dq_ptr + (i_bh * L + r_m[:, None]) * K + o_k[None, :], b_dq,
                               mask=m_rows[:, None] & m_k[None, :], sem="relaxed")
     if BIAS_GRAD and CARRY and (ONE_V or i_v == 0):  # the last tile's class -1
         tl.debug_barrier()  # a partial's first put may share these diagonals
         _put_diagonals(p_diag, o_c - BLOCK_M - (prev_m0 - n0), tl.sum(tl.where(b_cls0, 0., b_prev), 0), d_lo, d_hi,
                        ADD_MODE)
+    r_n = _row_offsets(idx_ptr, i_b, L, o_n, m_keys, PACKED)
     if DV:
-        tl.store(dv_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :], b_dv.to(dv_ptr.dtype.element_ty),
+        tl.store(dv_ptr + (i_bh * L + r_n[:, None]) * V + o_v[None, :], b_dv.to(dv_ptr.dtype.element_ty),
                  mask=m_keys[:, None] & m_v[None, :])
     if ONE_V or i_v == 0:
-        tl.store(dk_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :], b_dk.to(dk_ptr.dtype.element_ty),
+        tl.store(dk_ptr + (i_bh * L + r_n[:, None]) * K + o_k[None, :], b_dk.to(dk_ptr.dtype.element_ty),
                  mask=m_keys[:, None] & m_k[None, :])
 
 
 @triton.jit
-def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, dv_ptr, H, L, K, V, C, scale,
-                                   seed_ptr, p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr,
+def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, idx_ptr, lens_ptr, dv_ptr, H,
+                                   L, K, V, C, scale, seed_ptr, p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr,
                                    HAS_BIAS: tl.constexpr, BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr,
-                                   DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr,
-                                   SIGMA: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr,
+                                   PACKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+                                   MU: tl.constexpr, SIGMA: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr,
                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     # dv = p^T do for one key tile and one value block, the weights recomputed from q, k and the saved stat: the
     # second pass of the two-pass long-span backward (`dv_pass`), whose first pass does the rest without the
@@ -455,11 +479,16 @@ def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mas
     o_k = tl.arange(0, BLOCK_K)
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     k_hi = tl.minimum(n0 + BLOCK_N, L)
+    if PACKED:
+        r_hi = tl.load(lens_ptr + i_b)
+        k_hi = tl.minimum(k_hi, r_hi)
     m_keys = o_n < k_hi
     m_k, m_v = o_k < K, o_v < V
     b_k = tl.load(k_ptr + (i_bh * L + o_n[:, None]) * K + o_k[None, :], mask=m_keys[:, None] & m_k[None, :], other=0.)
     b_dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     lo, hi = _query_range(n0, L, C, BLOCK_N, CAUSAL)
+    if PACKED:
+        hi = tl.where(n0 < r_hi, tl.minimum(hi, r_hi), 0)
     # query tiles at multiples of BLOCK_M, which the compiler can use in the rows' index arithmetic; the rows before
     # lo fail the causal test (a causal range starts at n0) or, with tiles across chunks (tile mode 0), the chunk
     # test
@@ -471,7 +500,8 @@ def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mas
         if DROPOUT:
             b_pT = b_pT * _dropout_scale(seed_ptr, p_drop, i_bh, L, o_m[None, :], o_n[:, None])
         b_dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=DOT_PREC)
-    tl.store(dv_ptr + (i_bh * L + o_n[:, None]) * V + o_v[None, :], b_dv.to(dv_ptr.dtype.element_ty),
+    r_n = _row_offsets(idx_ptr, i_b, L, o_n, m_keys, PACKED)
+    tl.store(dv_ptr + (i_bh * L + r_n[:, None]) * V + o_v[None, :], b_dv.to(dv_ptr.dtype.element_ty),
              mask=m_keys[:, None] & m_v[None, :])
 
 
@@ -584,11 +614,11 @@ def tile_mode(C: int, L: int, causal: bool, has_mask: bool, BLOCK_M: int, BLOCK_
 
 
 @functools.lru_cache(maxsize=None)
-def _flags(attention: str, causal: bool, has_bias: bool, per_head: bool, has_mask: bool, dropout: bool,
-           fp32: bool) -> dict:
+def _flags(attention: str, causal: bool, has_bias: bool, per_head: bool, has_mask: bool, packed: bool,
+           dropout: bool, fp32: bool) -> dict:
     return dict(ATTN=ATTN_CODES[attention], CAUSAL=causal, HAS_BIAS=has_bias, BIAS_PER_HEAD=per_head,
-                HAS_MASK=has_mask, DROPOUT=dropout, DOT_PREC="ieee" if fp32 else "tf32", MU=LAPLACE_MU,
-                SIGMA=LAPLACE_SIGMA)
+                HAS_MASK=has_mask, PACKED=packed, DROPOUT=dropout, DOT_PREC="ieee" if fp32 else "tf32",
+                MU=LAPLACE_MU, SIGMA=LAPLACE_SIGMA)
 
 
 def _fwd_config(C: int, K: int, V: int) -> dict:
@@ -641,9 +671,27 @@ def _bwd_config(C: int, K: int, V: int) -> dict:
     return dict(span=64, BLOCK_M=64 if max(K, V) <= 64 else 32, BLOCK_V_MAX=128, num_warps=4, num_stages=2)
 
 
-def _flag_args(q, v, attention, causal, bias, mask, dropout) -> dict:
+def _flag_args(q, v, attention, causal, bias, mask, rows, dropout) -> dict:
     return _flags(attention, causal, bias is not None, bias is not None and bias.shape[0] > 1, mask is not None,
-                  dropout > 0, q.dtype == torch.float32)
+                  rows is not None, dropout > 0, q.dtype == torch.float32)
+
+
+def _check_rows(rows, attention: str, chunk: int, q: torch.Tensor, mask, dropout: float) -> tuple:
+    """The kernels' idx and count arguments: `rows` (SeqBoat-full's packed sequence, ops/sparse_local_attention) or
+    placeholders. Packed rows are for one head's full-length softmax attention without a key mask or dropout."""
+    B, H, L, _ = q.shape
+    if rows is None:
+        return None, None
+    idx, count = rows
+    if attention != "softmax" or chunk < L or H != 1 or mask is not None or dropout > 0:
+        raise ValueError(f"rows (a packed sequence) needs one head's full-length softmax attention without a key "
+                         f"mask or dropout; got attention={attention!r}, chunk={chunk} for L={L}, H={H}, "
+                         f"mask={mask is not None}, dropout={dropout}")
+    for name, t, shape in (("idx", idx, (B, L)), ("count", count, (B,))):
+        if t.shape != shape or t.dtype != torch.int32 or t.device != q.device or not t.is_contiguous():
+            raise ValueError(f"rows' {name} must be a contiguous int32 {list(shape)} tensor on {q.device}; got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    return idx, count
 
 
 def _seed_arg(seed: torch.Tensor | None, dropout: float, placeholder: torch.Tensor) -> torch.Tensor:
@@ -655,46 +703,59 @@ def _seed_arg(seed: torch.Tensor | None, dropout: float, placeholder: torch.Tens
 
 
 def local_attention_fwd(q, k, v, bias, mask, *, attention: str, causal: bool, chunk: int, scale: float,
-                        dropout: float = 0.0, seed: torch.Tensor | None = None, cfg: dict | None = None):
+                        dropout: float = 0.0, seed: torch.Tensor | None = None, cfg: dict | None = None,
+                        rows: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Launch the forward kernel. q, k [B, H, L, K], v [B, H, L, V] contiguous; bias [H or 1, 2C-1] float32 or
     None; mask [B, L] uint8 or None; dropout on the weights with the Philox `seed` (an int64 [1] tensor on q's
-    device, read by the kernels; required when dropout > 0); cfg overrides `_fwd_config`.
+    device, read by the kernels; required when dropout > 0); cfg overrides `_fwd_config`. rows: None, or (idx
+    [B, L], count [B]) int32 for one head's full-length softmax attention over a packed sequence (SeqBoat-full,
+    ops/sparse_local_attention): q, k, v hold row b's sequence in slots 0 .. count[b] - 1 (the bias is by slot
+    distance; later slots take no part, and no program computes a tile past them), and the output of slot j is
+    written at position idx[b, j] of o and stat, which are zeros elsewhere.
     Returns o [B, H, L, V] and stat [B, H, L] float32 (log-sum-exp for softmax, 1/n for relu2 / laplace)."""
     B, H, L, K = q.shape
     V = v.shape[-1]
+    idx, count = _check_rows(rows, attention, chunk, q, mask, dropout)
     cfg = cfg or _fwd_config(chunk, K, V)
-    o = torch.empty_like(v)
-    stat = torch.empty(B, H, L, device=q.device, dtype=torch.float32)
+    o = torch.empty_like(v) if rows is None else torch.zeros_like(v)
+    stat = (torch.empty if rows is None else torch.zeros)(B, H, L, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(L, cfg["BLOCK_M"]), B * H, triton.cdiv(V, cfg["BLOCK_V"]))
-    flags = _flag_args(q, v, attention, causal, bias, mask, dropout)  # from the bias itself, before any table
+    flags = _flag_args(q, v, attention, causal, bias, mask, rows, dropout)  # from the bias itself, before any table
     table = bias is not None and use_bias_table(chunk, cfg["BLOCK_M"], cfg["BLOCK_N"])
     if table:
         bias = bias_table(bias, chunk, cfg["BLOCK_M"], cfg["BLOCK_N"])
     _local_attention_fwd_kernel[grid](q, k, v, o, stat, bias if bias is not None else stat,
-                                      mask if mask is not None else stat, H, L, K, V, chunk, scale,
+                                      mask if mask is not None else stat, idx if idx is not None else stat,
+                                      count if count is not None else stat, H, L, K, V, chunk, scale,
                                       _seed_arg(seed, dropout, stat), dropout, **flags,
-                                      ALIGNED=tile_mode(chunk, L, causal, mask is not None, cfg["BLOCK_M"],
-                                                        cfg["BLOCK_N"]), TABLE=table,
+                                      ALIGNED=tile_mode(chunk, L, causal, mask is not None or rows is not None,
+                                                        cfg["BLOCK_M"], cfg["BLOCK_N"]), TABLE=table,
                                       **cfg)
     return o, stat
 
 
 def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, causal: bool, chunk: int,
                         scale: float, dropout: float = 0.0, seed: torch.Tensor | None = None, bias_grad: bool = True,
-                        cfg: dict | None = None):
+                        cfg: dict | None = None, rows: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Launch the backward: one kernel when a key span holds whole chunks; else the dq kernel then the dk/dv
     kernel, or (`dq_atomic`) one pass over each key span with dq by atomics, followed by the dv kernel where the
-    config has a `dv_pass`; cfg overrides `_bwd_config`. Returns dq, dk, dv (input dtype) and dbias [H or 1, 2C-1]
-    float32 (None without a bias, or when bias_grad is False)."""
+    config has a `dv_pass`; cfg overrides `_bwd_config`. rows as `local_attention_fwd`'s (on the one pass with dq
+    by atomics only): q, k, v, o, stat and do in slot order, dq, dk, dv written at the positions idx[b, j] and zero
+    elsewhere. Returns dq, dk, dv (input dtype)
+    and dbias [H or 1, 2C-1] float32 (None without a bias, or when bias_grad is False)."""
     B, H, L, K = q.shape
     V = v.shape[-1]
+    idx, count = _check_rows(rows, attention, chunk, q, mask, dropout)
     if cfg is None:
         cfg = _bwd_config(chunk, K, V)
         if cfg in (LONG_SPAN_K64, LONG_SPAN_K64_ONE_PASS) and chunk < L:
             cfg = dict(SPLIT_SPAN_K64_NARROW if V <= 64 else SPLIT_SPAN_K64)
-    flags = _flag_args(q, v, attention, causal, bias, mask, dropout)
+    flags = _flag_args(q, v, attention, causal, bias, mask, rows, dropout)
     seed_arg = _seed_arg(seed, dropout, stat)
     fused = chunk <= cfg["span"]
+    if rows is not None and (fused or not cfg.get("dq_atomic", False)):
+        raise ValueError(f"rows (a packed sequence) run on the long-span backward with dq by atomics; the tiles "
+                         f"{cfg} for C={chunk} take another path")
     span = chunk * (cfg["span"] // chunk) if fused else cfg["span"]
     BLOCK_N, BLOCK_K = triton.next_power_of_2(span), max(16, triton.next_power_of_2(K))
     BLOCK_V = min(cfg["BLOCK_V_MAX"], max(16, triton.next_power_of_2(V)))
@@ -706,7 +767,7 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     dv_cfg = cfg.get("dv_pass") if dq_atomic else None
     # dq_atomic: dq is summed in float32 by atomics, then cast
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else torch.empty_like(q)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk, dv = (torch.empty_like(k), torch.empty_like(v)) if rows is None else (torch.zeros_like(k), torch.zeros_like(v))
     # split paths: a partial per program where the spans tile every chunk or one chunk holds the sequence (else
     # atomics), and the carried tile where query and key tiles are of one size (`_local_attention_bwd_kernel`)
     span_part = bias_grad and not fused and BLOCK_N == span and (chunk % span == 0 or chunk >= L)
@@ -724,6 +785,8 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
             dbias = torch.zeros(bias.shape, device=q.device, dtype=torch.float32)
     bias_arg = bias if bias is not None else stat
     mask_arg = mask if mask is not None else stat
+    rows_args = (idx, count) if rows is not None else (stat, stat)
+    has_mask = mask is not None or rows is not None  # either makes some pairs invalid (`tile_mode`)
     delta = stat
     if not fused:
         delta = torch.empty_like(stat) if attention == "softmax" else stat
@@ -733,13 +796,14 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
                                                         BLOCK_V=min(128, max(16, triton.next_power_of_2(V))))
     elif not fused:
         _local_attention_bwd_dq_kernel[(triton.cdiv(L, BLOCK_M), B * H)](
-            q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, H, L, K, V, chunk, scale, seed_arg, dropout, **flags,
-            ALIGNED=tile_mode(chunk, L, causal, mask is not None, BLOCK_M, BLOCK_N), BLOCK_M=BLOCK_M,
+            q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, H, L, K, V, chunk, scale, seed_arg, dropout,
+            **{f: x for f, x in flags.items() if f != "PACKED"},  # never packed (refused above)
+            ALIGNED=tile_mode(chunk, L, causal, has_mask, BLOCK_M, BLOCK_N), BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _local_attention_bwd_kernel[(n_spans, B * H, 1 if dv_cfg is not None else triton.cdiv(V, BLOCK_V))](
-        q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, dk, dv, dbias if dbias is not None else stat,
+        q, k, v, o, do, stat, delta, bias_arg, mask_arg, *rows_args, dq, dk, dv, dbias if dbias is not None else stat,
         H, L, K, V, chunk, span, scale, seed_arg, dropout, **flags, FUSED=fused,
-        ALIGNED=tile_mode(chunk, L, causal, mask is not None, BLOCK_M, BLOCK_N, span), BIAS_GRAD=bias_grad,
+        ALIGNED=tile_mode(chunk, L, causal, has_mask, BLOCK_M, BLOCK_N, span), BIAS_GRAD=bias_grad,
         DQ_ATOMIC=dq_atomic, SPAN_PART=span_part, CARRY=carry, DV=dv_cfg is None, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
@@ -747,8 +811,8 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
         BM2, BN2 = dv_cfg["BLOCK_M"], dv_cfg["BLOCK_N"]
         BV2 = min(dv_cfg["BLOCK_V_MAX"], max(16, triton.next_power_of_2(V)))
         _local_attention_bwd_dv_kernel[(triton.cdiv(L, BN2), B * H, triton.cdiv(V, BV2))](
-            q, k, do, stat, bias_arg, mask_arg, dv, H, L, K, V, chunk, scale, seed_arg, dropout, **flags,
-            ALIGNED=tile_mode(chunk, L, causal, mask is not None, BM2, BN2), BLOCK_M=BM2, BLOCK_N=BN2,
+            q, k, do, stat, bias_arg, mask_arg, *rows_args, dv, H, L, K, V, chunk, scale, seed_arg, dropout, **flags,
+            ALIGNED=tile_mode(chunk, L, causal, has_mask, BM2, BN2), BLOCK_M=BM2, BLOCK_N=BN2,
             BLOCK_K=BLOCK_K, BLOCK_V=BV2, num_warps=dv_cfg["num_warps"], num_stages=dv_cfg["num_stages"])
     if dq_atomic:
         dq = dq.to(q.dtype)

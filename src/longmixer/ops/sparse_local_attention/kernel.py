@@ -6,6 +6,11 @@ full-length q/k/v through the slot -> original-position index (compress fused in
 packed key slots inside the working-memory window, and writes each output row back to its original position
 (extract fused into the stores; inactive rows keep the zeros the launcher allocated). Nothing of size L x L or
 R x R is built; the backward recomputes scores from the saved log-sum-exp as FlashAttention-2 does.
+
+Except SeqBoat-full's softmax attention over sequences longer than 128 with the bias Toeplitz in packed slots
+(`packed_long_span`): that is MEGA's full-length attention on the packed sequence, so it runs ops/local_attention's
+long-span kernels on q, k, v gathered into slot order, which write their outputs back through the same slot ->
+position index (`rows`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import triton.language as tl
 
 from longmixer.ops.backend import triton_interpreter_on
 from longmixer.ops.common import DV_PASS_MIN_V
+from longmixer.ops.local_attention import kernel as local_kernel
 from longmixer.ops.precision import work_dtype
 
 MODE_WINDOW, MODE_CHUNK, MODE_FULL = 0, 1, 2
@@ -469,11 +475,63 @@ def _bwd_plan(cfg: dict, V: int, length: int, rel_bias) -> dict | None:
                 PART_W=2 if tiles["BLOCK_M"] == tiles["BLOCK_N"] else 3, DV=dv_pass is None, dv_pass=dv_pass)
 
 
+# The packed sequence's chunk (C of ops/local_attention) is its length rounded up to the long-span kernels' 64-wide
+# tiles, so that every tile lies in the one chunk (tile mode 1) and the forward reads its bias from the tile table
+# (`use_bias_table`); slots past the count take no part.
+PACK_MULTIPLE = 64
+# False sends those calls to the fused sparse kernels too (scripts/bench/long_span.py times both)
+PACKED_LONG_SPAN = True
+
+
+def packed_long_span(q: torch.Tensor, v: torch.Tensor, rel_bias: torch.Tensor | None, *, window, chunk, attention,
+                     rel_pos) -> bool:
+    """Whether this call runs as MEGA's full-length attention on the packed sequence: full mode, softmax, L > 128
+    and K <= 64 (the long-span backward with dq by atomics, `local_kernel._bwd_config`), V <= 256 (the widths it
+    was measured at), and a bias, if any, that is Toeplitz in packed slots over every distance (compressed, no
+    clamped end). Measured on an H100 in docs/benchmarks.md."""
+    return (PACKED_LONG_SPAN and window is None and chunk is None and attention == "softmax" and q.shape[1] > 128
+            and q.shape[-1] <= 64 and v.shape[-1] <= 256
+            and (rel_bias is None or (rel_pos != "original" and (rel_bias.shape[0] + 1) // 2 >= q.shape[1])))
+
+
+def _packed_bias(rel_bias: torch.Tensor, padded: int) -> tuple[torch.Tensor, int, int]:
+    """The [1, 2 padded - 1] float32 taps of distances 1 - padded .. padded - 1 from the [2M - 1] table (zeros past
+    M - 1, distances no valid pair has, as M >= L), with the padding and the offset that `_packed_bias_grad` undoes."""
+    m_bias = (rel_bias.shape[0] + 1) // 2
+    pad, start = max(padded - m_bias, 0), max(m_bias - padded, 0)
+    taps = torch.nn.functional.pad(rel_bias.float(), (pad, pad))[start:start + 2 * padded - 1]
+    return taps.view(1, -1).contiguous(), pad, start
+
+
+def _packed_bias_grad(dtaps: torch.Tensor, rel_bias: torch.Tensor, pad: int, start: int) -> torch.Tensor:
+    grad = dtaps.new_zeros(rel_bias.shape[0] + 2 * pad)
+    grad[start:start + dtaps.shape[-1]] = dtaps.view(-1)
+    return grad[pad:pad + rel_bias.shape[0]].to(rel_bias.dtype)
+
+
+def _pack(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """[B, L, D] -> [B, 1, L, D] in slot order (slot j holds position idx[b, j]; slots past the count hold
+    position 0, which the kernels leave out): one gather, so that the kernels' inner loops read contiguous rows."""
+    return torch.gather(x, 1, idx.long()[..., None].expand(-1, -1, x.shape[-1])).unsqueeze(1)
+
+
+def _packed_args(q, idx, cnt, rel_bias, causal):
+    """ops/local_attention's bias taps and arguments for the packed sequence (`local_attention_fwd`'s rows)."""
+    padded = triton.cdiv(q.shape[1], PACK_MULTIPLE) * PACK_MULTIPLE
+    bias, pad, start = _packed_bias(rel_bias, padded) if rel_bias is not None else (None, 0, 0)
+    kw = dict(attention="softmax", causal=causal, chunk=padded, scale=q.shape[-1] ** -0.5, rows=(idx, cnt))
+    return bias, pad, start, kw
+
+
 def sparse_local_attention_fwd(q, k, v, idx, cnt, rel_bias, *, window, chunk, causal, attention, rel_pos):
     """Launch the forward. Returns o [B, L, V] (zeros at inactive positions) and lse [B, L] float32."""
     bsz, length, _ = q.shape
     work = work_dtype(v, q, k)
     q, k = q.to(work), k.to(work)
+    if packed_long_span(q, v, rel_bias, window=window, chunk=chunk, attention=attention, rel_pos=rel_pos):
+        bias, _, _, kw = _packed_args(q, idx, cnt, rel_bias, causal)
+        o, stat = local_kernel.local_attention_fwd(*(_pack(t, idx) for t in (q, k, v)), bias, None, **kw)
+        return o[:, 0], stat[:, 0]  # lse at the original positions, 0 where inactive
     cfg = _config(q, v, window, chunk, causal, attention, rel_pos, rel_bias)
     scalars = cfg.pop("scalars")
     o = torch.zeros_like(v)
@@ -494,6 +552,12 @@ def sparse_local_attention_bwd(q, k, v, o, do, idx, cnt, rel_bias, lse, *, windo
     q_dtype, k_dtype = q.dtype, k.dtype
     work = work_dtype(v, q, k)
     q, k = q.to(work), k.to(work)
+    if packed_long_span(q, v, rel_bias, window=window, chunk=chunk, attention=attention, rel_pos=rel_pos):
+        bias, pad, start, kw = _packed_args(q, idx, cnt, rel_bias, causal)
+        q, k, v, o, do, stat = (_pack(t, idx) for t in (q, k, v, o, do, lse[..., None]))
+        dq, dk, dv, dtaps = local_kernel.local_attention_bwd(q, k, v, o, stat[..., 0], do, bias, None, **kw)
+        dbias = _packed_bias_grad(dtaps, rel_bias, pad, start) if rel_bias is not None else None
+        return dq[:, 0].to(q_dtype), dk[:, 0].to(k_dtype), dv[:, 0], dbias
     cfg = _config(q, v, window, chunk, causal, attention, rel_pos, rel_bias)
     scalars = cfg.pop("scalars")
     delta = (do.float() * o.float()).sum(-1)  # [B, L] rowsum(dO * O) of FlashAttention-2
