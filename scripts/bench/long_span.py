@@ -158,7 +158,7 @@ def seqboat_full(device, B: int, L: int, share: float) -> None:
         for t in (q, k, v, bias):
             t.grad = None
     modes = set(sparse_kernel.FUSED_BWD_MODES)
-    dv_pass = sparse_kernel.DV_PASS_TILES
+    dv_pass, packed_default = sparse_kernel.DV_PASS_TILES, sparse_kernel.PACKED_LONG_SPAN
     try:
         for path, fused, second, packed in (("split", set(), dv_pass, False), ("one-pass", modes, None, False),
                                             ("fused", modes, dv_pass, False), ("default", modes, dv_pass, True)):
@@ -174,7 +174,7 @@ def seqboat_full(device, B: int, L: int, share: float) -> None:
         sparse_kernel.FUSED_BWD_MODES.clear()
         sparse_kernel.FUSED_BWD_MODES.update(modes)
         sparse_kernel.DV_PASS_TILES = dv_pass
-        sparse_kernel.PACKED_LONG_SPAN = True
+        sparse_kernel.PACKED_LONG_SPAN = packed_default
 
 
 def markdown(rows: list[dict]) -> str:

@@ -227,6 +227,32 @@ def test_packed_long_span_route(monkeypatch, causal, table, V):
     assert (results["triton"][0][~active] == 0).all()
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_packed_long_span_bias_table_and_whole_rows(monkeypatch, causal):
+    """The route at L = 200 (one chunk of 256: the forward reads its bias from the tile table, as every sequence
+    longer than 192 does), a row with every token active beside a ragged one, and values of 160 in one 256-wide block
+    of the forward (each score tile computed once, as the fused forward did)."""
+    from longmixer.ops.sparse_local_attention import kernel
+
+    fwd_cfgs, tables = [], []
+    launcher, table = kernel.local_kernel.local_attention_fwd, kernel.local_kernel.bias_table
+    monkeypatch.setattr(kernel.local_kernel, "local_attention_fwd",
+                        lambda *a, **kw: fwd_cfgs.append(kw["cfg"]) or launcher(*a, **kw))
+    monkeypatch.setattr(kernel.local_kernel, "bias_table", lambda *a: tables.append(a[1:]) or table(*a))
+    B, L, K, V = 2, 200, 16, 160
+    q, k, v, active, bias = _inputs(B, L, K, V, 0.7, seed=7)
+    active[0] = True
+    leaves = [t.requires_grad_() for t in (q, k, v, bias)]
+    do = torch.randn(B, L, V)
+    results = {}
+    for backend in ("torch", "triton"):
+        o = sparse_local_attention(q, k, v, active, bias, causal=causal, rel_pos="compressed", backend=backend)
+        results[backend] = (o, *torch.autograd.grad(o, leaves, do))
+    for name, tri, ref in zip(("o", "dq", "dk", "dv", "dbias"), results["triton"], results["torch"]):
+        assert ((tri - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item() < 2e-5, name
+    assert [c["BLOCK_V"] for c in fwd_cfgs] == [256] and tables == [(256, 64, 64)], (fwd_cfgs, tables)
+
+
 @pytest.mark.parametrize("kwargs,expected", [
     (dict(), True), (dict(L=128), False), (dict(K=96), False), (dict(V=320), False), (dict(rel_pos="original"), False),
     (dict(m_bias=140), False), (dict(no_bias=True, rel_pos="original"), True), (dict(attention="relu2"), False),

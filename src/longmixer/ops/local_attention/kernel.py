@@ -741,7 +741,7 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     kernel, or (`dq_atomic`) one pass over each key span with dq by atomics, followed by the dv kernel where the
     config has a `dv_pass`; cfg overrides `_bwd_config`. rows as `local_attention_fwd`'s (on the one pass with dq
     by atomics only): q, k, v, o, stat and do in slot order, dq, dk, dv written at the positions idx[b, j] and zero
-    elsewhere. Returns dq, dk, dv (input dtype)
+    elsewhere, dq left in float32 for the caller's one cast. Returns dq, dk, dv (input dtype)
     and dbias [H or 1, 2C-1] float32 (None without a bias, or when bias_grad is False)."""
     B, H, L, K = q.shape
     V = v.shape[-1]
@@ -814,7 +814,7 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
             q, k, do, stat, bias_arg, mask_arg, *rows_args, dv, H, L, K, V, chunk, scale, seed_arg, dropout, **flags,
             ALIGNED=tile_mode(chunk, L, causal, has_mask, BM2, BN2), BLOCK_M=BM2, BLOCK_N=BN2,
             BLOCK_K=BLOCK_K, BLOCK_V=BV2, num_warps=dv_cfg["num_warps"], num_stages=dv_cfg["num_stages"])
-    if dq_atomic:
+    if dq_atomic and rows is None:
         dq = dq.to(q.dtype)
     if span_part:
         dbias = fold_span_partials(dbias, B, triton.cdiv(L, chunk), bias.shape[0] > 1, chunk, span)

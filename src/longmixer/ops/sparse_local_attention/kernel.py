@@ -486,9 +486,9 @@ PACKED_LONG_SPAN = True
 def packed_long_span(q: torch.Tensor, v: torch.Tensor, rel_bias: torch.Tensor | None, *, window, chunk, attention,
                      rel_pos) -> bool:
     """Whether this call runs as MEGA's full-length attention on the packed sequence: full mode, softmax, L > 128
-    and K <= 64 (the long-span backward with dq by atomics, `local_kernel._bwd_config`), V <= 256 (the widths it
-    was measured at), and a bias, if any, that is Toeplitz in packed slots over every distance (compressed, no
-    clamped end). Measured on an H100 in docs/benchmarks.md."""
+    and K <= 64 (the long-span backward with dq by atomics, `local_kernel._bwd_config`), V <= 256 (the whole value
+    row in one block), and a bias, if any, that is Toeplitz in packed slots over every distance (compressed, no
+    clamped end). Measured on an H100 at K 64, V 256 (docs/benchmarks.md)."""
     return (PACKED_LONG_SPAN and window is None and chunk is None and attention == "softmax" and q.shape[1] > 128
             and q.shape[-1] <= 64 and v.shape[-1] <= 256
             and (rel_bias is None or (rel_pos != "original" and (rel_bias.shape[0] + 1) // 2 >= q.shape[1])))
@@ -515,6 +515,12 @@ def _pack(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 1, idx.long()[..., None].expand(-1, -1, x.shape[-1])).unsqueeze(1)
 
 
+def _packed_fwd_tiles(padded: int, K: int, V: int) -> dict | None:
+    """The forward's tiles on the route: values wider than 128 in one block of up to 256, as the fused forward took
+    them (`FWD_WIDE_TILES`: each score tile computed once) and MEGA's takes V 256; narrower values, MEGA's default."""
+    return local_kernel._fwd_config(padded, K, 256) if V > 128 else None
+
+
 def _packed_args(q, idx, cnt, rel_bias, causal):
     """ops/local_attention's bias taps and arguments for the packed sequence (`local_attention_fwd`'s rows)."""
     padded = triton.cdiv(q.shape[1], PACK_MULTIPLE) * PACK_MULTIPLE
@@ -530,7 +536,8 @@ def sparse_local_attention_fwd(q, k, v, idx, cnt, rel_bias, *, window, chunk, ca
     q, k = q.to(work), k.to(work)
     if packed_long_span(q, v, rel_bias, window=window, chunk=chunk, attention=attention, rel_pos=rel_pos):
         bias, _, _, kw = _packed_args(q, idx, cnt, rel_bias, causal)
-        o, stat = local_kernel.local_attention_fwd(*(_pack(t, idx) for t in (q, k, v)), bias, None, **kw)
+        cfg = _packed_fwd_tiles(kw["chunk"], q.shape[-1], v.shape[-1])
+        o, stat = local_kernel.local_attention_fwd(*(_pack(t, idx) for t in (q, k, v)), bias, None, cfg=cfg, **kw)
         return o[:, 0], stat[:, 0]  # lse at the original positions, 0 where inactive
     cfg = _config(q, v, window, chunk, causal, attention, rel_pos, rel_bias)
     scalars = cfg.pop("scalars")
