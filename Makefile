@@ -11,7 +11,7 @@ ARGS ?=
 help:
 	@echo "make train            train the embedded default (experiment=quickstart); ARGS='key=value ...' to override"
 	@echo "make test             run the whole test suite (CI; CPU, Triton kernels under the interpreter)"
-	@echo "make test-fast        the quick tier: everything not marked slow (about 2 minutes on 2 cores)"
+	@echo "make test-fast        the quick tier: everything not marked slow (about 4 minutes on 2 cores)"
 	@echo "make test-gpu         the tests marked gpu, with compiled Triton kernels (needs a CUDA GPU)"
 	@echo "make data TASK=name   download / generate / verify one task's data (listops, text, pathfinder_gen, ...)"
 	@echo "make sweep            an example multi-run: quickstart over three seeds"

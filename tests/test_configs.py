@@ -235,6 +235,25 @@ def test_slurm_launcher_config_composes(tmp_path):
     cfg = compose(["hydra/launcher=slurm", "hydra.launcher.partition=gpu"], hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
     assert cfg.hydra.launcher.partition == "gpu" and cfg.hydra.launcher.gpus_per_node == 1
+    assert cfg.hydra.launcher.tasks_per_node == 1
+
+
+def test_readme_slurm_command_runs_a_task_per_device():
+    """Under SLURM Lightning stops unless --ntasks-per-node equals trainer.devices: the README's multi-GPU SLURM
+    command sets tasks_per_node, gpus_per_node and trainer.devices alike, and composes."""
+    import re
+    from pathlib import Path
+
+    from longmixer.utils.compose import compose
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    command = re.search(r"python -m longmixer\.train -m hydra/launcher=slurm(.*?)\n```", readme, re.S).group(1)
+    args = command.replace("\\\n", " ").split()
+    values = dict(a.split("=", 1) for a in args if "=" in a)
+    assert values["hydra.launcher.tasks_per_node"] == values["hydra.launcher.gpus_per_node"] == values["trainer.devices"]
+    cfg = compose(["hydra/launcher=slurm", *[a for a in args if "seed=" not in a], "seed=0", "paths.data_dir=/null"],
+                  hydra_config=True)
+    assert cfg.hydra.launcher.tasks_per_node == cfg.trainer.devices == 4
 
 
 def test_run_name_tells_a_variant_from_its_family(compose):

@@ -35,6 +35,24 @@ def test_argparse_scripts_answer_help(name, capsys):
     assert exit_info.value.code == 0 and "usage" in capsys.readouterr().out
 
 
+def test_console_scripts_exit_zero_after_a_run(tmp_path, monkeypatch, capsys):
+    """A console script's wrapper exits with what its function returns (`sys.exit(fn())`), so a run that worked must
+    return None: the report, runs and bench mains return their results, which the scripts call through `cli`. The
+    runs listing is printed to stdout, where a redirect finds it."""
+    import longmixer.bench
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    assert _resolve(SCRIPTS["longmixer-runs"])(["--runs", str(runs)]) is None
+    assert capsys.readouterr().out.startswith("(no runs)")
+    assert _resolve(SCRIPTS["longmixer-report"])(["--runs", str(runs), "--out", str(tmp_path / "r"),
+                                                   "--no-plots"]) is None
+    monkeypatch.setattr(longmixer.bench, "main", lambda argv=None: {"rows": []})
+    assert _resolve(SCRIPTS["longmixer-bench"])(["--quick"]) is None
+    for name in ("longmixer-train", "longmixer-evaluate"):  # Hydra mains, which return None
+        assert SCRIPTS[name].endswith(":main")
+
+
 def test_parity_cases_filter_runs_only_the_named_case(monkeypatch, capsys):
     """scripts/bench/parity.py --cases: one case, in the Triton interpreter (the GPU runs all of them)."""
     import importlib.util

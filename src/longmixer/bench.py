@@ -554,5 +554,11 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """The `longmixer-bench` console script: `main` without its return value (the results), which the script wrapper
+    would take for an exit status."""
+    main(argv)
+
+
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -85,6 +85,12 @@ def build_report(runs_dir: Path, out_dir: Path, paper_results: Path | None = Non
     return paths
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """The `longmixer-report` console script: `main` without its return value (the paths), which the script wrapper
+    would take for an exit status."""
+    main(argv)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Path]:
     parser = argparse.ArgumentParser(prog="python -m longmixer.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=Path, default=Path("logs/runs"), help="dir holding the run dirs")

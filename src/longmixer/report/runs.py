@@ -148,10 +148,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows = list_runs(args.runs, args.metric)
     except FileNotFoundError as err:
         parser.exit(2, f"error: {err}\n")
-    log.info("%s", markdown(rows))
+    print(markdown(rows))  # the listing is the command's output: stdout, so that it can be piped or redirected
     if args.csv:
         write_csv(args.csv, rows)
     return rows
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """The `longmixer-runs` console script: `main` without its return value, which the script wrapper would take for
+    an exit status."""
+    main(argv)
 
 
 if __name__ == "__main__":
