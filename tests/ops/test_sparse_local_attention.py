@@ -214,17 +214,23 @@ def test_packed_long_span_route(monkeypatch, causal, table, V):
     q, k, v, active, bias = _inputs(B, L, K, V, 0.7, seed=V)
     active[1] = False
     bias = None if table is None else torch.randn(2 * table - 1, generator=torch.Generator().manual_seed(5)) * 0.5
+    o = _route_matches_reference(q, k, v, active, bias, causal)
+    counts = active.sum(-1).tolist()
+    assert fwd_rows == [((B, 1, L, K), 192, counts)] and bwd_rows == fwd_rows, (fwd_rows, bwd_rows)
+    assert (o[~active] == 0).all()
+
+
+def _route_matches_reference(q, k, v, active, bias, causal):
+    """The Triton path's output and every gradient against the reference's (compressed bias); returns the output."""
     leaves = [t.requires_grad_() for t in (q, k, v) + (() if bias is None else (bias,))]
-    do = torch.randn(B, L, V)
+    do = torch.randn(v.shape)
     results = {}
     for backend in ("torch", "triton"):
         o = sparse_local_attention(q, k, v, active, bias, causal=causal, rel_pos="compressed", backend=backend)
         results[backend] = (o, *torch.autograd.grad(o, leaves, do))
     for name, tri, ref in zip(("o", "dq", "dk", "dv", "dbias"), results["triton"], results["torch"]):
         assert ((tri - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item() < 2e-5, name
-    counts = active.sum(-1).tolist()
-    assert fwd_rows == [((B, 1, L, K), 192, counts)] and bwd_rows == fwd_rows, (fwd_rows, bwd_rows)
-    assert (results["triton"][0][~active] == 0).all()
+    return results["triton"][0]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
@@ -242,14 +248,7 @@ def test_packed_long_span_bias_table_and_whole_rows(monkeypatch, causal):
     B, L, K, V = 2, 200, 16, 160
     q, k, v, active, bias = _inputs(B, L, K, V, 0.7, seed=7)
     active[0] = True
-    leaves = [t.requires_grad_() for t in (q, k, v, bias)]
-    do = torch.randn(B, L, V)
-    results = {}
-    for backend in ("torch", "triton"):
-        o = sparse_local_attention(q, k, v, active, bias, causal=causal, rel_pos="compressed", backend=backend)
-        results[backend] = (o, *torch.autograd.grad(o, leaves, do))
-    for name, tri, ref in zip(("o", "dq", "dk", "dv", "dbias"), results["triton"], results["torch"]):
-        assert ((tri - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item() < 2e-5, name
+    _route_matches_reference(q, k, v, active, bias, causal)
     assert [c["BLOCK_V"] for c in fwd_cfgs] == [256] and tables == [(256, 64, 64)], (fwd_cfgs, tables)
 
 
