@@ -225,6 +225,31 @@ def test_impossible_values_fail_with_the_key(compose, override, message):
         validate_config(cfg)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("data.batch_size=0", r"^data <longmixer.data.listops.GeneratedListOps>: data.batch_size=0 must be >= 1$"),
+    ("model.d_model=-3", r"^task.model <longmixer.models.backbone.SequenceModel>: .*model.d_model=-3 must be >= 1$"),
+    ("trainer.max_epochs=-5", r"^trainer <pytorch_lightning.trainer.trainer.Trainer>: `max_epochs` must be"),
+])
+def test_a_constructor_s_refusal_names_the_key_in_one_line(compose, override, message):
+    """Values the composed-config checks pass but a constructor refuses reach the user as a ConfigError naming the
+    config key and the target (printed as one line, exit 2), not as Hydra's multi-line instantiation error."""
+    from longmixer.train import train
+
+    cfg = compose([override])
+    with pytest.raises(ConfigError, match=message):
+        train(cfg)
+
+
+def test_a_constructor_s_other_errors_keep_their_type():
+    from omegaconf import OmegaConf
+
+    from longmixer.runs.run import instantiate_node
+
+    with pytest.raises(Exception) as info:  # a failure that is not a setting's refusal: Hydra's own error, untouched
+        instantiate_node(OmegaConf.create({"_target_": "os.listdir", "path": "/no/such/dir"}))
+    assert not isinstance(info.value, ConfigError) and "FileNotFoundError" in str(info.value)
+
+
 def test_seed_zero_is_valid(compose):
     validate_config(compose(["seed=0"]))
 

@@ -146,6 +146,9 @@ def test_wandb_summary_and_overrides_fill_a_run(tiny_runs, tmp_path):
     (run / "wandb" / "offline-run-1" / "files" / "wandb-summary.json").write_text(json.dumps({"test/loss": 1.5}))
     (run / ".hydra").mkdir(exist_ok=True)
     (run / ".hydra" / "overrides.yaml").write_text("- +ablation=seqboat/gumbel\n- optim.lr=0.01\n- seed=0\n")
+    evaluated = run / "eval" / "last"  # `longmixer.evaluate`'s results inside the run: not a run of their own
+    evaluated.mkdir(parents=True)
+    (evaluated / "results.json").write_text(json.dumps({"ckpt_path": "last.ckpt", "metrics": {"test/acc": 0.1}}))
     (loaded,) = collect_runs(tmp_path / "runs")
     assert loaded.metrics["test/loss"] == 1.5
     assert (loaded.ablation, loaded.variant) == ("seqboat/gumbel", "optim.lr=0.01")

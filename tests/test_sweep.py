@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from longmixer.report import runs as runs_cli
 from tests.conftest import TINY_LISTOPS, TINY_TRAINER
@@ -70,6 +71,18 @@ def test_optuna_study_summary_has_every_trial(tmp_path):
     assert (sweep_dir / "optimization_results.yaml").exists()  # the sweeper's own best-trial file stays
     top = max(float(r["value"]) for r in rows)
     assert [r["best"] for r in rows] == [str(float(r["value"]) == top) for r in rows]  # ties are all marked
+    assert yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())["best_value"] == pytest.approx(top)
+
+
+def test_optuna_direction_follows_the_task_mode(tmp_path):
+    """A study on a metric to minimize (a language model's val/loss) minimizes it without a direction override:
+    hydra.sweeper.direction follows task.mode."""
+    sweep_dir, rows, _ = _multirun(["hparams_search=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=0",
+                                    "task.monitor=val/loss", "task.mode=min"], tmp_path)
+    values = [float(r["value"]) for r in rows]
+    assert [r["metric"] for r in rows] == ["val/loss_best"] * 3 and len(set(values)) > 1
+    best = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())["best_value"]
+    assert best == pytest.approx(min(values)) and [r["best"] for r in rows] == [str(v == min(values)) for v in values]
 
 
 def test_runs_cli_marks_unfinished_runs_and_refuses_a_missing_dir(tmp_path, capsys):
@@ -87,6 +100,9 @@ def test_runs_cli_marks_unfinished_runs_and_refuses_a_missing_dir(tmp_path, caps
     (finished / "results.json").write_text(json.dumps({"metrics": {"val/acc_best": 0.5, "test/acc": 0.4},
                                                        "choices": {"model": "chela", "data": "listops_quick"},
                                                        "seed": 0}))
+    evaluated = finished / "eval" / "epoch=1-step=2"  # `longmixer.evaluate`'s output inside the run: not a run
+    evaluated.mkdir(parents=True)
+    (evaluated / "results.json").write_text(json.dumps({"ckpt_path": "x.ckpt", "metrics": {"test/acc": 0.4}}))
     rows = runs_cli.main(["--runs", str(tmp_path / "runs"), "--csv", str(tmp_path / "runs.csv")])
     assert [(r["run"], r["status"]) for r in rows] == [("a", "unfinished"), ("b", "finished")]
     assert rows[0] | {"run": "a"} == {"run": "a", "status": "unfinished", "experiment": "quickstart",
@@ -97,3 +113,11 @@ def test_runs_cli_marks_unfinished_runs_and_refuses_a_missing_dir(tmp_path, caps
     with pytest.raises(SystemExit) as exit_info:
         runs_cli.main(["--runs", str(tmp_path / "missing")])
     assert exit_info.value.code == 2 and "error: --runs=" in capsys.readouterr().err
+
+
+def test_optuna_direction_refuses_a_mode_it_cannot_follow():
+    from longmixer.utils.resolvers import _direction
+
+    assert (_direction("max"), _direction("min")) == ("maximize", "minimize")
+    with pytest.raises(ValueError, match="hydra.sweeper.direction=maximize"):
+        _direction("best")

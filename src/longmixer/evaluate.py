@@ -19,11 +19,10 @@ from pathlib import Path
 
 import hydra
 import yaml
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
-from longmixer.runs.run import to_number
+from longmixer.runs.run import instantiate_node, to_number
 from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_null_group_choices, run_explaining_refusals
 from longmixer.utils.config import validate_config
 from longmixer.utils.errors import UserFacingError
@@ -114,11 +113,11 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         run_cfg.trainer.logger = False
         run_cfg.trainer.enable_progress_bar = False
         run_cfg.trainer.enable_model_summary = False
-    datamodule = instantiate(run_cfg.data)
-    task = instantiate(run_cfg.task)
+    datamodule = instantiate_node(run_cfg.data)
+    task = instantiate_node(run_cfg.task)
     _check_fits(task, state, ckpt, run_dir)
     del state
-    trainer = instantiate(run_cfg.trainer, callbacks=[])
+    trainer = instantiate_node(run_cfg.trainer, callbacks=[])
     metrics: dict[str, float] = {}
     for result in trainer.validate(task, datamodule=datamodule, ckpt_path=str(ckpt), weights_only=True,
                                    verbose=False):

@@ -20,7 +20,6 @@ import hydra
 import pytorch_lightning as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ProgressBar
 from pytorch_lightning.utilities import rank_zero_only
@@ -40,6 +39,7 @@ from longmixer.runs.run import (
     check_validation_reachable,
     config_tree,
     instantiate_group,
+    instantiate_node,
     majority_rates,
     resolved_config,
     result_table,
@@ -107,9 +107,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     log.info("instantiating data <%s>", cfg.data._target_)
-    datamodule = instantiate(cfg.data)
+    datamodule = instantiate_node(cfg.data)
     log.info("instantiating task <%s> with model <%s>", cfg.task._target_, cfg.model._target_)
-    task = instantiate(cfg.task)
+    task = instantiate_node(cfg.task)
     callbacks = [*instantiate_group(cfg.get("callbacks"), "callbacks"), *fault_callbacks()]
     if not cfg.trainer.get("enable_progress_bar", True):
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
@@ -117,7 +117,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     log.info("instantiating trainer <%s>", cfg.trainer._target_)
     # "partial": nested values reach the Trainer as plain dicts / lists (Lightning's Timer takes
     # `trainer.max_time={hours: 1}` only as a dict, not as an OmegaConf DictConfig)
-    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, _convert_="partial")
+    trainer: pl.Trainer = instantiate_node(cfg.trainer, callbacks=callbacks, logger=loggers, _convert_="partial")
     check_not_launching_ranks_in_a_sweep(trainer)
     if cfg.train:
         check_validation_reachable(cfg, datamodule, trainer.world_size)

@@ -17,17 +17,16 @@ from pathlib import Path
 
 import yaml
 
-from longmixer.report.tables import Group, headline_metric, load_run, write_csv
+from longmixer.report.tables import RUN_MARKERS, Group, headline_metric, inside_a_run, load_run, write_csv
 
 log = logging.getLogger(__name__)
-MARKERS = ("results.json", "config_resolved.yaml")
 
 
 def find_run_dirs(root: Path) -> list[Path]:
     if not root.exists():
         raise FileNotFoundError(f"--runs={root} does not exist; pass the dir holding the run dirs (logs/runs)")
-    dirs = {p.parent for marker in MARKERS for p in root.rglob(marker)}
-    return sorted(d for d in dirs if "wandb" not in d.parts)
+    dirs = {p.parent for marker in RUN_MARKERS for p in root.rglob(marker)}
+    return sorted(d for d in dirs if "wandb" not in d.parts and not inside_a_run(d, root))
 
 
 def run_row(run_dir: Path, root: Path, metrics: list[str] | None = None) -> dict:

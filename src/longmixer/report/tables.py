@@ -118,12 +118,24 @@ def load_run(results_path: Path) -> Run:
                metrics=metrics)
 
 
+RUN_MARKERS = ("results.json", "config_resolved.yaml")  # what training writes into a run dir (start, end)
+
+
+def inside_a_run(path: Path, root: Path) -> bool:
+    """Whether dir `path` lies inside a run dir under (or at) `root`: `evaluate`'s eval/<checkpoint>/results.json is
+    that run's output, not another run."""
+    return any((a / marker).is_file() for a in path.parents if a.is_relative_to(root)
+               for marker in RUN_MARKERS)
+
+
 def collect_runs(root: Path) -> list[Run]:
     """Every finished run (a dir holding results.json) under `root`; one run per seed and group (the newest)."""
     if not root.exists():
         raise FileNotFoundError(f"--runs={root} does not exist; pass the dir holding the run dirs (logs/runs)")
     newest: dict[tuple, tuple[float, Run]] = {}
     for path in sorted(root.rglob("results.json")):
+        if inside_a_run(path.parent, root):
+            continue
         try:
             run = load_run(path)
         except (json.JSONDecodeError, OSError, ValueError) as err:

@@ -15,6 +15,31 @@ from longmixer.utils.config import ConfigError
 log = logging.getLogger("longmixer")
 
 
+def instantiate_node(node: DictConfig, **kwargs) -> Any:
+    """`hydra.utils.instantiate`, with a constructor's refusal of a setting (ValueError, Lightning's
+    MisconfigurationException, or a TypeError for an argument the target does not take) raised as a ConfigError
+    that names the config key and the target: the entry points print it as one line and exit 2, as they do for
+    the checks on the composed config. Any other error keeps its traceback."""
+    import re
+
+    from hydra.errors import InstantiationException
+
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        refused = isinstance(cause, ValueError) or type(cause).__name__ == "MisconfigurationException" or (
+            isinstance(cause, TypeError) and re.search(r"unexpected keyword argument|missing \d+ required", str(cause)))
+        if not refused:
+            raise
+        key = re.search(r"full_key: (\S+)", str(err))
+        target = re.search(r"Error in call to target '([^']+)'", str(err))
+        where = (key.group(1) if key else node._key()) + (f" <{target.group(1)}>" if target else "")
+        raise ConfigError(f"{where}: {cause}") from err
+
+
 def instantiate_group(group: DictConfig | None, what: str) -> list[Any]:
     """Instantiate every entry of the `callbacks` or `logger` group (a dict of `_target_` nodes)."""
     objects = []
@@ -24,7 +49,7 @@ def instantiate_group(group: DictConfig | None, what: str) -> list[Any]:
         if "_target_" not in node:
             raise ValueError(f"{what}.{name} has no _target_")
         log.debug("instantiating %s.%s <%s>", what, name, node._target_)
-        objects.append(instantiate(node))
+        objects.append(instantiate_node(node))
     if objects:
         log.info("%s: %s", what, ", ".join(name for name, node in (group or {}).items() if node is not None))
     return objects

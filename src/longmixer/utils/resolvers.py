@@ -64,8 +64,19 @@ def _mul(a: int, b: int) -> int:
     return int(a) * int(b)
 
 
+def _direction(mode: str) -> str:
+    """An Optuna study's direction from `task.mode` (the monitored metric's): max -> maximize, min -> minimize, so
+    that a language-model sweep on `val/loss_best` minimizes it without an override."""
+    directions = {"max": "maximize", "min": "minimize"}
+    if mode not in directions:
+        raise ValueError(f"task.mode={mode!r} is not max or min, so hydra.sweeper.direction cannot follow it: set "
+                         "task.mode=max|min or hydra.sweeper.direction=maximize|minimize")
+    return directions[mode]
+
+
 def register_resolvers() -> None:
-    """Register `lm.run_hash`, `lm.run_name`, `lm.abspath` and `lm.mul` (idempotent)."""
-    for name, fn in (("lm.run_hash", _run_hash), ("lm.run_name", _run_name), ("lm.abspath", _abspath), ("lm.mul", _mul)):
+    """Register `lm.run_hash`, `lm.run_name`, `lm.abspath`, `lm.mul` and `lm.direction` (idempotent)."""
+    for name, fn in (("lm.run_hash", _run_hash), ("lm.run_name", _run_name), ("lm.abspath", _abspath), ("lm.mul", _mul),
+                     ("lm.direction", _direction)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
