@@ -226,28 +226,51 @@ def test_impossible_values_fail_with_the_key(compose, override, message):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("data.batch_size=0", r"^data <longmixer.data.listops.GeneratedListOps>: data.batch_size=0 must be >= 1$"),
-    ("model.d_model=-3", r"^task.model <longmixer.models.backbone.SequenceModel>: .*model.d_model=-3 must be >= 1$"),
-    ("trainer.max_epochs=-5", r"^trainer <pytorch_lightning.trainer.trainer.Trainer>: `max_epochs` must be"),
+    ("data.batch_size=0", r"^data \(GeneratedListOps\): data.batch_size=0 must be >= 1 \(raised at base.py:\d+\)$"),
+    ("model.d_model=-3", r"^model \(SequenceModel\): .*model.d_model=-3 must be >= 1 \(raised at backbone.py:\d+\)$"),
+    ("model.dropout=2", r"^model \(SequenceModel\): dropout probability has to be between 0 and 1, but got 2"),
+    ("trainer.max_epochs=-5", r"^trainer \(Trainer\): `max_epochs` must be a non-negative integer or -1"),
 ])
 def test_a_constructor_s_refusal_names_the_key_in_one_line(compose, override, message):
     """Values the composed-config checks pass but a constructor refuses reach the user as a ConfigError naming the
-    config key and the target (printed as one line, exit 2), not as Hydra's multi-line instantiation error."""
+    config key, the class and where it was raised (printed as one line, exit 2), not as Hydra's multi-line
+    instantiation error."""
     from longmixer.train import train
 
     cfg = compose([override])
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as info:
         train(cfg)
+    assert "\n" not in str(info.value)
 
 
-def test_a_constructor_s_other_errors_keep_their_type():
+def _raise_user_facing(**_):
+    from longmixer.utils.errors import UserFacingError
+
+    raise UserFacingError("prepare the data first: python scripts/prepare_data.py text")
+
+
+@pytest.mark.parametrize("node, kind", [
+    ({"_target_": "os.listdir", "path": "/no/such/dir"}, "FileNotFoundError"),  # no setting's refusal
+    ({"_target_": "json.dumps", "obj": 1, "not_a_kw": 2}, "JSONEncoder.__init__()"),  # a TypeError deeper down
+    ({"_target_": "json.JSONEncoder", "bogus": 1}, "ConfigError"),  # an argument of the target's own signature
+    ({"_target_": "tests.test_configs._raise_user_facing"}, "UserFacingError"),  # ours: raised as it is
+])
+def test_which_constructor_errors_become_config_errors(node, kind):
     from omegaconf import OmegaConf
 
     from longmixer.runs.run import instantiate_node
+    from longmixer.utils.errors import UserFacingError
 
-    with pytest.raises(Exception) as info:  # a failure that is not a setting's refusal: Hydra's own error, untouched
-        instantiate_node(OmegaConf.create({"_target_": "os.listdir", "path": "/no/such/dir"}))
-    assert not isinstance(info.value, ConfigError) and "FileNotFoundError" in str(info.value)
+    with pytest.raises(Exception) as info:
+        instantiate_node(OmegaConf.create(node))
+    if kind == "ConfigError":
+        assert type(info.value) is ConfigError
+        assert str(info.value).startswith("config (JSONEncoder): JSONEncoder.__init__() got an unexpected keyword "
+                                          "argument 'bogus'")
+    elif kind == "UserFacingError":
+        assert type(info.value) is UserFacingError and "prepare the data first" in str(info.value)
+    else:
+        assert not isinstance(info.value, ConfigError) and kind in str(info.value)
 
 
 def test_seed_zero_is_valid(compose):

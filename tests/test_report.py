@@ -151,6 +151,8 @@ def test_wandb_summary_and_overrides_fill_a_run(tiny_runs, tmp_path):
     (evaluated / "results.json").write_text(json.dumps({"ckpt_path": "last.ckpt", "metrics": {"test/acc": 0.1}}))
     (loaded,) = collect_runs(tmp_path / "runs")
     assert loaded.metrics["test/loss"] == 1.5
+    (run.parent / "config_resolved.yaml").write_text("seed: 0\n")  # a stray marker above the run hides nothing
+    assert [r.run_dir for r in collect_runs(tmp_path / "runs")] == [run]
     assert (loaded.ablation, loaded.variant) == ("seqboat/gumbel", "optim.lr=0.01")
 
 

@@ -121,3 +121,16 @@ def test_optuna_direction_refuses_a_mode_it_cannot_follow():
     assert (_direction("max"), _direction("min")) == ("maximize", "minimize")
     with pytest.raises(ValueError, match="hydra.sweeper.direction=maximize"):
         _direction("best")
+
+
+@pytest.mark.parametrize("direction, mode, best", [(None, "max", "max"), (None, "min", "min"),
+                                                   ("minimize", "max", "min"), ("maximize", "min", "max")])
+def test_the_summary_marks_the_best_job_the_way_the_study_optimizes(direction, mode, best):
+    """An Optuna direction given on the command line (hydra.sweeper.direction) decides which job is best in the
+    summary, as it decides the study's; without a sweeper direction, the task's mode does."""
+    from omegaconf import OmegaConf
+
+    from longmixer.report.sweep import _mode
+
+    hydra = {"sweeper": {"direction": direction}} if direction else {"sweeper": {}}
+    assert _mode(OmegaConf.create({"hydra": hydra, "task": {"mode": mode}})) == best

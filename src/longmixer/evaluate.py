@@ -19,6 +19,8 @@ from pathlib import Path
 
 import hydra
 import yaml
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
@@ -131,8 +133,6 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 def _invocation_overrides() -> list[str]:
     """The command line's overrides (Hydra's record of them; none outside a Hydra app, e.g. in tests)."""
-    from hydra.core.hydra_config import HydraConfig
-
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
@@ -141,6 +141,8 @@ def _main(cfg: DictConfig) -> None:
     try:
         evaluate(cfg)
     except UserFacingError as err:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # the sweep records the failed job and goes on
         log.error("%s", err)
         sys.exit(2)
 
@@ -155,7 +157,13 @@ def main() -> None:
             print(f"error: run_dir={run_dirs[-1]} is not a training run dir (no config_resolved.yaml there); "
                   "pass one made by train (logs/runs/<run name>/<hash>_seed<seed>)", file=sys.stderr)
             sys.exit(2)
-        sys.argv += [f"hydra.run.dir={Path(run_dirs[-1]) / 'eval'}"]
+        eval_dir = Path(run_dirs[-1]) / "eval"
+        sys.argv += [f"hydra.run.dir={eval_dir}"]
+        # a sweep's jobs (`-m`) keep their Hydra output there too, not in new dirs under logs/runs
+        if not any(a.startswith("hydra.sweep.dir=") for a in sys.argv[1:]):
+            sys.argv += [f"hydra.sweep.dir={eval_dir / 'sweeps'}/${{now:%Y-%m-%d_%H-%M-%S}}"]
+        if not any(a.startswith("hydra.sweep.subdir=") for a in sys.argv[1:]):
+            sys.argv += ["hydra.sweep.subdir=${hydra.job.num}"]
     run_explaining_refusals(_main, sys.argv[1:])
 
 

@@ -181,3 +181,22 @@ def test_a_finished_run_moved_elsewhere_is_evaluated_from_its_own_checkpoints(re
     assert not best.startswith(str(tmp_path))  # still the first machine's path
     scored = json.loads((moved / "eval" / Path(best).stem / "results.json").read_text())["metrics"]
     assert scored["test/acc"] == json.loads((moved / "results.json").read_text())["metrics"]["test/acc"]
+
+
+def test_an_evaluate_sweep_goes_on_past_a_job_whose_setting_is_refused(reference, tmp_path):  # noqa: F811
+    """Under `evaluate -m`, a job whose setting a constructor refuses is recorded as failed and the next job runs (as
+    in train's sweeps); only a single run prints the one line and exits 2."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    proc = run_train(tmp_path, ["-m", f"run_dir={run}", "trainer.devices=0,1"], entry="longmixer.evaluate",
+                     tiny=False)
+    assert proc.returncode == 1, describe(proc)
+    assert len(list((run / "eval").glob("*/results.json"))) == 1, describe(proc)  # the second job scored
+    (sweep,) = (run / "eval" / "sweeps").iterdir()  # the jobs' Hydra output in the run's eval/, not in logs/runs
+    assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1"]
+    summary = (sweep / "summary.md").read_text()
+    assert "FAILED (ConfigError: trainer (Trainer): " in summary and "| 1 | COMPLETED |" in summary, summary
+    single = run_train(tmp_path, [f"run_dir={run}", "trainer.devices=0"], entry="longmixer.evaluate", tiny=False)
+    assert single.returncode == 2 and "trainer (Trainer): " in single.stdout + single.stderr, describe(single)

@@ -64,10 +64,19 @@ def job_record(config: DictConfig, job_return: Any) -> dict:
     if value is None and status == "COMPLETED":
         value = _number(returned)
     return {"job": int(config.hydra.job.num), "status": status, "metric": metric, "value": value,
-            "mode": OmegaConf.select(config, "task.mode", default="max"),
+            "mode": _mode(config),
             "overrides": [str(o) for o in config.hydra.overrides.task],
             "error": f"{type(returned).__name__}: {returned}" if isinstance(returned, BaseException) else "",
             "run_dir": str(run_dir)}
+
+
+def _mode(config: DictConfig) -> str:
+    """Which way is best: the Optuna sweeper's direction where one is set (it may be given on the command line
+    apart from task.mode), else the task's mode."""
+    direction = OmegaConf.select(config, "hydra.sweeper.direction", default=None, throw_on_resolution_failure=False)
+    if isinstance(direction, str) and direction in ("minimize", "maximize"):
+        return "min" if direction == "minimize" else "max"
+    return OmegaConf.select(config, "task.mode", default="max")
 
 
 def _split(override: str) -> tuple[str, str]:

@@ -122,10 +122,11 @@ RUN_MARKERS = ("results.json", "config_resolved.yaml")  # what training writes i
 
 
 def inside_a_run(path: Path, root: Path) -> bool:
-    """Whether dir `path` lies inside a run dir under (or at) `root`: `evaluate`'s eval/<checkpoint>/results.json is
-    that run's output, not another run."""
-    return any((a / marker).is_file() for a in path.parents if a.is_relative_to(root)
-               for marker in RUN_MARKERS)
+    """Whether dir `path` is `evaluate`'s output inside a run dir under (or at) `root`: <run>/eval/<checkpoint>/
+    holds a results.json of its own, which is that run's evaluation, not another run. Only that layout is
+    skipped, so a stray marker file higher up hides nothing."""
+    return any(p.name == "eval" and p.parent.is_relative_to(root) and any((p.parent / m).is_file() for m in RUN_MARKERS)
+               for p in (path, *path.parents))
 
 
 def collect_runs(root: Path) -> list[Run]:

@@ -4,40 +4,52 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import traceback
 from pathlib import Path
 from typing import Any
 
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from longmixer.utils.config import ConfigError
+from longmixer.utils.errors import UserFacingError
 
 log = logging.getLogger("longmixer")
 
 
 def instantiate_node(node: DictConfig, **kwargs) -> Any:
-    """`hydra.utils.instantiate`, with a constructor's refusal of a setting (ValueError, Lightning's
-    MisconfigurationException, or a TypeError for an argument the target does not take) raised as a ConfigError
-    that names the config key and the target: the entry points print it as one line and exit 2, as they do for
-    the checks on the composed config. Any other error keeps its traceback."""
-    import re
-
-    from hydra.errors import InstantiationException
-
+    """`hydra.utils.instantiate`, with a constructor's refusal of a setting raised as a ConfigError that names the
+    config key and the class in one line (the entry points print it and exit 2, as for the checks on the composed
+    config): a ValueError or Lightning's MisconfigurationException, or a TypeError about an argument of the target's
+    own signature. The line says where it was raised; the whole traceback is logged at DEBUG (at ERROR with
+    HYDRA_FULL_ERROR=1). Other errors keep Hydra's error and traceback. An error of ours that a user fixes
+    (`UserFacingError`) is raised as it is."""
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
         cause = err.__cause__
         while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
             cause = cause.__cause__
+        if isinstance(cause, UserFacingError):
+            raise cause from None
+        target = re.search(r"Error in call to target '([^']+)'", str(err))
+        name = target.group(1).rsplit(".", 1)[-1] if target else ""
         refused = isinstance(cause, ValueError) or type(cause).__name__ == "MisconfigurationException" or (
-            isinstance(cause, TypeError) and re.search(r"unexpected keyword argument|missing \d+ required", str(cause)))
+            isinstance(cause, TypeError) and bool(name) and str(cause).startswith((f"{name}.__init__()", f"{name}()"))
+            and re.search(r"unexpected keyword argument|missing \d+ required", str(cause)) is not None)
         if not refused:
             raise
+        trace = "".join(traceback.format_exception(cause))
+        log.log(logging.ERROR if os.environ.get("HYDRA_FULL_ERROR") == "1" else logging.DEBUG, "%s", trace)
         key = re.search(r"full_key: (\S+)", str(err))
-        target = re.search(r"Error in call to target '([^']+)'", str(err))
-        where = (key.group(1) if key else node._key()) + (f" <{target.group(1)}>" if target else "")
-        raise ConfigError(f"{where}: {cause}") from err
+        key = key.group(1) if key else (node._key() or "config")
+        key = "model" + key[len("task.model"):] if key.startswith("task.model") else key  # task.model is ${model}
+        frame = traceback.extract_tb(cause.__traceback__)[-1] if cause.__traceback__ else None
+        at = f" (raised at {Path(frame.filename).name}:{frame.lineno})" if frame else ""
+        raise ConfigError(f"{key} ({name}): {' '.join(str(cause).split())}{at}") from err
 
 
 def instantiate_group(group: DictConfig | None, what: str) -> list[Any]:
