@@ -194,6 +194,30 @@ def test_entry_points_refuse_a_null_group_choice_with_exit_2(entry, monkeypatch,
     assert "error: ablation=null,las/vanilla: a config group (ablation)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, bad", [(["hparams_search=optuna", "task.mode=best"], "best"),
+                                       (["-m", "task.mode=max,maximum"], "maximum"),
+                                       (["+task.mode=choice(min, 'loss')"], "'loss'")])
+def test_an_impossible_task_mode_is_refused_before_hydra(argv, bad):
+    """An Optuna search resolves its direction from task.mode while Hydra builds the sweeper, where a refusal is a
+    traceback: the command line is checked first, every value of a sweep."""
+    from longmixer.utils.compose import task_mode_choice
+
+    problem = task_mode_choice(argv)
+    assert problem is not None and problem.startswith(argv[-1]) and problem.endswith(f"not {bad}")
+    assert task_mode_choice(["task.mode=min", "-m", "task.mode=max,min", "task.monitor=val/loss"]) is None
+
+
+def test_train_refuses_a_task_mode_under_optuna_in_one_line(monkeypatch, capsys):
+    from longmixer import train
+
+    monkeypatch.setattr("sys.argv", ["train.py", "hparams_search=optuna", "experiment=quickstart", "task.mode=best"])
+    with pytest.raises(SystemExit) as exit_info:
+        train.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: task.mode=best: task.mode is the monitored metric's direction") and "Trace" not in err
+
+
 def test_missing_group_option_lists_choices(compose):
     with pytest.raises(ConfigCompositionException, match="transformer"):
         compose(["model=transfomer"])

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
 from longmixer.runs.run import instantiate_node, to_number
-from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_null_group_choices, run_explaining_refusals
+from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_before_hydra, run_explaining_refusals
 from longmixer.utils.config import validate_config
 from longmixer.utils.errors import UserFacingError
 from longmixer.utils.resolvers import register_resolvers
@@ -148,7 +148,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    refuse_null_group_choices(sys.argv[1:])
+    refuse_before_hydra(sys.argv[1:])
     register_resolvers()
     # Hydra's own output (its log, .hydra/) goes to <run_dir>/eval too, never into a training run dir
     run_dirs = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("run_dir=")]

@@ -30,6 +30,7 @@ from longmixer.runs.fault_injection import fault_callbacks
 from longmixer.runs.loggers import ResumableCSVLogger
 from longmixer.runs.resume import (
     STORED_CONFIG,
+    HydraRecord,
     RunLock,
     check_config_drift,
     finished_results,
@@ -47,7 +48,7 @@ from longmixer.runs.run import (
     write_results,
 )
 from longmixer.runs.run_info import write_run_info
-from longmixer.utils.compose import (CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer_blocks, refuse_null_group_choices,
+from longmixer.utils.compose import (CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer_blocks, refuse_before_hydra,
                                      run_explaining_refusals)
 from longmixer.utils.errors import UserFacingError
 from longmixer.utils.config import validate_config
@@ -59,13 +60,19 @@ log = logging.getLogger("longmixer")
 def train(cfg: DictConfig) -> dict:
     """Fit and test one composed config; returns the results dict written to `<run dir>/results.json`."""
     hydra_cfg = HydraConfig.get()
-    apply_mixer_blocks(cfg, dict(hydra_cfg.runtime.choices), hydra_cfg.overrides.task)
-    validate_config(cfg)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     # rank 0 owns the run dir; DDP ranks started by Lightning re-enter here while rank 0 holds the lock
-    lock = RunLock(run_dir).acquire() if rank_zero_only.rank == 0 else None
+    owner = rank_zero_only.rank == 0
+    record = HydraRecord(run_dir / hydra_cfg.output_subdir if owner and hydra_cfg.output_subdir else None)
+    lock = None
     try:
-        return _train(cfg, run_dir)
+        apply_mixer_blocks(cfg, dict(hydra_cfg.runtime.choices), hydra_cfg.overrides.task)
+        validate_config(cfg)
+        lock = RunLock(run_dir).acquire() if owner else None
+        return _train(cfg, run_dir, record)
+    except BaseException:
+        record.restore()  # an attempt refused before it ran leaves the run's .hydra record as it was
+        raise
     finally:
         if lock is not None:
             lock.release()
@@ -90,18 +97,18 @@ def check_not_launching_ranks_in_a_sweep(trainer: pl.Trainer) -> None:
             "or sweep with hydra/launcher=slurm, whose tasks start the ranks")
 
 
-def _train(cfg: DictConfig, run_dir: Path) -> dict:
+def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
     choices = dict(HydraConfig.get().runtime.choices)
     if rank_zero_only.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config_tree.txt").write_text(config_tree(cfg) + "\n")
-        log.info("composed config (full tree: %s)\n%s", run_dir / "config_tree.txt",
+        log.info("composed config (full tree: %s once the run starts)\n%s", run_dir / "config_tree.txt",
                  config_tree(cfg, choices, compact=True))
     drift = check_config_drift(cfg, run_dir)
     finished = finished_results(run_dir)
     if finished is not None and not drift and cfg.ckpt_path is None and cfg.resume != "never":
         log.info("%s already finished (results.json); nothing to train. Pass run_tag=<name> for a new run.%s",
                  run_dir, result_table(finished))
+        record.restore()
         return finished
     ckpt_path = select_resume_checkpoint(cfg, run_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -123,7 +130,10 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
         check_validation_reachable(cfg, datamodule, trainer.world_size)
 
     if trainer.is_global_zero:
-        write_run_info(run_dir, Path(CONFIG_DIR).parent)
+        # the attempt runs: from here its config is the run's record (a refused one above left the last record)
+        record.accept()
+        (run_dir / "config_tree.txt").write_text(config_tree(cfg) + "\n")
+        write_run_info(run_dir, Path(CONFIG_DIR).parent, resumed_from=ckpt_path)
         if drift or not (run_dir / STORED_CONFIG).exists():
             (run_dir / STORED_CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if ckpt_path is not None:
@@ -248,7 +258,7 @@ def _main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    refuse_null_group_choices(sys.argv[1:])
+    refuse_before_hydra(sys.argv[1:])
     register_resolvers()
     run_explaining_refusals(_main, sys.argv[1:])
 

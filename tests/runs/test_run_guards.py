@@ -62,6 +62,70 @@ def test_config_drift_is_refused_and_force_continues(compose, tmp_path):
     train(compose([*BASE, "optim.lr=0.5", "resume=force", "trainer.max_steps=4", "trainer.val_check_interval=2"]))
 
 
+def _hydra_writes(run_dir, overrides):
+    """What Hydra does before `train` starts: this command's record written into the run dir's .hydra/."""
+    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+    for name in ("config", "hydra", "overrides"):
+        (run_dir / ".hydra" / f"{name}.yaml").write_text(f"# {name}\n" + "".join(f"- {o}\n" for o in overrides))
+
+
+def _record(run_dir):
+    return {p.name: p.read_text() for p in [*(run_dir / ".hydra").glob("*.yaml"), run_dir / "config_tree.txt"]}
+
+
+def test_a_refused_or_finished_rerun_leaves_the_runs_record(compose, tmp_path):
+    run = tmp_path / "run"
+    cfg = compose(BASE)
+    _hydra_writes(run, ["optim.lr=0.002"])
+    train(cfg)
+    first = _record(run)
+    assert len(first) == 4 and "optim.lr=0.002" in first["overrides.yaml"] and "optim" in first["config_tree.txt"]
+    cfg = compose([*BASE, "optim.lr=0.5"])
+    _hydra_writes(run, ["optim.lr=0.5"])
+    with pytest.raises(ConfigDriftError):
+        train(cfg)
+    assert _record(run) == first
+    cfg = compose([*BASE, "trainer.enable_progress_bar=true"])
+    _hydra_writes(run, ["optim.lr=0.002", "trainer.enable_progress_bar=true"])
+    train(cfg)  # finished: reported, not trained
+    assert _record(run) == first
+    cfg = compose([*BASE, "optim.lr=0.5", "resume=force", "trainer.max_steps=4", "trainer.val_check_interval=2"])
+    _hydra_writes(run, ["optim.lr=0.5", "resume=force"])
+    train(cfg)  # this attempt runs: its record replaces the first's, and is the one a later refusal restores
+    forced = _record(run)
+    assert "resume=force" in forced["overrides.yaml"] and "0.5" in forced["config_tree.txt"]
+    assert (run / ".hydra" / "accepted" / "overrides.yaml").read_text() == forced["overrides.yaml"]
+    _hydra_writes(run, ["optim.lr=0.1"])
+    lock = RunLock(run).acquire()  # a running attempt holds the dir: the second command is refused
+    try:
+        with pytest.raises(RunLockedError):
+            train(compose([*BASE, "optim.lr=0.1"]))
+    finally:
+        lock.release()
+    assert _record(run) == forced
+
+
+def test_run_info_keeps_every_attempt_and_warns_of_a_new_commit(tmp_path, monkeypatch, caplog):
+    from longmixer.runs import run_info
+
+    commits = iter(["a" * 40, "a" * 40, "b" * 40])
+    monkeypatch.setattr(run_info, "_git", lambda *args, cwd: next(commits) if args[0] == "rev-parse" else "")
+    (tmp_path / "run_info.json").write_text(json.dumps({"git_commit": "0" * 40, "git_dirty": True,
+                                                        "command": ["old"], "cuda_devices": []}))
+    run_info.write_run_info(tmp_path, tmp_path)  # a record from before attempts: kept as the first attempt
+    run_info.write_run_info(tmp_path, tmp_path, resumed_from="checkpoints/last.ckpt")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="longmixer"):
+        info = run_info.write_run_info(tmp_path, tmp_path, resumed_from="checkpoints/last.ckpt")
+    assert json.loads((tmp_path / "run_info.json").read_text()) == info and info["git_commit"] == "b" * 40
+    attempts = info["attempts"]
+    assert [a["git_commit"][0] for a in attempts] == ["0", "a", "a", "b"] and attempts[0]["command"] == ["old"]
+    assert [a.get("resumed_from") for a in attempts] == [None, None, "checkpoints/last.ckpt", "checkpoints/last.ckpt"]
+    assert all(a["started"].endswith("Z") and a["host"] for a in attempts[1:])
+    assert [r.getMessage() for r in caplog.records] == [
+        f"this run started on commit {'a' * 10} and continues on {'b' * 10} (run_info.json lists every attempt)"]
+
+
 def test_second_process_on_a_run_dir_fails_fast(tmp_path):
     lock = RunLock(tmp_path).acquire()
     try:

@@ -49,6 +49,48 @@ class ConfigDriftError(UserFacingError, ValueError):
     """The resolved config differs from the one the run dir was started with."""
 
 
+class HydraRecord:
+    """The run dir's `.hydra/{config,hydra,overrides}.yaml`, kept as the record of the last attempt that ran.
+
+    Hydra writes those files into the run dir before the task function starts, so every command that maps to the
+    dir rewrites them, including one that is then refused (the dir locked by a running attempt, a changed config, a
+    refused setting) or that finds the run finished. This attempt's files are read at start; `accept` writes them
+    again (a concurrent refused command may have overwritten them meanwhile) and keeps a copy in
+    `.hydra/accepted/`; `restore` puts that copy back for an attempt that did not run."""
+
+    FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+
+    def __init__(self, hydra_dir: Path | None):
+        self.dir = hydra_dir
+        self.kept = None if hydra_dir is None else hydra_dir / "accepted"
+        self.own = {} if hydra_dir is None else {
+            name: (hydra_dir / name).read_text() for name in self.FILES if (hydra_dir / name).is_file()}
+        self.accepted = False
+
+    def accept(self) -> None:
+        for folder in (self.dir, self.kept):
+            if folder is not None and self.own:
+                folder.mkdir(parents=True, exist_ok=True)
+                for name, text in self.own.items():
+                    _write_atomically(folder / name, text)
+        self.accepted = True
+
+    def restore(self) -> None:
+        """Put back the record of the last attempt that ran (none: a run dir's first attempt, or one written by a
+        version that kept no copy, keeps this attempt's files)."""
+        if self.accepted or self.kept is None or not self.kept.is_dir():
+            return
+        for name in self.FILES:
+            if (self.kept / name).is_file():
+                _write_atomically(self.dir / name, (self.kept / name).read_text())
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class RunLock:
     """An exclusive lock on `<run_dir>/.lock` (released by the OS when the process dies, even on SIGKILL), with
     `<run_dir>/.lock.owner` naming the holder."""

@@ -1,14 +1,21 @@
 """What a run directory records about itself: the git commit (and whether the tree was dirty), the installed
-package versions, the command line, and the hardware."""
+package versions, the command line, and the hardware; and, in `attempts`, the same for every attempt that ran in
+it (a resumed run may continue on other code, another host or other GPUs)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import platform
+import socket
 import subprocess
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
+
+log = logging.getLogger("longmixer")
 
 PACKAGES = ("longmixer", "torch", "pytorch-lightning", "hydra-core", "omegaconf", "triton", "numpy", "wandb",
             "datasets", "einops")
@@ -44,8 +51,32 @@ def collect_run_info(repo_dir: Path) -> dict:
     }
 
 
-def write_run_info(run_dir: Path, repo_dir: Path) -> dict:
+ATTEMPT_KEYS = ("git_commit", "git_dirty", "command", "cuda_devices")
+
+
+def write_run_info(run_dir: Path, repo_dir: Path, resumed_from: str | None = None) -> dict:
+    """Write `<run_dir>/run_info.json`: this attempt's `collect_run_info` at the top level, and under `attempts`
+    the list of every attempt so far (when it started, the host, commit, command, GPUs and the checkpoint it
+    resumed from), this one appended. Warns when this attempt's commit is not the previous attempt's."""
+    path = run_dir / "run_info.json"
+    try:
+        previous = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        log.warning("%s is unreadable: its record of earlier attempts is lost", path)
+        previous = {}
+    attempts = previous.get("attempts") if isinstance(previous, dict) else None
+    if attempts is None:  # written before attempts were recorded: its top level is the one earlier attempt
+        attempts = [{k: previous.get(k) for k in ATTEMPT_KEYS}] if previous else []
     info = collect_run_info(repo_dir)
+    attempt = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": socket.gethostname(),
+               **{k: info[k] for k in ATTEMPT_KEYS}, "resumed_from": resumed_from}
+    last = attempts[-1].get("git_commit") if attempts else None
+    if last and info["git_commit"] and last != info["git_commit"]:
+        log.warning("this run started on commit %s and continues on %s (run_info.json lists every attempt)",
+                    last[:10], info["git_commit"][:10])
+    info["attempts"] = [*attempts, attempt]
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+    tmp = path.with_name(f".run_info.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, path)
     return info

@@ -82,10 +82,34 @@ def null_group_choices(argv: Sequence[str], config_dir: str = CONFIG_DIR) -> str
     return None
 
 
-def refuse_null_group_choices(argv: Sequence[str]) -> None:
-    """Exit with status 2 and `null_group_choices`' message before Hydra starts (the train and evaluate entry
-    points; logging is not configured yet, so the message goes to stderr as is)."""
-    if problem := null_group_choices(argv):
+TASK_MODES = ("max", "min")
+
+
+def task_mode_choice(argv: Sequence[str]) -> str | None:
+    """The error for a command-line `task.mode` other than max or min (each value of a sweep), else None.
+
+    The task's constructor refuses such a value in one line, but an Optuna search (`hparams_search=optuna`) derives
+    its study's direction from `task.mode` while Hydra builds the sweeper, before any job starts, and Hydra reports
+    the resolver's error there as a traceback."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key.lstrip("+") != "task.mode":
+            continue
+        for sweep in ("choice(", "glob("):
+            if value.startswith(sweep) and value.endswith(")"):
+                value = value[len(sweep):-1]
+        bad = [v.strip() for v in value.split(",") if v.strip().strip("'\"") not in TASK_MODES]
+        if bad:
+            return (f"{arg}: task.mode is the monitored metric's direction, one of {', '.join(TASK_MODES)} (max for "
+                    f"accuracy, min for a loss), not {', '.join(bad)}")
+    return None
+
+
+def refuse_before_hydra(argv: Sequence[str]) -> None:
+    """Exit with status 2 before Hydra starts where the command line chooses null for a config group
+    (`null_group_choices`) or an impossible `task.mode` (`task_mode_choice`); the train and evaluate entry points.
+    Logging is not configured yet, so the message goes to stderr as is."""
+    if problem := null_group_choices(argv) or task_mode_choice(argv):
         sys.stderr.write(f"error: {problem}\n")
         raise SystemExit(2)
 
