@@ -225,6 +225,32 @@ def test_a_run_stopped_by_its_time_budget_continues_with_a_larger_one(compose, t
     assert ckpt["callbacks"]["Timer"]["time_elapsed"]["train"] > 0
 
 
+def test_a_budget_stop_stays_stopped_through_the_test_phase(compose, tmp_path, monkeypatch):
+    """The test phase loads the best checkpoint, and with it that checkpoint's Timer state: the status is read
+    before it, so the same command (the same budget) reports the run stopped again instead of finished."""
+    from longmixer.tasks.classification import Classification
+
+    step = Classification.training_step
+
+    def slow_second_step(self, batch, batch_idx):
+        if self.global_step == 1:
+            time.sleep(1.2)  # the best checkpoint (step 1) holds a Timer well within the budget
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(Classification, "training_step", slow_second_step)
+    args = [*TINY_LISTOPS, *TINY_TRAINER, "trainer.max_steps=3", "trainer.val_check_interval=1",
+            "+trainer.max_time=00:00:00:01"]
+    first = train(compose(args))
+    assert first["status"] == "stopped at trainer.max_time" and "test/acc" in first["metrics"]
+    assert Path(first["best_ckpt"]).name == "best-000001.ckpt"
+    again = train(compose(args))
+    assert again["status"] == "stopped at trainer.max_time"
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 2
+    more = train(compose([*args[:-1], "+trainer.max_time=00:01:00:00"]))
+    assert more["status"] == "finished" and torch.load(last, weights_only=True)["global_step"] == 3
+
+
 def test_stopped_by_time_budget_reads_the_timer():
     from datetime import timedelta
     from types import SimpleNamespace

@@ -34,6 +34,7 @@ from longmixer.runs.resume import (
     RunLock,
     check_config_drift,
     finished_results,
+    keep_replaced_config,
     select_resume_checkpoint,
 )
 from longmixer.runs.run import (
@@ -135,6 +136,7 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
         (run_dir / "config_tree.txt").write_text(config_tree(cfg) + "\n")
         write_run_info(run_dir, Path(CONFIG_DIR).parent, resumed_from=ckpt_path)
         if drift or not (run_dir / STORED_CONFIG).exists():
+            keep_replaced_config(run_dir)
             (run_dir / STORED_CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if ckpt_path is not None:
         _rewind_loggers(trainer, ckpt_path)
@@ -150,6 +152,9 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
             # SIGTERM before training started (setup, sanity check), where Lightning's own handler is active:
             # nothing to checkpoint, but the exit status must still say "terminated" for a requeue
             raise SystemExit(128 + signal.SIGTERM) from None
+    # read before the test phase: loading the best checkpoint there restores its Timer state (the time spent up to
+    # that checkpoint), after which a run stopped by its budget would look finished
+    stopped = cfg.train and stopped_by_time_budget(trainer)
     checkpointer = trainer.checkpoint_callback
     metrics = dict(getattr(checkpointer, "val_metrics", {}))
     metrics.update({k: to_number(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")})
@@ -171,7 +176,7 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
             metrics.update({k: to_number(v) for k, v in result.items()})
 
     majority = majority_rates(getattr(datamodule, "manifest", None))
-    status = "stopped at trainer.max_time" if cfg.train and stopped_by_time_budget(trainer) else "finished"
+    status = "stopped at trainer.max_time" if stopped else "finished"
     results = (write_results(run_dir, cfg, choices, metrics, best_ckpt, majority, status=status)
                if trainer.is_global_zero else {})
     if trainer.is_global_zero:
@@ -201,8 +206,13 @@ def _rewind_loggers(trainer: pl.Trainer, ckpt_path: str | None) -> None:
     for logger in trainer.loggers:
         if isinstance(logger, ResumableCSVLogger) and trainer.is_global_zero:
             dropped = logger.rewind(step)
-            if dropped:
-                log.info("metrics.csv: dropped %d rows logged after the checkpoint (step >= %d)", dropped, step)
+            if dropped and ckpt_path is None:
+                log.warning("metrics.csv holds %d rows of an earlier attempt, but there is no checkpoint to resume "
+                            "from: the run starts again at step 0, and the rows are moved to %s", dropped,
+                            ResumableCSVLogger.DROPPED)
+            elif dropped:
+                log.info("metrics.csv: %d rows logged after the checkpoint (step >= %d) moved to %s; the resumed run "
+                         "logs them again", dropped, step, ResumableCSVLogger.DROPPED)
 
 
 def _check_best_readable(best_ckpt: str, run_dir: Path) -> None:

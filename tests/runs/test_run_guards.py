@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,9 +30,17 @@ def test_crafted_checkpoint_is_refused_without_running_its_payload(tmp_path):
     marker = tmp_path / "pwned"
     crafted = tmp_path / "crafted.ckpt"
     torch.save({"state_dict": {}, "payload": _WritesAFile(str(marker))}, crafted, pickle_protocol=pickle.HIGHEST_PROTOCOL)
-    with pytest.raises(CheckpointError, match="crafted.ckpt"):
+    with pytest.raises(CheckpointError, match="crafted.ckpt") as refused:
         load_checkpoint(crafted)
     assert not marker.exists()
+    # what it refused (an opcode here; the global below), without torch's advice to load with weights_only=False
+    assert "Unsupported operand" in str(refused.value)
+    torch.save({"state_dict": {}, "payload": _WritesAFile(str(marker))}, crafted)
+    with pytest.raises(CheckpointError) as refused_global:
+        load_checkpoint(crafted)
+    assert not marker.exists() and "GLOBAL" in str(refused_global.value) and "open" in str(refused_global.value)
+    for err in (refused.value, refused_global.value):
+        assert "weights_only" not in str(err) and "\n" not in str(err)
 
 
 def test_corrupt_last_falls_back_to_newest_intact(compose, tmp_path, caplog):
@@ -124,6 +133,34 @@ def test_run_info_keeps_every_attempt_and_warns_of_a_new_commit(tmp_path, monkey
     assert all(a["started"].endswith("Z") and a["host"] for a in attempts[1:])
     assert [r.getMessage() for r in caplog.records] == [
         f"this run started on commit {'a' * 10} and continues on {'b' * 10} (run_info.json lists every attempt)"]
+
+
+def test_resume_force_trains_with_the_changed_optimizer_settings(compose, tmp_path, caplog):
+    """A checkpoint restores the optimizer's and the schedule's settings with their state: `resume=force` puts the
+    changed config's back (lr, weight decay, and max_steps, the schedule's length), keeping the step and moments."""
+    train(compose(BASE))
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    before = torch.load(last, weights_only=True)
+    with caplog.at_level("WARNING", logger="longmixer"):
+        train(compose([*BASE, "optim.lr=0.5", "optim.weight_decay=0.3", "resume=force", "trainer.max_steps=4",
+                       "trainer.val_check_interval=2"]))
+    after = torch.load(last, weights_only=True)
+    schedule, groups = after["lr_schedulers"][0], after["optimizer_states"][0]["param_groups"]
+    assert after["global_step"] == 4 and schedule["last_epoch"] == 4 and schedule["total_steps"] == 4
+    old_bases = before["lr_schedulers"][0]["base_lrs"]
+    assert schedule["base_lrs"] == pytest.approx([b * 0.5 / 0.002 for b in old_bases])
+    assert [g["initial_lr"] for g in groups] == schedule["base_lrs"]
+    assert {g["weight_decay"] for g in groups} <= {0.0, 0.3} and any(g["weight_decay"] == 0.3 for g in groups)
+    assert "continue with the config's initial_lr, scheduler.base_lrs" in caplog.text
+    (kept,) = (tmp_path / "run" / "history").glob("config_resolved.*.yaml")  # what the first steps trained with
+    assert "lr: 0.002" in kept.read_text() and "lr: 0.5" in (tmp_path / "run" / "config_resolved.yaml").read_text()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="longmixer"):  # a plain resume: the restored settings are the config's
+        train(compose([*BASE, "optim.lr=0.5", "optim.weight_decay=0.3", "resume=force", "trainer.max_steps=6",
+                       "trainer.val_check_interval=2"]))
+    assert "continue with the config's scheduler.total_steps, not" in caplog.text
+    assert "initial_lr" not in caplog.text
+    assert len(list((tmp_path / "run" / "history").glob("config_resolved.*.yaml"))) == 2
 
 
 def test_second_process_on_a_run_dir_fails_fast(tmp_path):
@@ -329,6 +366,38 @@ def test_a_fresh_start_drops_the_rows_of_an_attempt_killed_before_its_first_chec
     (csv_dir / "metrics.csv").write_text("epoch,step,train/speed/step_ms\n0,2,12345.0\n")
     train(compose(BASE))
     assert "12345" not in (csv_dir / "metrics.csv").read_text()
+    # nothing logged is lost: the rows go to metrics.dropped.csv, each with the step the run went back to
+    assert (csv_dir / "metrics.dropped.csv").read_text().splitlines() == [
+        "epoch,step,train/speed/step_ms,rewound_to", "0,2,12345.0,0"]
+
+
+def test_a_signal_in_the_last_step_stops_before_the_test_phase(compose, tmp_path, monkeypatch):
+    """SIGTERM during the last step of an epoch that ends training: the stop that waits for the next step finds
+    none, so it comes at the end of training (exit 143, no test phase); the same command then tests."""
+    monkeypatch.setenv("LONGMIXER_FAULT", "SIGTERM:train:3")  # the batch after step 3: the epoch's and run's last
+    args = [*BASE, "trainer.max_steps=4"]
+    with pytest.raises(SystemExit) as stopped:
+        train(compose(args))
+    run = tmp_path / "run"
+    assert stopped.value.code == 143 and not (run / "results.json").exists()
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+    monkeypatch.delenv("LONGMIXER_FAULT")
+    results = train(compose(args))
+    assert results["status"] == "finished" and "test/acc" in results["metrics"]
+
+
+def test_rewind_moves_rows_to_the_dropped_file_across_attempts(tmp_path):
+    from longmixer.runs.loggers import ResumableCSVLogger
+
+    logger = ResumableCSVLogger(save_dir=str(tmp_path), name="csv", version="")
+    metrics = Path(logger.log_dir) / "metrics.csv"
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text("epoch,step,loss\n0,1,0.5\n0,3,0.4\n0,5,0.3\n")
+    assert logger.rewind(3) == 2 and metrics.read_text() == "epoch,step,loss\n0,1,0.5\n"
+    metrics.write_text("epoch,step,loss,val/acc\n0,1,0.5,\n0,3,0.41,0.2\n")
+    assert logger.rewind(2) == 1 and logger.rewind(2) == 0
+    assert (metrics.parent / "metrics.dropped.csv").read_text().splitlines() == [
+        "epoch,step,loss,rewound_to,val/acc", "0,3,0.4,3,", "0,5,0.3,3,", "0,3,0.41,2,0.2"]
 
 
 def test_the_test_phase_ends_with_the_signals_exit_status():

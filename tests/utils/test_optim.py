@@ -174,3 +174,59 @@ def test_build_optimizer_asks_for_the_fused_step_only_where_the_config_leaves_it
     radam = build_optimizer(Tiny(), functools.partial(torch.optim.RAdam, lr=1e-3), fused=True)  # has no fused step
     assert "fused" not in radam.defaults
     assert not build_optimizer(Tiny(), functools.partial(torch.optim.AdamW, lr=1e-3)).defaults["fused"]
+
+
+def _trained_pair(schedule, lr, steps, metrics=()):
+    """An AdamW on `Tiny`'s groups with `schedule`, stepped `steps` times (Plateau: once per value of `metrics`)."""
+    opt = build_optimizer(Tiny(), functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.01))
+    sched = schedule(opt)
+    for _ in range(steps):
+        opt.step()
+        sched.step()
+    for value in metrics:
+        sched.step(value)
+    return opt, sched
+
+
+@pytest.mark.parametrize("schedule", [functools.partial(LinearDecay, total_steps=10, warmup_steps=2),
+                                      functools.partial(CosineDecay, total_steps=10, warmup_steps=0)])
+def test_reapplied_settings_give_the_new_schedule_at_the_restored_step(schedule):
+    """A resume restores the checkpoint's base lrs and schedule length; the config's come back on top, with the
+    lr of the new schedule at the restored step. Restoring into a pair of the same config changes nothing."""
+    from longmixer.utils.optim import configured_settings, reapply_settings
+
+    old_opt, old_sched = _trained_pair(schedule, 1e-3, 4)
+    same_opt, same_sched = _trained_pair(schedule, 1e-3, 0)
+    settings = configured_settings(same_opt, same_sched)
+    same_opt.load_state_dict(old_opt.state_dict())
+    same_sched.load_state_dict(old_sched.state_dict())
+    lrs = [g["lr"] for g in same_opt.param_groups]
+    assert reapply_settings(same_opt, same_sched, settings) == []
+    assert [g["lr"] for g in same_opt.param_groups] == lrs
+
+    new_opt, new_sched = _trained_pair(functools.partial(schedule, total_steps=20), 5e-3, 0)
+    settings = configured_settings(new_opt, new_sched)
+    new_opt.load_state_dict(old_opt.state_dict())
+    new_sched.load_state_dict(old_sched.state_dict())
+    changed = reapply_settings(new_opt, new_sched, settings)
+    assert {"initial_lr", "scheduler.base_lrs", "scheduler.total_steps"} <= set(changed)
+    reference_opt, reference_sched = _trained_pair(functools.partial(schedule, total_steps=20), 5e-3, 4)
+    assert [g["lr"] for g in new_opt.param_groups] == pytest.approx([g["lr"] for g in reference_opt.param_groups])
+    assert new_sched.get_last_lr() == pytest.approx(reference_sched.get_last_lr())
+    assert new_opt.state_dict()["state"].keys() == old_opt.state_dict()["state"].keys()  # the moments stay
+
+
+def test_reapplied_settings_keep_a_plateaus_reductions():
+    from longmixer.utils.optim import Plateau, configured_settings, reapply_settings
+
+    plateau = functools.partial(Plateau, mode="max", factor=0.5, patience=0)
+    old_opt, old_sched = _trained_pair(plateau, 1e-3, 0, metrics=(0.5, 0.4))  # one reduction: lr 5e-4
+    new_opt, new_sched = _trained_pair(functools.partial(Plateau, mode="max", factor=0.1, patience=3), 2e-3, 0)
+    settings = configured_settings(new_opt, new_sched)
+    new_opt.load_state_dict(old_opt.state_dict())
+    new_sched.load_state_dict(old_sched.state_dict())
+    assert {"initial_lr", "scheduler.factor", "scheduler.patience"} <= set(reapply_settings(new_opt, new_sched,
+                                                                                             settings))
+    scale = [g["initial_lr"] / 2e-3 for g in new_opt.param_groups]  # Tiny's tagged kernel has lr_scale 0.1
+    assert [g["lr"] for g in new_opt.param_groups] == pytest.approx([1e-3 * s for s in scale])  # 2e-3 x 0.5
+    assert (new_sched.factor, new_sched.patience, new_sched.best) == (0.1, 3, 0.5)

@@ -15,8 +15,8 @@ Lightning's `ModelCheckpoint` would drop them and test whichever checkpoint impr
 
 SIGTERM (what SLURM sends before preemption) and SIGINT (Ctrl+C) do not kill the run mid-step: the handler only
 records the signal; at the end of the current training step (or of a mid-epoch validation; after an end-of-epoch
-validation, at the end of the next step) every rank agrees to stop, `last.ckpt` is written and `RunInterrupted` is
-raised: a `SystemExit` with code 128 + signal number (143 for SIGTERM, 130 for SIGINT). A second SIGINT stops at
+validation, at the end of the next step, or at the end of training after the last one) every rank agrees to stop,
+`last.ckpt` is written and `RunInterrupted` is raised, before the test phase: a `SystemExit` with code 128 + signal number (143 for SIGTERM, 130 for SIGINT). A second SIGINT stops at
 once without a checkpoint. With several ranks the agreement is an all-reduce whose result is read at the next check
 (`AgreedStop`), one step later: reading it at once would make the host wait for the GPU in every step.
 """
@@ -116,12 +116,14 @@ class AtomicModelCheckpoint(ModelCheckpoint):
                 launcher.kill(signum)  # DDP on one host: rank 0 forwards the signal to the other ranks
         return handler
 
-    def _stop_requested(self, trainer) -> int | None:
+    def _stop_requested(self, trainer, now: bool = False) -> int | None:
         """The signal to stop for, agreed by all ranks (any rank that got one stops every rank; with several ranks,
-        as of the previous check: `AgreedStop`)."""
+        as of the previous check: `AgreedStop`; `now`: as of this check, by a second exchange)."""
         signum = self._stop_signal or 0
         if trainer.world_size > 1:
             signum = self._agreed.exchange(signum, trainer.strategy.root_device)
+            if now:
+                signum = self._agreed.exchange(self._stop_signal or 0, trainer.strategy.root_device)
         return signum or None
 
     def _stop(self, trainer, signum: int) -> None:
@@ -184,8 +186,19 @@ class AtomicModelCheckpoint(ModelCheckpoint):
             self._stop(trainer, signum)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self._fitting(trainer) and self._last_global_step_saved != trainer.global_step:
+        if not self._fitting(trainer):
+            return
+        if self._last_global_step_saved != trainer.global_step:
             self._save_last(trainer)
+        # a signal during the last step or its validation, whose stop would wait for a next step: training is
+        # complete and saved, but the test phase is not started inside a scheduler's grace period. The same
+        # command resumes at the end and tests.
+        signum = self._stop_requested(trainer, now=True)
+        if signum is not None:
+            log.warning("received %s after the last training step: %s holds the finished training; run the same "
+                        "command again to test it (exit code %d)", signal.Signals(signum).name,
+                        self.last_model_path, 128 + signum)
+            raise RunInterrupted(signum, trainer.global_step, self.last_model_path)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         return  # a crash is not a save point: the previous last.ckpt stays the resume point

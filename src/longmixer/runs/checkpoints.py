@@ -46,14 +46,28 @@ def load_checkpoint(path: str | Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"refused to load {path}: it is corrupt, or holds objects outside the weights-only "
-                              f"allowlist (a checkpoint is data, never code). Loader said: "
-                              f"{str(err).splitlines()[0]}") from err
+                              f"allowlist (a checkpoint is data, never code): {_unpickler_reason(err)}") from err
     except MemoryError:
         raise  # not the file's fault: a resume must not skip a good checkpoint for it
     except Exception as err:  # any file that is no checkpoint: the safe unpickler of a text or other non-zip
         # file raises KeyError / IndexError / TypeError as well as the usual read errors
         raise CheckpointError(f"cannot read checkpoint {path} ({type(err).__name__}: {err}); it is truncated, "
                               "corrupt or not a checkpoint") from err
+
+
+def _unpickler_reason(err: Exception) -> str:
+    """What the weights-only unpickler refused (the global it met), without torch's advice around it to load the
+    file with `weights_only=False`, which this project never does."""
+    import re
+
+    for line in str(err).splitlines():
+        line = line.strip().removeprefix("WeightsUnpickler error:").strip()
+        if "weights_only" in line or line.startswith(("Weights only load failed", "Check the documentation")):
+            continue
+        if line:
+            # "Unsupported global: GLOBAL io.open was not an allowed global by default. Please use ..."
+            return re.split(r"(?<=\.) Please use", line)[0]
+    return "no reason given"
 
 
 def is_intact(path: Path) -> bool:

@@ -45,8 +45,8 @@ def _row_key(row: dict) -> tuple:
 
 class ResumableCSVLogger(CSVLogger):
     """`CSVLogger` for a run dir that may be resumed: the history is kept, rows are flushed whenever a checkpoint
-    is written (so a killed run loses no row its checkpoint covers), and `rewind(step)` drops the rows a killed
-    run logged after its checkpoint (the resumed run logs them again)."""
+    is written (so a killed run loses no row its checkpoint covers), and `rewind(step)` moves the rows a killed
+    run logged after its checkpoint to metrics.dropped.csv (the resumed run logs them again)."""
 
     @property
     @rank_zero_experiment
@@ -56,26 +56,43 @@ class ResumableCSVLogger(CSVLogger):
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
 
+    DROPPED = "metrics.dropped.csv"
+
     def rewind(self, step: int) -> int:
-        """Keep only the rows with `step` below `step`; returns how many rows were dropped."""
+        """Keep only the rows with `step` below `step` in metrics.csv; the others are appended to
+        metrics.dropped.csv (with the step rewound to, `rewound_to`), so no logged row is lost. Returns how many rows
+        were dropped."""
         path = Path(self.log_dir) / _ExperimentWriter.NAME_METRICS_FILE
         if not path.is_file():
             return 0
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            fields, rows = reader.fieldnames or [], list(reader)
+        fields, rows = _read_csv(path)
         kept = [r for r in rows if r.get("step") in (None, "") or int(float(r["step"])) < step]
         if len(kept) != len(rows):
-            tmp = path.with_suffix(".csv.tmp")
-            with open(tmp, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=fields)
-                writer.writeheader()
-                writer.writerows(kept)
-            tmp.replace(path)
+            dropped_path = path.with_name(self.DROPPED)
+            old_fields, old_rows = _read_csv(dropped_path) if dropped_path.is_file() else ([], [])
+            moved = [{**r, "rewound_to": step} for r in rows if r not in kept]
+            merged = list(dict.fromkeys([*old_fields, *fields, "rewound_to"]))
+            _write_csv(dropped_path, merged, [*old_rows, *moved])  # first: a kill between the two writes loses nothing
+            _write_csv(path, fields, kept)
         return len(rows) - len(kept)
 
     def after_save_checkpoint(self, checkpoint_callback) -> None:
         self.save()
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[dict]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def _write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
 
 
 def wandb_run_id(save_dir: str | Path) -> str:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 
 import yaml
@@ -190,6 +191,24 @@ def check_config_drift(cfg: DictConfig, run_dir: Path) -> dict[str, tuple]:
     raise ConfigDriftError(f"the config differs from the one {run_dir} was started with ({path}): {listing}. Undo "
                            "the change, pass run_tag=<name> to start a separate run, or resume=force to continue "
                            "this run with the new values")
+
+
+def keep_replaced_config(run_dir: Path) -> Path | None:
+    """Before `resume=force` replaces the run's config_resolved.yaml with the changed one: keep the old file as
+    `history/config_resolved.<UTC time>.yaml` (the config its earlier steps trained with). Returns that path."""
+    path = run_dir / STORED_CONFIG
+    if not path.exists():
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    kept = run_dir / "history" / f"{path.stem}.{stamp}{path.suffix}"
+    kept.parent.mkdir(exist_ok=True)
+    for n in range(1, 1000):
+        if not kept.exists():
+            break
+        kept = kept.with_name(f"{path.stem}.{stamp}-{n}{path.suffix}")
+    os.replace(path, kept)
+    log.info("resume=force: the config the run trained with so far is kept as %s", kept)
+    return kept
 
 
 def finished_results(run_dir: Path) -> dict | None:

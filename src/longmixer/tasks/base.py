@@ -18,7 +18,7 @@ from torch import nn
 
 from longmixer.utils.compile import COMPILE_MODES, STEP_GRAPH, TrainStepGraph, compile_blocks, resolve_compile_mode
 from longmixer.utils.config import ConfigError
-from longmixer.utils.optim import build_optimizer, clip_grad_norm
+from longmixer.utils.optim import build_optimizer, clip_grad_norm, configured_settings, reapply_settings
 from longmixer.utils.strategies import ZeroDDPStrategy
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,18 @@ class SequenceTask(pl.LightningModule):
             self.step_graph = TrainStepGraph(self._graph_update, optimizer,
                                              after_replay=getattr(self.model, "after_replay", None))
 
+    def on_train_start(self) -> None:
+        """After a resume has restored the optimizer and its schedule: the config's settings for them, not the
+        checkpoint's (`reapply_settings`; the same values unless `resume=force` continues with a changed config)."""
+        settings = getattr(self, "_configured_settings", None)
+        schedulers = self.trainer.lr_scheduler_configs
+        if settings is None or len(self.trainer.optimizers) != 1 or len(schedulers) != 1:
+            return
+        changed = reapply_settings(self.trainer.optimizers[0], schedulers[0].scheduler, settings)
+        if changed:
+            log.warning("the optimizer and its schedule continue with the config's %s, not the checkpoint's",
+                        ", ".join(changed))
+
     def on_fit_end(self) -> None:
         self.step_graph = None  # the graph and its memory pool
 
@@ -199,6 +211,7 @@ class SequenceTask(pl.LightningModule):
         # computed once here (it can walk the dataloaders), then reused by every training step
         self.total_steps = int(self.trainer.estimated_stepping_batches) if self.trainer is not None else 1
         scheduler = self.scheduler_factory(optimizer, total_steps=self.total_steps)
+        self._configured_settings = configured_settings(optimizer, scheduler)
         # per-step schedules by default; an epoch-stepped one (`Plateau`) says so and follows the task's monitor
         config = {"scheduler": scheduler, "interval": getattr(scheduler, "interval", "step")}
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):

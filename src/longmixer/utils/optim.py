@@ -197,6 +197,51 @@ class InverseSqrtDecay(WarmupSchedule):
         return math.sqrt(self.warmup_steps / max(step, 1))
 
 
+# What a checkpoint restores into the optimizer and its schedule but the config decides: `configured_settings` takes
+# them from the freshly configured pair, `reapply_settings` puts them back after the restore. A plain resume restores
+# the same values; a run continued with `resume=force` and a changed optim / scheduler config (a new lr, weight
+# decay, warmup, or max_steps, which sets the schedule's length) trains with the new ones. Counters (the step, the
+# plateau's best and patience) stay as restored; `lr_lambdas` are the schedule's own functions.
+GROUP_SETTINGS = ("initial_lr", "weight_decay", "betas", "eps", "momentum", "dampening")
+SCHEDULE_COUNTERS = ("last_epoch", "best", "num_bad_epochs", "cooldown_counter", "lr_lambdas")
+
+
+def configured_settings(optimizer: torch.optim.Optimizer, scheduler) -> dict[str, Any]:
+    return {"groups": [{k: g[k] for k in GROUP_SETTINGS if k in g} for g in optimizer.param_groups],
+            "schedule": {k: v for k, v in scheduler.state_dict().items()
+                         if not k.startswith("_") and k not in SCHEDULE_COUNTERS}}
+
+
+def reapply_settings(optimizer: torch.optim.Optimizer, scheduler, settings: dict[str, Any]) -> list[str]:
+    """Put `settings` (`configured_settings` of the configured pair) back into the restored `optimizer` and
+    `scheduler`, and set each group's current lr from them: the schedule's value at its restored step (a
+    `LambdaLR`), or the restored lr scaled by the new base lr over the old (`ReduceLROnPlateau`, whose reductions so
+    far are kept). Returns the names of the settings that differed from the restored ones."""
+    groups = optimizer.param_groups
+    if len(groups) != len(settings["groups"]):
+        return []
+    changed = set()
+    old_bases = [g.get("initial_lr") for g in groups]
+    for group, configured in zip(groups, settings["groups"]):
+        for key, value in configured.items():
+            if group.get(key) != value:
+                changed.add(key)
+                group[key] = value
+    for key, value in settings["schedule"].items():
+        if getattr(scheduler, key, None) != value:
+            changed.add(f"scheduler.{key}")
+            setattr(scheduler, key, value)
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * factor(scheduler.last_epoch)
+    else:
+        for group, old in zip(groups, old_bases):
+            if old and group.get("initial_lr") and old != group["initial_lr"]:
+                group["lr"] = group["lr"] * group["initial_lr"] / old
+    scheduler._last_lr = [group["lr"] for group in groups]
+    return sorted(changed)
+
+
 def count_parameters(module: nn.Module) -> dict[str, int]:
     """Total, trainable and non-trainable parameter counts (buffers excluded)."""
     total = sum(p.numel() for p in module.parameters())
