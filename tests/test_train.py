@@ -135,10 +135,20 @@ def test_optuna_two_trials_survives_a_failed_trial(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ddp_two_cpu_processes_share_one_run_dir(tmp_path):
-    _run_cli(["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"], tmp_path)
+    """Two ranks with the progress bar on, past an end-of-epoch validation: rank 0's bar computes the epoch's
+    accuracy, summed across ranks by a collective, so the other rank must compute it at the same hook (it once
+    went on to the checkpoint's divergence check instead, and the run hung there)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
+    # the quickstart at 128 examples (batch 32): 2 steps an epoch on each rank, validation at every epoch end
+    overrides = [f"paths.log_dir={tmp_path / 'logs'}", f"paths.data_dir={tmp_path / 'data'}", "data.num_train=128",
+                 "data.num_val=32", "data.num_test=32", "trainer.max_steps=4", "trainer=ddp", "trainer.accelerator=cpu",
+                 "trainer.devices=2"]
+    proc = subprocess.run([sys.executable, "-m", "longmixer.train", *overrides], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dirs = [p.parent for p in (tmp_path / "logs" / "runs").rglob("results.json")]
     assert len(run_dirs) == 1
-    assert (run_dirs[0] / "checkpoints" / "last.ckpt").exists()
+    assert torch.load(run_dirs[0] / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
 
 
 @pytest.mark.slow
