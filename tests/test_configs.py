@@ -399,3 +399,10 @@ def test_a_command_line_hydra_refuses_gets_a_did_you_mean(override, hint):
 
     assert hint in override_hint(["experiment=quickstart", override])
     assert override_hint(["experiment=quickstart", "trainer.max_steps=2"]) is None  # composes: the run failed later
+
+
+def test_callbacks_none_keeps_the_runs_checkpointing(compose):
+    """`callbacks=none` drops the optional callbacks only: without the run's checkpoint callback Lightning's default
+    one would be tested instead of the best validation checkpoint, and nothing could be resumed or evaluated."""
+    callbacks = {k for k, v in compose(["callbacks=none"]).callbacks.items() if v is not None}
+    assert callbacks == {"resume_step", "checkpoint"}

@@ -300,3 +300,12 @@ def test_a_plateau_mode_that_contradicts_the_task_names_both_keys(compose):
     cfg = compose([*TINY_LISTOPS, *TINY_TRAINER, "scheduler=plateau", "~scheduler.warmup_steps", "scheduler.mode=min"])
     with pytest.raises(ValueError, match=r"scheduler.mode='min' but task.mode='max'"):
         train(cfg)
+
+
+def test_debug_overfit_trains_on_its_batches_with_the_resumable_loader(compose, tmp_path):
+    """`debug=overfit`: Lightning re-creates the train loader with a sequential sampler of its own, which the
+    resumable loader once refused (its sampler passed twice); an epoch is then the overfit batches."""
+    results = train(compose([*TINY_LISTOPS, *TINY_TRAINER, "debug=overfit", "trainer.max_steps=4"]))
+    assert results["status"] == "finished" and "test/acc" in results["metrics"]
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 4 and ckpt["epoch"] >= 1  # two batches an epoch

@@ -230,3 +230,27 @@ def test_reapplied_settings_keep_a_plateaus_reductions():
     scale = [g["initial_lr"] / 2e-3 for g in new_opt.param_groups]  # Tiny's tagged kernel has lr_scale 0.1
     assert [g["lr"] for g in new_opt.param_groups] == pytest.approx([1e-3 * s for s in scale])  # 2e-3 x 0.5
     assert (new_sched.factor, new_sched.patience, new_sched.best) == (0.1, 3, 0.5)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.RAdam, torch.optim.AdamW])
+def test_config_lists_reach_the_optimizer_as_plain_values_a_checkpoint_can_hold(cls, tmp_path):
+    """The optim config's `betas` is an OmegaConf list: kept as such in the param groups, it made every RAdam
+    checkpoint unreadable under weights_only=True (the test phase and resume refused them)."""
+    from omegaconf import OmegaConf
+
+    from longmixer.runs.checkpoints import load_checkpoint
+
+    betas = OmegaConf.create({"betas": [0.9, 0.98]}).betas
+    opt = build_optimizer(Tiny(), functools.partial(cls, lr=1e-3, betas=betas))
+    assert all(g["betas"] == (0.9, 0.98) and type(g["betas"]) is tuple for g in opt.param_groups)
+    torch.save({"optimizer": opt.state_dict()}, tmp_path / "opt.ckpt")
+    assert load_checkpoint(tmp_path / "opt.ckpt")["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.98)
+
+
+def test_plateau_names_a_recipes_warmup_and_the_fix():
+    from longmixer.utils.config import ConfigError
+    from longmixer.utils.optim import Plateau
+
+    with pytest.raises(ConfigError, match=r"scheduler.warmup_steps=50: .*~scheduler.warmup_steps"):
+        Plateau(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), warmup_steps=50)
+    Plateau(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), warmup_steps=0)

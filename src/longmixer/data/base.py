@@ -293,8 +293,9 @@ class ResumableLoader(DataLoader):
     def __iter__(self):
         if self._consumed >= len(self):  # the previous pass was complete
             self._epoch, self._consumed = self._epoch + 1, 0
-        self.sampler.set_epoch(self._epoch)
-        self.sampler.skip = self._consumed * self.batch_size
+        if isinstance(self.sampler, EpochSampler):  # not a sampler Lightning put in (trainer.overfit_batches)
+            self.sampler.set_epoch(self._epoch)
+            self.sampler.skip = self._consumed * self.batch_size
         for batch in super().__iter__():
             self._consumed += 1
             yield batch
@@ -499,7 +500,9 @@ class SequenceDataModule(pl.LightningDataModule):
                       # run's dropout masks would drift from the uninterrupted run's
                       generator=torch.Generator().manual_seed(self.seed))
         if train:
-            return ResumableLoader(dataset, sampler, **kwargs)
+            # the sampler by keyword: Lightning re-creates the loader with its own sampler= (overfit_batches, a
+            # sequential one), which a positional sampler would collide with
+            return ResumableLoader(dataset, sampler=sampler, **kwargs)
         return DataLoader(dataset, sampler=sampler, **kwargs)
 
     def train_dataloader(self) -> DataLoader:

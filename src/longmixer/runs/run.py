@@ -156,6 +156,8 @@ def first_validation_step(cfg: DictConfig, datamodule, world_size: int) -> int |
         return None
     batches = -(-batches // world_size)
     limit = trainer.get("limit_train_batches")
+    if trainer.get("overfit_batches"):  # Lightning then trains on that many batches an epoch (debug=overfit)
+        limit = trainer.overfit_batches
     if isinstance(limit, int) and not isinstance(limit, bool):
         batches = min(batches, limit)
     elif isinstance(limit, float):

@@ -93,6 +93,14 @@ def build_optimizer(model: nn.Module, optimizer: Callable[..., torch.optim.Optim
         raise ValueError(f"optim.lr={lr!r} must be > 0 (set it in configs/optim/<name>.yaml or the recipe)")
     choose = {}
     cls = getattr(optimizer, "func", None)
+    # the config's lists (betas) arrive as OmegaConf containers, which an optimizer keeps in its param groups and
+    # so in every checkpoint, where `torch.load(weights_only=True)` refuses them: plain Python values instead
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    for key, value in kwargs.items():
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+            choose[key] = tuple(value) if isinstance(value, list) else value
     if fused and isinstance(cls, type) and issubclass(cls, FUSABLE) and kwargs.get("fused") is None \
             and kwargs.get("foreach") is None:
         choose["fused"] = True
@@ -262,7 +270,13 @@ class Plateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
     interval = "epoch"
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int = 0, mode: str = "max",
-                 factor: float = 0.2, patience: int = 10, min_lr: float = 0.0, threshold: float = 1e-4):
+                 factor: float = 0.2, patience: int = 10, min_lr: float = 0.0, threshold: float = 1e-4,
+                 warmup_steps: int = 0):
+        if warmup_steps:  # accepted so that a recipe's warmup for the per-step schedules is named, not unknown
+            from longmixer.utils.config import ConfigError
+
+            raise ConfigError(f"scheduler.warmup_steps={warmup_steps}: scheduler=plateau has no warmup (the recipe's "
+                             "value is for the per-step schedules); add ~scheduler.warmup_steps to the command")
         if not 0.0 < factor < 1.0:
             raise ValueError(f"scheduler.factor={factor} must be in (0, 1)")
         if patience < 0:
