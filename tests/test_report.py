@@ -189,7 +189,7 @@ def _commands(script: Path) -> list[list[str]]:
     return [line.split() for line in proc.stdout.splitlines() if "longmixer.train" in line]
 
 
-@pytest.mark.parametrize("paper", ["chela", "longvq", "las", "seqboat", "mega"])
+@pytest.mark.parametrize("paper", ["chela", "longvq", "las", "seqboat", "mega", "transformer"])
 def test_reproduce_scripts_name_existing_experiments(paper):
     script = ROOT / "scripts" / f"reproduce_{paper}.sh"
     commands = _commands(script)
@@ -208,7 +208,7 @@ def test_reproduce_scripts_name_existing_experiments(paper):
                 assert path.exists(), f"{script}: {key}={name} names no config ({path})"
 
 
-@pytest.mark.parametrize("paper", ["chela", "longvq", "las", "seqboat", "mega"])
+@pytest.mark.parametrize("paper", ["chela", "longvq", "las", "seqboat", "mega", "transformer"])
 def test_reproduce_script_refuses_an_unknown_table(paper):
     """The first argument names the table; an override given in its place (`bash reproduce_x.sh trainer.devices=1`)
     once matched no section and the script ran nothing, with exit 0."""
@@ -219,7 +219,7 @@ def test_reproduce_script_refuses_an_unknown_table(paper):
     assert "unknown table 'trainer.devices=1'" in proc.stderr and f"reproduce_{paper}.sh all" in proc.stderr
 
 
-@pytest.mark.parametrize("paper", ["chela", "longvq", "las", "seqboat", "mega"])
+@pytest.mark.parametrize("paper", ["chela", "longvq", "las", "seqboat", "mega", "transformer"])
 def test_reproduce_script_commands_compose_and_validate(paper, compose):
     """Every job a reproduce script launches composes as `python -m longmixer.train` would compose it and passes the
     config checks: each value of a swept group (ablation=a,b) with the first seed, so an ablation that no longer
