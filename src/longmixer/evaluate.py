@@ -137,9 +137,9 @@ def _invocation_overrides() -> list[str]:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_SEARCH_PATH, config_name="train")
-def _main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> dict[str, float] | None:
     try:
-        evaluate(cfg)
+        return evaluate(cfg)  # the metrics: a sweep's summary reads the monitored one
     except UserFacingError as err:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # the sweep records the failed job and goes on

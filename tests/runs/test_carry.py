@@ -198,5 +198,8 @@ def test_an_evaluate_sweep_goes_on_past_a_job_whose_setting_is_refused(reference
     assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1"]
     summary = (sweep / "summary.md").read_text()
     assert "FAILED (ConfigError: trainer (Trainer): " in summary and "| 1 | COMPLETED |" in summary, summary
+    (row,) = [line for line in summary.splitlines() if line.startswith("| 1 | COMPLETED |")]
+    (scored,) = (run / "eval").glob("*/results.json")
+    assert "| val/acc |" in summary and f"{json.loads(scored.read_text())['metrics']['val/acc']:.4f}" in row, summary
     single = run_train(tmp_path, [f"run_dir={run}", "trainer.devices=0"], entry="longmixer.evaluate", tiny=False)
     assert single.returncode == 2 and "trainer (Trainer): " in single.stdout + single.stderr, describe(single)

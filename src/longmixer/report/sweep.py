@@ -35,11 +35,14 @@ RECORDS = "jobs"
 
 
 def _metric_name(config: DictConfig) -> str:
-    """The sweep's objective (`optimized_metric`, set by hparams_search) or the best value of the task's monitor."""
+    """The sweep's objective (`optimized_metric`, set by hparams_search) or the best value of the task's monitor; in
+    an `evaluate -m` sweep (its jobs have a `run_dir`), the monitor's value at the checkpoint scored."""
     metric = OmegaConf.select(config, "optimized_metric", default=None)
     if metric:
         return str(metric)
     monitor = OmegaConf.select(config, "task.monitor", default=None)
+    if monitor and OmegaConf.select(config, "run_dir", default=None):
+        return str(monitor)
     return f"{monitor}_best" if monitor else "val/loss"
 
 
@@ -61,8 +64,8 @@ def job_record(config: DictConfig, job_return: Any) -> dict:
         returned = job_return.return_value
     except Exception as err:  # noqa: BLE001 - a failed job re-raises its error here; Hydra reports it, we record it
         returned = err
-    if value is None and status == "COMPLETED":
-        value = _number(returned)
+    if value is None and status == "COMPLETED":  # train returns the objective, evaluate its metrics
+        value = _number(returned.get(metric) if isinstance(returned, dict) else returned)
     return {"job": int(config.hydra.job.num), "status": status, "metric": metric, "value": value,
             "mode": _mode(config),
             "overrides": [str(o) for o in config.hydra.overrides.task],
