@@ -104,8 +104,8 @@ def run_overrides(name: str, recipe: Recipe, world: int, strategy: str, args, ou
             f"data.batch_size={recipe.global_batch // world}", *trainer, f"trainer.devices={world}",
             f"trainer.max_steps={args.steps}", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
             "trainer.log_every_n_steps=1", "trainer.accumulate_grad_batches=1", "+trainer.enable_checkpointing=false",
-            "trainer.enable_progress_bar=false",
-            "trainer.enable_model_summary=false", "test=false", "callbacks=none",
+            "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "test=false",
+            "callbacks=none", "~callbacks.checkpoint", "~callbacks.resume_step",  # no checkpointing at all
             "+callbacks.scaling._target_=longmixer.callbacks.scaling.ScalingProbe",
             f"+callbacks.scaling.out={out / 'runs' / (run_id(name, world, strategy) + '.json')}",
             f"+callbacks.scaling.warmup_steps={args.warmup}",
