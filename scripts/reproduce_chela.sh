@@ -10,17 +10,10 @@
 # same length). Not measured end to end.
 # Pass extra overrides after the table name, e.g. `bash scripts/reproduce_chela.sh all trainer.devices=1`.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PY:-python}
-SEEDS=${SEEDS:-0,1,2,3,4}
-TABLE=${1:-all}
-shift || true
 TABLES="all lra scifar sc10 lm ablation"
-if [[ " $TABLES " != *" $TABLE "* ]]; then
-  echo "error: unknown table '$TABLE': the first argument is one of: $TABLES; overrides follow it" \
-    "(e.g. bash scripts/reproduce_chela.sh all trainer.devices=1)" >&2
-  exit 2
-fi
+SEEDS=${SEEDS:-0,1,2,3,4}
+source "$(dirname "$0")/reproduce.inc.sh"  # cd, PY, TABLE (checked)
+shift || true
 
 if [[ $TABLE == all || $TABLE == lra ]]; then
   # Table 1 (LRA). 1 GPU each; ListOps ~2 h, Text ~0.6 h, Retrieval ~8 h, Image ~4 h, Pathfinder ~6 h, Path-X ~24 h.

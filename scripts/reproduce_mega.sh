@@ -8,17 +8,10 @@
 # the recipe batch for MEGA, MEGA-chunk, SeqBoat(-full); other families scaled by their tokens/s ratio to MEGA at the
 # same length). Not measured end to end.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PY:-python}
-SEEDS=${SEEDS:-0,1,2,3,4}
-TABLE=${1:-all}
-shift || true
 TABLES="all lra scifar sc10 lm"
-if [[ " $TABLES " != *" $TABLE "* ]]; then
-  echo "error: unknown table '$TABLE': the first argument is one of: $TABLES; overrides follow it" \
-    "(e.g. bash scripts/reproduce_mega.sh all trainer.devices=1)" >&2
-  exit 2
-fi
+SEEDS=${SEEDS:-0,1,2,3,4}
+source "$(dirname "$0")/reproduce.inc.sh"  # cd, PY, TABLE (checked)
+shift || true
 
 if [[ $TABLE == all || $TABLE == lra ]]; then
   # LRA, MEGA (full attention) and MEGA-chunk. 1 GPU each; per seed, MEGA:

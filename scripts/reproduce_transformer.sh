@@ -8,17 +8,10 @@
 # last. Run dirs land in logs/runs/<experiment>/<hash>_seed<N>; `python -m longmixer.report --runs logs/runs --out
 # reports/` puts the Transformer rows beside the papers'.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PY:-python}
-SEEDS=${SEEDS:-0,1,2}
-TABLE=${1:-all}
-shift || true
 TABLES="all lra scifar lm failed"
-if [[ " $TABLES " != *" $TABLE "* ]]; then
-  echo "error: unknown table '$TABLE': the first argument is one of: $TABLES; overrides follow it" \
-    "(e.g. bash scripts/reproduce_transformer.sh all trainer.devices=1)" >&2
-  exit 2
-fi
+SEEDS=${SEEDS:-0,1,2}
+source "$(dirname "$0")/reproduce.inc.sh"  # cd, PY, TABLE (checked)
+shift || true
 
 if [[ $TABLE == all || $TABLE == lra ]]; then
   # LRA (every paper's Table 1): 1 GPU each.

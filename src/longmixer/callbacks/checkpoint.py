@@ -16,9 +16,10 @@ Lightning's `ModelCheckpoint` would drop them and test whichever checkpoint impr
 SIGTERM (what SLURM sends before preemption) and SIGINT (Ctrl+C) do not kill the run mid-step: the handler only
 records the signal; at the end of the current training step (or of a mid-epoch validation; after an end-of-epoch
 validation, at the end of the next step, or at the end of training after the last one) every rank agrees to stop,
-`last.ckpt` is written and `RunInterrupted` is raised, before the test phase: a `SystemExit` with code 128 + signal number (143 for SIGTERM, 130 for SIGINT). A second SIGINT stops at
-once without a checkpoint. With several ranks the agreement is an all-reduce whose result is read at the next check
-(`AgreedStop`), one step later: reading it at once would make the host wait for the GPU in every step.
+`last.ckpt` is written and `RunInterrupted` is raised, before the test phase: a `SystemExit` with code 128 + signal
+number (143 for SIGTERM, 130 for SIGINT). A second SIGINT stops at once without a checkpoint. With several ranks
+the agreement is an all-reduce whose result is read at the next check (`AgreedStop`), one step later: reading it at
+once would make the host wait for the GPU in every step.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,6 @@ def load_checkpoint(path: str | Path) -> dict:
 def _unpickler_reason(err: Exception) -> str:
     """What the weights-only unpickler refused (the global it met), without torch's advice around it to load the
     file with `weights_only=False`, which this project never does."""
-    import re
-
     for line in str(err).splitlines():
         line = line.strip().removeprefix("WeightsUnpickler error:").strip()
         if "weights_only" in line or line.startswith(("Weights only load failed", "Check the documentation")):

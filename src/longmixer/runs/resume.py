@@ -73,7 +73,7 @@ class HydraRecord:
             if folder is not None and self.own:
                 folder.mkdir(parents=True, exist_ok=True)
                 for name, text in self.own.items():
-                    _write_atomically(folder / name, text)
+                    write_atomically(folder / name, text)
         self.accepted = True
 
     def restore(self) -> None:
@@ -83,10 +83,11 @@ class HydraRecord:
             return
         for name in self.FILES:
             if (self.kept / name).is_file():
-                _write_atomically(self.dir / name, (self.kept / name).read_text())
+                write_atomically(self.dir / name, (self.kept / name).read_text())
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` by a rename, so a killed process leaves the old file or the new one, never a part."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

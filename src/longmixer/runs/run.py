@@ -14,6 +14,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from longmixer.runs.resume import write_atomically
 from longmixer.utils.config import ConfigError
 from longmixer.utils.errors import UserFacingError
 
@@ -91,9 +92,7 @@ def write_results(run_dir: Path, cfg: DictConfig, choices: dict, metrics: dict[s
                "data": choices.get("data"), "seed": cfg.seed, "tags": list(cfg.tags),
                "metrics": {**previous, **metrics}, "best_ckpt": best_ckpt, "run_dir": str(run_dir),
                "majority_rate": majority_rate, "status": status}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2))
-    tmp.replace(path)
+    write_atomically(path, json.dumps(results, indent=2))
     return results
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import socket
 import subprocess
@@ -14,6 +13,8 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
+
+from longmixer.runs.resume import write_atomically
 
 log = logging.getLogger("longmixer")
 
@@ -76,7 +77,5 @@ def write_run_info(run_dir: Path, repo_dir: Path, resumed_from: str | None = Non
                     last[:10], info["git_commit"][:10])
     info["attempts"] = [*attempts, attempt]
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".run_info.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(info, indent=2))
     return info
