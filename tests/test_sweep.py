@@ -18,9 +18,13 @@ from tests.conftest import TINY_LISTOPS, TINY_TRAINER
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _multirun(args: list[str], tmp_path: Path, status: int = 0) -> tuple[Path, list[dict], str]:
+def _multirun(args: list[str], tmp_path: Path, status: int = 0,
+              full_error: bool = True) -> tuple[Path, list[dict], str]:
     """Run `python -m longmixer.train -m` on tiny ListOps; returns (sweep dir, summary.csv rows, stdout+stderr)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    if full_error:
+        env["HYDRA_FULL_ERROR"] = "1"
     cmd = [sys.executable, "-m", "longmixer.train", "-m", f"paths.log_dir={tmp_path / 'logs'}",
            f"paths.data_dir={tmp_path / 'data'}", *TINY_LISTOPS, *TINY_TRAINER, *args]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -57,10 +61,13 @@ def test_grid_sweep_writes_a_summary_of_every_job_and_links_their_run_dirs(tmp_p
 
 def test_a_sweep_with_a_failed_job_still_prints_its_summary(tmp_path):
     """Hydra ends a grid sweep whose job failed by re-raising that failure before its end hook: every job still
-    ran, the sweep exits 1, and the summary table with the failed row is printed at exit."""
-    _, rows, output = _multirun(["optim.lr=0.001,-1"], tmp_path, status=1)
+    ran, the sweep exits 1, and the summary table with the failed row is printed at exit. A refused setting is
+    reported in one line, when the job stops and when the sweep ends, without a traceback."""
+    _, rows, output = _multirun(["optim.lr=0.001,-1"], tmp_path, status=1, full_error=False)
     assert [(r["job"], r["status"]) for r in rows] == [("0", "COMPLETED"), ("1", "FAILED")]
     assert "sweep summary (" in output and "FAILED (ConfigError: optim.lr=-1 must be > 0)" in output
+    assert "Traceback" not in output, output[-3000:]
+    assert output.count("job 1 stopped: optim.lr=-1 must be > 0") == 2, output[-3000:]
 
 
 def test_optuna_study_summary_has_every_trial(tmp_path):

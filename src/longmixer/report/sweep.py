@@ -24,11 +24,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from longmixer.report.tables import write_csv
+from longmixer.utils.errors import UserFacingError
 
 log = logging.getLogger("longmixer")
 RECORDS = "jobs"
@@ -60,10 +62,7 @@ def job_record(config: DictConfig, job_return: Any) -> dict:
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     value = _number((results.get("metrics") or {}).get(metric))
     status = getattr(getattr(job_return, "status", None), "name", "UNKNOWN")
-    try:
-        returned = job_return.return_value
-    except Exception as err:  # noqa: BLE001 - a failed job re-raises its error here; Hydra reports it, we record it
-        returned = err
+    returned = _returned(job_return)
     if value is None and status == "COMPLETED":  # train returns the objective, evaluate its metrics
         value = _number(returned.get(metric) if isinstance(returned, dict) else returned)
     return {"job": int(config.hydra.job.num), "status": status, "metric": metric, "value": value,
@@ -71,6 +70,23 @@ def job_record(config: DictConfig, job_return: Any) -> dict:
             "overrides": [str(o) for o in config.hydra.overrides.task],
             "error": f"{type(returned).__name__}: {returned}" if isinstance(returned, BaseException) else "",
             "run_dir": str(run_dir)}
+
+
+def _returned(job_return: Any) -> Any:
+    """A job's return value, or the exception a failed job raised. Read from the attribute behind Hydra's
+    `return_value` property, which raises that exception again and prints an "Error executing job" line when read."""
+    if hasattr(job_return, "_return_value"):
+        return job_return._return_value
+    try:
+        return job_return.return_value
+    except Exception as err:  # noqa: BLE001 - another JobReturn: a failed job re-raises its error here
+        return err
+
+
+class RefusedSweepJob(CompactHydraException):
+    """A sweep job stopped by one of our user-facing errors (a refused setting, a run dir in use, ...). Hydra ends the
+    sweep with the first failed job's exception; for this type it prints the message alone, as a single run does,
+    instead of a traceback through Hydra's and our frames."""
 
 
 def _mode(config: DictConfig) -> str:
@@ -118,7 +134,8 @@ def summary_markdown(rows: list[dict], varying: list[str]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         value = "–" if row["value"] is None else f"{row['value']:.4f}" + (" *" if row["best"] else "")
-        status = row["status"] + (f" ({row['error'][:80]})" if row["error"] else "")
+        error = row["error"] if len(row["error"]) <= 120 else row["error"][:119] + "…"
+        status = row["status"] + (f" ({error})" if error else "")
         lines.append("| " + " | ".join([str(row["job"]), status, value, *(str(row[k]) for k in varying),
                                         row["run_dir"]]) + " |")
     return "\n".join(lines) + "\n"
@@ -169,6 +186,10 @@ class SweepSummary(Callback):
             atexit.register(announce_unfinished_sweep)
             _SWEEP["hooked"] = True
         record = job_record(config, job_return)
+        returned = _returned(job_return)
+        if isinstance(returned, UserFacingError):  # one line now, and one line when Hydra ends the sweep with it
+            log.error("job %d stopped: %s", record["job"], returned)
+            job_return.return_value = RefusedSweepJob(f"job {record['job']} stopped: {returned}")
         records = Path(config.hydra.sweep.dir) / RECORDS
         records.mkdir(parents=True, exist_ok=True)
         (records / f"{record['job']}.json").write_text(json.dumps(record, indent=1))
