@@ -459,3 +459,44 @@ def test_resume_never_refuses_a_finished_run_dir_too(compose, tmp_path):
     train(compose(BASE))
     with pytest.raises(ResumeRefusedError, match=r"already holds checkpoints .*\(resume=never\)"):
         train(compose([*BASE, "resume=never"]))
+
+
+def test_a_row_cut_short_is_set_aside_and_the_history_kept(tmp_path):
+    """A kill or a full disk during an append leaves a partial last row; the next row appended to it would be glued
+    onto it (too many fields), and Lightning's next header rewrite then raised on that row after truncating the
+    file, losing every later row. The partial row goes to metrics.dropped.csv, the whole rows stay."""
+    from longmixer.runs.loggers import ResumableCSVLogger
+
+    metrics = tmp_path / "csv" / "metrics.csv"
+    metrics.parent.mkdir()
+    for partial in ("0,5,0.3", "0,5"):  # cut inside the last value, or a field short
+        metrics.write_text(f"epoch,loss,step\n0,0.5,1\n0,0.4,3\n{partial}")
+        (metrics.parent / "metrics.dropped.csv").unlink(missing_ok=True)
+        logger = ResumableCSVLogger(save_dir=str(tmp_path), name="csv", version="")
+        logger.log_metrics({"loss": 0.2, "val/acc": 0.5}, step=7)  # a new column: the header is rewritten
+        logger.save()
+        assert metrics.read_text().splitlines() == [
+            "epoch,loss,step,val/acc", "0,0.5,1,", "0,0.4,3,", ",0.2,7,0.5"]
+        assert (metrics.parent / "metrics.dropped.csv").read_text().splitlines()[1].endswith(",cut short")
+
+
+def test_a_header_rewrite_cut_short_keeps_the_history(tmp_path, monkeypatch):
+    """A new column rewrites metrics.csv with the wider header; Lightning truncates the file first, so a kill
+    during the rewrite lost every row. It is written aside and moved into place."""
+    import csv
+
+    from longmixer.runs.loggers import ResumableCSVLogger
+
+    metrics = tmp_path / "csv" / "metrics.csv"
+    metrics.parent.mkdir()
+    metrics.write_text("epoch,loss,step\n0,0.5,1\n0,0.4,3\n")
+    logger = ResumableCSVLogger(save_dir=str(tmp_path), name="csv", version="")
+    logger.log_metrics({"val/acc": 0.5}, step=4)
+
+    def killed(self, rows):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", killed)
+    with pytest.raises(KeyboardInterrupt):
+        logger.save()
+    assert metrics.read_text() == "epoch,loss,step\n0,0.5,1\n0,0.4,3\n"

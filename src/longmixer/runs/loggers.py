@@ -20,11 +20,26 @@ class _AppendingWriter(ExperimentWriter):
 
     def _check_log_dir_exists(self) -> None:
         self._written: set[tuple] = set()
-        if os.path.isfile(self.metrics_file_path):
-            with open(self.metrics_file_path, newline="") as f:
-                reader = csv.DictReader(f)
-                self.metrics_keys = sorted(reader.fieldnames or [])
-                self._written = {_row_key(row) for row in reader}
+        path = Path(self.metrics_file_path)
+        if path.is_file():
+            fields, rows = _read_csv(path)
+            good = [r for r in rows if None not in r and None not in r.values()]
+            if len(good) != len(rows) or not _ends_a_line(path):
+                # a row cut short (a kill or a full disk during an append) would have the next row glued onto it:
+                # it goes to metrics.dropped.csv, and the whole rows are rewritten atomically
+                cut = [{k: v for k, v in r.items() if k is not None} for r in rows if r not in good]
+                if good and not _ends_a_line(path) and rows and rows[-1] in good:
+                    cut.append(good.pop())
+                _append_dropped(path, fields, [{**r, "rewound_to": "cut short"} for r in cut])
+                _write_csv(path, fields, good)
+                rows = good
+            self.metrics_keys = sorted(fields)
+            self._written = {_row_key(row) for row in rows}
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        # Lightning's version truncates metrics.csv and writes it again; a kill in between loses the history
+        path = Path(self.metrics_file_path)
+        _write_csv(path, fieldnames, _read_csv(path)[1])
 
     def save(self) -> None:
         # a row identical to one already written (a once-per-fit value such as the parameter count, logged
@@ -68,11 +83,8 @@ class ResumableCSVLogger(CSVLogger):
         fields, rows = _read_csv(path)
         kept = [r for r in rows if r.get("step") in (None, "") or int(float(r["step"])) < step]
         if len(kept) != len(rows):
-            dropped_path = path.with_name(self.DROPPED)
-            old_fields, old_rows = _read_csv(dropped_path) if dropped_path.is_file() else ([], [])
-            moved = [{**r, "rewound_to": step} for r in rows if r not in kept]
-            merged = list(dict.fromkeys([*old_fields, *fields, "rewound_to"]))
-            _write_csv(dropped_path, merged, [*old_rows, *moved])  # first: a kill between the two writes loses nothing
+            # the dropped rows first: a kill between the two writes loses nothing
+            _append_dropped(path, fields, [{**r, "rewound_to": step} for r in rows if r not in kept])
             _write_csv(path, fields, kept)
         return len(rows) - len(kept)
 
@@ -84,6 +96,25 @@ def _read_csv(path: Path) -> tuple[list[str], list[dict]]:
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         return list(reader.fieldnames or []), list(reader)
+
+
+def _ends_a_line(path: Path) -> bool:
+    """Whether the file is empty or its last byte ends a line (an append cut short leaves a partial last row)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def _append_dropped(path: Path, fields: list[str], rows: list[dict]) -> None:
+    """Add `rows` (each with its `rewound_to`) to the metrics.dropped.csv beside `path`."""
+    if not rows:
+        return
+    dropped_path = path.with_name(ResumableCSVLogger.DROPPED)
+    old_fields, old_rows = _read_csv(dropped_path) if dropped_path.is_file() else ([], [])
+    _write_csv(dropped_path, list(dict.fromkeys([*old_fields, *fields, "rewound_to"])), [*old_rows, *rows])
 
 
 def _write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
