@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from longmixer.runs.checkpoints import load_checkpoint, trusted_best_path
+from longmixer.runs.checkpoints import check_weights_fit, load_checkpoint, trusted_best_path
 from longmixer.runs.run import instantiate_node, to_number
 from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_before_hydra, run_explaining_refusals
 from longmixer.utils.config import validate_config
@@ -72,18 +72,6 @@ def _run_config(run_dir: Path, cfg: DictConfig, overrides: list[str] = ()) -> Di
     return stored
 
 
-def _check_fits(task, state: dict, ckpt: Path, run_dir: Path) -> None:
-    """Refuse a checkpoint whose weights are not this run's model's (another run's, another family's) before
-    Lightning's strict load dumps every key."""
-    wanted, found = set(task.state_dict()), set(state.get("state_dict", {}))
-    missing, unexpected = sorted(wanted - found), sorted(found - wanted)
-    if missing or unexpected:
-        raise EvaluateError(f"{ckpt} does not hold the weights of the model in {run_dir / 'config_resolved.yaml'}: "
-                            f"{len(missing)} of its parameters are missing (e.g. {missing[:2]}) and {len(unexpected)} "
-                            f"are not its own (e.g. {unexpected[:2]}); pass a checkpoint of this run "
-                            f"({run_dir / 'checkpoints'}) or the run_dir of the run that wrote it")
-
-
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Validate and test one checkpoint; writes `<run_dir>/eval/<checkpoint stem>/results.json`."""
     run_dir = Path(cfg.run_dir) if cfg.get("run_dir") else None
@@ -117,7 +105,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         run_cfg.trainer.enable_model_summary = False
     datamodule = instantiate_node(run_cfg.data)
     task = instantiate_node(run_cfg.task)
-    _check_fits(task, state, ckpt, run_dir)
+    check_weights_fit(task, state, ckpt, f"pass a checkpoint of this run ({run_dir / 'checkpoints'}) or the "
+                      f"run_dir of the run that wrote it (the model is {run_dir / 'config_resolved.yaml'}'s)")
     del state
     trainer = instantiate_node(run_cfg.trainer, callbacks=[])
     metrics: dict[str, float] = {}

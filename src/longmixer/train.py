@@ -25,7 +25,7 @@ from pytorch_lightning.callbacks import ProgressBar
 from pytorch_lightning.utilities import rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from longmixer.runs.checkpoints import CheckpointError, load_checkpoint, trusted_best_path
+from longmixer.runs.checkpoints import CheckpointError, check_weights_fit, load_checkpoint, trusted_best_path
 from longmixer.runs.fault_injection import fault_callbacks
 from longmixer.runs.loggers import ResumableCSVLogger
 from longmixer.runs.resume import (
@@ -118,6 +118,11 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
     datamodule = instantiate_node(cfg.data)
     log.info("instantiating task <%s> with model <%s>", cfg.task._target_, cfg.model._target_)
     task = instantiate_node(cfg.task)
+    if ckpt_path is not None:
+        fix = ("pass ckpt_path=<a checkpoint of this model>" if cfg.ckpt_path is not None else
+               f"its config ({run_dir / STORED_CONFIG}) built another model; resume=force cannot continue these "
+               "weights: start a separate run with run_tag=<name>")
+        check_weights_fit(task, load_checkpoint(ckpt_path), ckpt_path, fix)
     callbacks = [*instantiate_group(cfg.get("callbacks"), "callbacks"), *fault_callbacks()]
     if not cfg.trainer.get("enable_progress_bar", True):
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]

@@ -329,8 +329,18 @@ def test_evaluate_refuses_what_it_cannot_use_in_one_line(compose, tmp_path):
     state = load_checkpoint(next((run / "checkpoints").glob("best-*.ckpt")))
     state["state_dict"] = {f"model.other.{i}": torch.zeros(1) for i in range(3)}
     torch.save(state, other)
-    with pytest.raises(EvaluateError, match="does not hold the weights of the model in .*config_resolved.yaml"):
+    with pytest.raises(CheckpointError, match="does not hold this model's weights.*config_resolved.yaml's"):
         evaluate(compose([f"run_dir={run}", f"ckpt_path={other}"]))
+    # the same model at another width: the names match, the sizes do not (Lightning listed every mismatch)
+    state = load_checkpoint(next((run / "checkpoints").glob("best-*.ckpt")))
+    state["state_dict"] = {k: torch.zeros(*(n + 1 for n in v.shape)) for k, v in state["state_dict"].items()}
+    torch.save(state, other)
+    with pytest.raises(CheckpointError, match=r"weights of another size than this model's: \d+ differ, e\.g\. model"):
+        evaluate(compose([f"run_dir={run}", f"ckpt_path={other}"]))
+    # train with ckpt_path= of another size, in a fresh run dir: refused before anything trains
+    with pytest.raises(CheckpointError, match="another size.*pass ckpt_path=<a checkpoint of this model>"):
+        train(compose([*BASE, f"run_dir={tmp_path / 'fresh'}", f"ckpt_path={other}"]))
+    assert not (tmp_path / "fresh" / "checkpoints").exists()
     with pytest.raises(EvaluateError, match="does not exist; the run's checkpoints are in"):
         evaluate(compose([f"run_dir={run}", f"ckpt_path={tmp_path / 'nope.ckpt'}"]))
     with pytest.raises(EvaluateError, match="holds no config_resolved.yaml"):

@@ -56,6 +56,27 @@ def load_checkpoint(path: str | Path) -> dict:
                               "corrupt or not a checkpoint") from err
 
 
+def check_weights_fit(module: torch.nn.Module, state: dict, path: str | Path, fix: str) -> None:
+    """Refuse a checkpoint whose weights are not `module`'s (another family's, or the same family at another width)
+    before Lightning's strict load dumps every key or every size mismatch.
+
+    Raises:
+        CheckpointError: names the file, the first differences and `fix`.
+    """
+    wanted = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    weights = state.get("state_dict", {}) if isinstance(state, dict) else {}
+    found = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
+    missing, unexpected = sorted(wanted.keys() - found.keys()), sorted(found.keys() - wanted.keys())
+    if missing or unexpected:
+        raise CheckpointError(f"{path} does not hold this model's weights: {len(missing)} of its parameters are "
+                              f"missing (e.g. {missing[:2]}) and {len(unexpected)} are not its own (e.g. "
+                              f"{unexpected[:2]}); {fix}")
+    resized = [f"{k} {found[k]} (the model's: {wanted[k]})" for k in sorted(wanted) if found[k] != wanted[k]]
+    if resized:
+        raise CheckpointError(f"{path} holds weights of another size than this model's: {len(resized)} differ, e.g. "
+                              f"{'; '.join(resized[:2])}; {fix}")
+
+
 def _unpickler_reason(err: Exception) -> str:
     """What the weights-only unpickler refused (the global it met), without torch's advice around it to load the
     file with `weights_only=False`, which this project never does."""
