@@ -24,6 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from longmixer.runs.checkpoints import check_weights_fit, load_checkpoint, trusted_best_path
+from longmixer.runs.resume import refuse_unusable_folders
 from longmixer.runs.run import instantiate_node, to_number
 from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_before_hydra, run_explaining_refusals
 from longmixer.utils.config import validate_config
@@ -138,6 +139,7 @@ def _main(cfg: DictConfig) -> dict[str, float] | None:
 
 def main() -> None:
     refuse_before_hydra(sys.argv[1:])
+    refuse_unusable_folders(sys.argv[1:])
     register_resolvers()
     # Hydra's own output (its log, .hydra/) goes to <run_dir>/eval too, never into a training run dir
     run_dirs = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("run_dir=")]

@@ -35,6 +35,7 @@ from longmixer.runs.resume import (
     check_config_drift,
     finished_results,
     keep_replaced_config,
+    refuse_unusable_folders,
     select_resume_checkpoint,
 )
 from longmixer.runs.run import (
@@ -274,6 +275,7 @@ def _main(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     refuse_before_hydra(sys.argv[1:])
+    refuse_unusable_folders(sys.argv[1:])
     register_resolvers()
     run_explaining_refusals(_main, sys.argv[1:])
 

@@ -510,3 +510,36 @@ def test_a_header_rewrite_cut_short_keeps_the_history(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         logger.save()
     assert metrics.read_text() == "epoch,loss,step\n0,0.5,1\n0,0.4,3\n"
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_before_training(compose, tmp_path, monkeypatch):
+    """The checkpoint dir is checked when fitting starts (it was met at the first save, after training up to it,
+    as a FileNotFoundError about the temporary file: Lightning's save drops a PermissionError silently)."""
+    import pytorch_lightning as pl
+
+    from longmixer.callbacks.checkpoint import CheckpointDirError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("a file where the checkpoint dir goes")
+    with pytest.raises(CheckpointDirError, match=f"cannot write checkpoints to {run / 'checkpoints'}"):
+        train(compose(BASE))
+    assert not (run / "csv" / "metrics.csv").exists()  # stopped before the first step
+    (run / "checkpoints").unlink()
+    monkeypatch.setattr(pl.Trainer, "save_checkpoint", lambda *args, **kwargs: None)  # a write that silently failed
+    with pytest.raises(CheckpointDirError, match=r"\.ckpt\.tmp was not written; check the space"):
+        train(compose(BASE))
+
+
+def test_a_log_or_data_folder_under_a_file_is_refused_before_hydra(tmp_path, monkeypatch, capsys):
+    from longmixer.runs.resume import refuse_unusable_folders
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("LONGMIXER_LOGS", str(afile / "logs"))
+    with pytest.raises(SystemExit) as stopped:
+        refuse_unusable_folders([])
+    assert stopped.value.code == 2 and f"{afile} is a file, not a folder" in capsys.readouterr().err
+    refuse_unusable_folders([f"paths.log_dir={tmp_path / 'logs'}"])  # the command line wins
+    with pytest.raises(SystemExit):
+        refuse_unusable_folders([f"paths.data_dir={afile}/a/b"])

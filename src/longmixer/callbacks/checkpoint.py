@@ -33,6 +33,8 @@ from weakref import proxy
 import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
+from longmixer.utils.errors import UserFacingError
+
 log = logging.getLogger("longmixer")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -216,11 +218,20 @@ class AtomicModelCheckpoint(ModelCheckpoint):
         self.last_model_path = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
         self._save_checkpoint(trainer, self.last_model_path)
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit" and trainer.is_global_zero and self.dirpath:
+            _check_writable(self.dirpath)  # now, not at the first save after an hour of training
+
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         # ModelCheckpoint._save_checkpoint (Lightning 2.6) with the write redirected to a temporary file
         tmp = filepath + ".tmp"
         trainer.save_checkpoint(tmp, self.save_weights_only)
         if trainer.is_global_zero:
+            if not os.path.isfile(tmp):  # Lightning's atomic save drops a PermissionError silently
+                _check_writable(os.path.dirname(filepath))
+                raise CheckpointDirError(f"the checkpoint {tmp} was not written; check the space and permissions "
+                                         f"of {os.path.dirname(filepath)}")
             os.replace(tmp, filepath)
         trainer.strategy.barrier("atomic_checkpoint")
         self._last_global_step_saved = trainer.global_step
@@ -228,6 +239,23 @@ class AtomicModelCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+
+class CheckpointDirError(UserFacingError, OSError):
+    """The run's checkpoint dir cannot be written; the message names it."""
+
+
+def _check_writable(dirpath: str) -> None:
+    """Create `dirpath` and write and delete a file in it, or raise CheckpointDirError naming it."""
+    probe = os.path.join(dirpath, f".write-check-{os.getpid()}")
+    try:
+        os.makedirs(dirpath, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        raise CheckpointDirError(f"cannot write checkpoints to {dirpath} ({err.strerror or err}); make it writable "
+                                 "or run under another paths.log_dir") from None
 
 
 def _relocated_state(state: dict, dirpath: str | None) -> dict:

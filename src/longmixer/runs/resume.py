@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -219,6 +220,24 @@ def finished_results(run_dir: Path) -> dict | None:
         return None
     results = json.loads(path.read_text())
     return results if results.get("status") == "finished" else None
+
+
+def refuse_unusable_folders(argv: list[str]) -> None:
+    """Before Hydra makes the run dir: refuse a log or data folder (`paths.log_dir=` / `paths.data_dir=` on the
+    command line, else `$LONGMIXER_LOGS` / `$LONGMIXER_DATA`) under a path that is a file, which Hydra would meet in
+    its own traceback. Prints one line and exits 2."""
+    for key, env in (("paths.log_dir", "LONGMIXER_LOGS"), ("paths.data_dir", "LONGMIXER_DATA")):
+        given = [a.split("=", 1)[1] for a in argv if a.startswith(f"{key}=")]
+        value, source = (given[-1], key) if given else (os.environ.get(env), f"${env}")
+        if not value or "${" in value:
+            continue
+        for folder in (Path(value), *Path(value).parents):
+            if folder.exists():
+                if not folder.is_dir():
+                    print(f"error: {source}={value}: {folder} is a file, not a folder; point {source} at a folder",
+                          file=sys.stderr)
+                    raise SystemExit(2)
+                break
 
 
 def select_resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
