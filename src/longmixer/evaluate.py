@@ -18,13 +18,12 @@ import sys
 from pathlib import Path
 
 import hydra
-import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from longmixer.runs.checkpoints import check_weights_fit, load_checkpoint, trusted_best_path
-from longmixer.runs.resume import refuse_unusable_folders
+from longmixer.runs.resume import read_run_file, refuse_unusable_folders, write_atomically
 from longmixer.runs.run import instantiate_node, to_number
 from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_before_hydra, run_explaining_refusals
 from longmixer.utils.config import validate_config
@@ -59,7 +58,7 @@ def _run_config(run_dir: Path, cfg: DictConfig, overrides: list[str] = ()) -> Di
     if not path.is_file():
         raise EvaluateError(f"run_dir={run_dir} holds no config_resolved.yaml; pass a run dir made by train "
                             "(logs/runs/<run name>/<hash>_seed<seed>)")
-    stored = OmegaConf.create(yaml.safe_load(path.read_text()))
+    stored = OmegaConf.create(read_run_file(path, "restore it from the run's .hydra/ or history/ records"))
     group, keys = _device_overrides(list(overrides))
     with open_dict(stored):
         stored.ckpt_path = cfg.ckpt_path
@@ -88,7 +87,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
             raise EvaluateError(f"ckpt_path={cfg.ckpt_path} does not exist; the run's checkpoints are in {ckpt_dir}")
     else:
         results = run_dir / "results.json"
-        best = json.loads(results.read_text()).get("best_ckpt") if results.is_file() else None
+        best = read_run_file(results, f"pass ckpt_path=<file.ckpt> (the run's checkpoints are in {ckpt_dir})").get(
+            "best_ckpt") if results.is_file() else None
         if not best:
             raise EvaluateError(f"{results} records no best checkpoint (the run has not finished); pass "
                                 f"ckpt_path=<file.ckpt>, e.g. {ckpt_dir / 'last.ckpt'}")
@@ -116,7 +116,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         metrics.update({k: to_number(v) for k, v in result.items()})
     for result in trainer.test(task, datamodule=datamodule, ckpt_path=str(ckpt), weights_only=True, verbose=False):
         metrics.update({k: to_number(v) for k, v in result.items()})
-    (out_dir / "results.json").write_text(json.dumps({"ckpt_path": str(ckpt), "metrics": metrics}, indent=2))
+    write_atomically(out_dir / "results.json", json.dumps({"ckpt_path": str(ckpt), "metrics": metrics}, indent=2))
     log.info("evaluation of %s: %s", ckpt, metrics)
     return metrics
 

@@ -37,6 +37,7 @@ from longmixer.runs.resume import (
     keep_replaced_config,
     refuse_unusable_folders,
     select_resume_checkpoint,
+    write_atomically,
 )
 from longmixer.runs.run import (
     check_validation_reachable,
@@ -143,7 +144,7 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
         write_run_info(run_dir, Path(CONFIG_DIR).parent, resumed_from=ckpt_path)
         if drift or not (run_dir / STORED_CONFIG).exists():
             keep_replaced_config(run_dir)
-            (run_dir / STORED_CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            write_atomically(run_dir / STORED_CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
     if ckpt_path is not None:
         _rewind_loggers(trainer, ckpt_path)
     elif cfg.train:
@@ -182,7 +183,17 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
             metrics.update({k: to_number(v) for k, v in result.items()})
 
     majority = majority_rates(getattr(datamodule, "manifest", None))
-    status = "stopped at trainer.max_time" if stopped else "finished"
+    # "finished" makes the same command report the run instead of running it: only a run tested at its best
+    # checkpoint is. A fast_dev_run (a smoke test, no checkpoint) runs again; a run trained with test=false is
+    # tested by the same command with test=true (it resumes from its last checkpoint, which ends the fit at once)
+    if stopped:
+        status = "stopped at trainer.max_time"
+    elif trainer.fast_dev_run:
+        status = "fast_dev_run (debug; not a result)"
+    elif cfg.train and not cfg.test:
+        status = "trained, not tested (test=false)"
+    else:
+        status = "finished"
     results = (write_results(run_dir, cfg, choices, metrics, best_ckpt, majority, status=status)
                if trainer.is_global_zero else {})
     if trainer.is_global_zero:

@@ -13,7 +13,7 @@ import torch
 from longmixer.runs.checkpoints import CheckpointError, load_checkpoint
 from longmixer.runs.resume import ConfigDriftError, RunLock, RunLockedError
 from longmixer.train import train
-from tests.conftest import TINY_LISTOPS, TINY_TRAINER
+from tests.conftest import TINY_LISTOPS, TINY_TRAINER, compose_config
 
 BASE = [*TINY_LISTOPS, *TINY_TRAINER]
 
@@ -543,3 +543,43 @@ def test_a_log_or_data_folder_under_a_file_is_refused_before_hydra(tmp_path, mon
     refuse_unusable_folders([f"paths.log_dir={tmp_path / 'logs'}"])  # the command line wins
     with pytest.raises(SystemExit):
         refuse_unusable_folders([f"paths.data_dir={afile}/a/b"])
+
+
+def test_a_run_not_tested_is_not_finished(compose, tmp_path):
+    """Only a run tested at its best checkpoint is "finished" (the same command then reports it instead of running
+    it). A run trained with test=false (a key outside the run-dir hash) is tested by the same command with
+    test=true; a fast_dev_run smoke test runs again each time."""
+    first = train(compose([*BASE, "test=false"]))
+    assert first["status"] == "trained, not tested (test=false)" and "test/acc" not in first["metrics"]
+    second = train(compose(BASE))
+    assert second["status"] == "finished" and "test/acc" in second["metrics"]
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    smoke = [*TINY_LISTOPS, "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false"]
+    assert train(compose_config(smoke, tmp_path / "fdr"))["status"].startswith("fast_dev_run")
+    again = train(compose_config(smoke, tmp_path / "fdr"))
+    assert again["status"].startswith("fast_dev_run") and "test/acc" in again["metrics"]
+
+
+def test_an_unreadable_run_file_is_refused_in_one_line(compose, tmp_path):
+    """results.json or config_resolved.yaml cut short or edited: one line naming the file and the way out (they were
+    a JSONDecodeError / YAML ParserError traceback), for train and evaluate."""
+    from longmixer.evaluate import evaluate
+    from longmixer.runs.resume import RunFileError
+
+    train(compose(BASE))
+    run = tmp_path / "run"
+    results = run / "results.json"
+    good = results.read_text()
+    results.write_text(good[: len(good) // 2])
+    with pytest.raises(RunFileError, match=r"results\.json cannot be read .*move it aside"):
+        train(compose(BASE))
+    with pytest.raises(RunFileError, match=r"results\.json cannot be read .*pass ckpt_path="):
+        evaluate(compose([f"run_dir={run}"]))
+    results.write_text(good)
+    config = run / "config_resolved.yaml"
+    config.write_text("data: {a: [1, 2\n")
+    with pytest.raises(RunFileError, match=r"config_resolved\.yaml cannot be read .*restore it"):
+        train(compose([*BASE, "trainer.max_steps=3"]))
+    config.write_text("cut")
+    with pytest.raises(RunFileError, match=r"config_resolved\.yaml holds no mapping \(str\)"):
+        evaluate(compose([f"run_dir={run}"]))

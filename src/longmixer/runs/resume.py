@@ -94,6 +94,28 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+class RunFileError(UserFacingError, ValueError):
+    """A file of the run dir (results.json, config_resolved.yaml) cannot be parsed; the message names it."""
+
+
+def read_run_file(path: Path, fix: str) -> dict:
+    """The mapping in a run dir's JSON or YAML file (`.json`: JSON, else YAML, read safely).
+
+    Raises:
+        RunFileError: the file is no valid JSON / YAML mapping (cut short by a kill or a full disk, or edited); the
+            message names it and `fix`.
+    """
+    text = path.read_text(errors="replace")
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as err:
+        reason = " ".join(str(err).split())
+        raise RunFileError(f"{path} cannot be read ({reason[:160]}); {fix}") from None
+    if not isinstance(data, dict):
+        raise RunFileError(f"{path} holds no mapping ({type(data).__name__}); {fix}")
+    return data
+
+
 class RunLock:
     """An exclusive lock on `<run_dir>/.lock` (released by the OS when the process dies, even on SIGKILL), with
     `<run_dir>/.lock.owner` naming the holder."""
@@ -182,7 +204,8 @@ def check_config_drift(cfg: DictConfig, run_dir: Path) -> dict[str, tuple]:
     path = run_dir / STORED_CONFIG
     if not path.exists():
         return {}
-    stored = yaml.safe_load(path.read_text()) or {}
+    stored = read_run_file(path, "restore it (the run's .hydra/ holds the config it was composed from, history/ "
+                                 "earlier ones), or move it aside to record this command's config as the run's")
     drift = config_drift(stored, OmegaConf.to_container(cfg, resolve=True))
     if not drift:
         return {}
@@ -218,7 +241,8 @@ def finished_results(run_dir: Path) -> dict | None:
     path = run_dir / "results.json"
     if not path.exists():
         return None
-    results = json.loads(path.read_text())
+    results = read_run_file(path, "move it aside: the same command then resumes the run from its checkpoints (or "
+                                  "tests its best one) and writes it again")
     return results if results.get("status") == "finished" else None
 
 
