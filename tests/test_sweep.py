@@ -81,6 +81,20 @@ def test_optuna_study_summary_has_every_trial(tmp_path):
     assert yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())["best_value"] == pytest.approx(top)
 
 
+def test_optuna_study_in_a_database_continues(tmp_path):
+    """The README's resumable study (`hydra.sweeper.storage=sqlite:///...`): a second call adds to the first's
+    trials. (Optuna 2.10, which hydra-optuna-sweeper holds, fails on SQLAlchemy 2; the sweep extra pins it.)"""
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    for call in ("first", "second"):
+        (tmp_path / call).mkdir()
+        _multirun(["hparams_search=optuna", "hydra.sweeper.n_trials=1", f"hydra.sweeper.storage={storage}",
+                   "hydra.sweeper.study_name=study", f"hydra.sweeper.sampler.seed={len(call)}"], tmp_path / call)
+    trials = optuna.load_study(study_name="study", storage=storage).trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+
+
 def test_optuna_direction_follows_the_task_mode(tmp_path):
     """A study on a metric to minimize (a language model's val/loss) minimizes it without a direction override:
     hydra.sweeper.direction follows task.mode."""
