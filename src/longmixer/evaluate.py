@@ -4,8 +4,10 @@ checkpoint, which train.py applies automatically).
     python -m longmixer.evaluate run_dir=logs/runs/chela/listops/<hash>_seed0
     python -m longmixer.evaluate run_dir=<run dir> ckpt_path=<run dir>/checkpoints/last.ckpt
 
-With `run_dir`, the run's own `config_resolved.yaml` is used (command-line overrides apply on top of it) and the
-best checkpoint recorded in its results.json, unless `ckpt_path` names another. Everything is written under
+With `run_dir`, the run's own `config_resolved.yaml` is used and the best checkpoint recorded in its results.json,
+unless `ckpt_path` names another. Of the command line's overrides only the device keys (`trainer=<name>`, `trainer.accelerator` / `devices` /
+`strategy` / `num_nodes` / `precision`) and `paths.data_dir` (the data on another machine) apply; any other key is
+refused, since the checkpoint is scored with the config it was trained with. Everything is written under
 `<run_dir>/eval/<checkpoint name>/` (results.json, csv/metrics.csv); the training run's files are never touched.
 Checkpoints are read with `weights_only=True`.
 """
@@ -51,6 +53,25 @@ def _device_overrides(overrides: list[str]) -> tuple[bool, set[str]]:
     return group, {k for k in keys if k in DEVICE_KEYS}
 
 
+# what else an evaluation's command line may hold: its own inputs, and keys that change nothing it computes
+OWN_KEYS = ("run_dir", "ckpt_path", "hydra", "paths.log_dir", "paths.data_dir", "logger",
+            "trainer.enable_progress_bar")
+
+
+def _refuse_unused(overrides: list[str]) -> None:
+    """Refuse overrides that would be silently ignored: the checkpoint is scored with the run's stored config."""
+    unused = []
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        device = key == "trainer" or (key.startswith("trainer.") and key.split(".", 1)[1] in DEVICE_KEYS)
+        if not device and not any(key == k or key.startswith(f"{k}.") for k in OWN_KEYS):
+            unused.append(override)
+    if unused:
+        raise EvaluateError(f"evaluate scores the checkpoint with the run's own config (config_resolved.yaml), so "
+                            f"{' '.join(unused)} would not apply; drop it. The command line may set run_dir, "
+                            f"ckpt_path, paths.data_dir and the device: trainer=<name>, trainer.{{{','.join(DEVICE_KEYS)}}}")
+
+
 def _run_config(run_dir: Path, cfg: DictConfig, overrides: list[str] = ()) -> DictConfig:
     """The run's stored config with this invocation's `trainer.*` device keys (`trainer=cpu`, or
     `trainer.accelerator=...`: a run trained on a GPU re-scored on a CPU) and `ckpt_path` on top."""
@@ -58,10 +79,14 @@ def _run_config(run_dir: Path, cfg: DictConfig, overrides: list[str] = ()) -> Di
     if not path.is_file():
         raise EvaluateError(f"run_dir={run_dir} holds no config_resolved.yaml; pass a run dir made by train "
                             "(logs/runs/<run name>/<hash>_seed<seed>)")
+    _refuse_unused(list(overrides))
     stored = OmegaConf.create(read_run_file(path, "restore it from the run's .hydra/ or history/ records"))
     group, keys = _device_overrides(list(overrides))
     with open_dict(stored):
         stored.ckpt_path = cfg.ckpt_path
+        moved = [o for o in overrides if o.startswith("paths.data_dir=")]
+        if moved and stored.data.get("data_dir") == stored.paths.get("data_dir"):
+            stored.paths.data_dir = stored.data.data_dir = cfg.paths.data_dir
         stored.logger = None
         stored.callbacks = None
         for key in DEVICE_KEYS if group else sorted(keys):

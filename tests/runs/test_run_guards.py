@@ -345,6 +345,9 @@ def test_evaluate_refuses_what_it_cannot_use_in_one_line(compose, tmp_path):
         evaluate(compose([f"run_dir={run}", f"ckpt_path={tmp_path / 'nope.ckpt'}"]))
     with pytest.raises(EvaluateError, match="holds no config_resolved.yaml"):
         evaluate(compose([f"run_dir={tmp_path / 'nope'}"]))
+    # an override that the run's stored config would silently replace (it was accepted and ignored)
+    with pytest.raises(EvaluateError, match=r"so model\.d_model=64 data\.batch_size=0 would not apply; drop it"):
+        evaluate(compose([f"run_dir={run}", "model.d_model=64", "data.batch_size=0", "trainer.accelerator=cpu"]))
     assert issubclass(EvaluateError, UserFacingError) and issubclass(CheckpointError, UserFacingError)
 
 
@@ -583,3 +586,17 @@ def test_an_unreadable_run_file_is_refused_in_one_line(compose, tmp_path):
     config.write_text("cut")
     with pytest.raises(RunFileError, match=r"config_resolved\.yaml holds no mapping \(str\)"):
         evaluate(compose([f"run_dir={run}"]))
+
+
+def test_evaluate_reads_the_data_from_a_moved_data_dir(compose, tmp_path):
+    """paths.data_dir is the one setting besides the device an evaluation takes from its command line: the run's
+    stored config names the data folder of the machine it trained on."""
+    import shutil
+
+    from longmixer.evaluate import evaluate
+
+    trained = train(compose(BASE))
+    shutil.move(tmp_path / "data", tmp_path / "moved")
+    metrics = evaluate(compose([f"run_dir={tmp_path / 'run'}"], data_dir=tmp_path / "moved"))
+    assert metrics["test/acc"] == pytest.approx(trained["metrics"]["test/acc"])
+    assert not (tmp_path / "data").exists()  # nothing was prepared again at the old place
