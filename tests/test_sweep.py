@@ -155,3 +155,16 @@ def test_the_summary_marks_the_best_job_the_way_the_study_optimizes(direction, m
 
     hydra = {"sweeper": {"direction": direction}} if direction else {"sweeper": {}}
     assert _mode(OmegaConf.create({"hydra": hydra, "task": {"mode": mode}})) == best
+
+
+def test_a_failed_jobs_error_stays_in_its_table_row():
+    """An error message with newlines (Hydra's instantiation errors) or a pipe split the markdown row."""
+    from longmixer.report.sweep import summary_markdown, summary_rows
+
+    error = "InstantiationException: Error in call to target 'M':\nRuntimeError('a | b')" + " x" * 80
+    record = {"job": 0, "status": "FAILED", "metric": "val/acc_best", "value": None, "mode": "max",
+              "overrides": ["model.d_ffn=-3"], "error": error, "run_dir": "r"}
+    markdown = summary_markdown(*summary_rows([record]))
+    (row,) = markdown.splitlines()[2:]
+    assert row.startswith("| 0 | FAILED (InstantiationException: Error in call to target 'M': RuntimeError('a \\| b')")
+    assert row.endswith("…) | – | r |")

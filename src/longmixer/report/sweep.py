@@ -134,7 +134,8 @@ def summary_markdown(rows: list[dict], varying: list[str]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         value = "–" if row["value"] is None else f"{row['value']:.4f}" + (" *" if row["best"] else "")
-        error = row["error"] if len(row["error"]) <= 120 else row["error"][:119] + "…"
+        error = " ".join(row["error"].split()).replace("|", "\\|")  # one table row, whatever the message holds
+        error = error if len(error) <= 120 else error[:119] + "…"
         status = row["status"] + (f" ({error})" if error else "")
         lines.append("| " + " | ".join([str(row["job"]), status, value, *(str(row[k]) for k in varying),
                                         row["run_dir"]]) + " |")
