@@ -50,7 +50,7 @@ from longmixer.runs.run import (
     to_number,
     write_results,
 )
-from longmixer.runs.run_info import write_run_info
+from longmixer.runs.run_info import record_attempt_end, write_run_info
 from longmixer.utils.compose import (CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer_blocks, refuse_before_hydra,
                                      run_explaining_refusals)
 from longmixer.utils.errors import UserFacingError
@@ -72,13 +72,28 @@ def train(cfg: DictConfig) -> dict:
         apply_mixer_blocks(cfg, dict(hydra_cfg.runtime.choices), hydra_cfg.overrides.task)
         validate_config(cfg)
         lock = RunLock(run_dir).acquire() if owner else None
-        return _train(cfg, run_dir, record)
-    except BaseException:
+        results = _train(cfg, run_dir, record)
+        if record.accepted and owner:
+            record_attempt_end(run_dir, results.get("status", "finished"))
+        return results
+    except BaseException as err:
         record.restore()  # an attempt refused before it ran leaves the run's .hydra record as it was
+        if record.accepted and owner:  # an attempt that ran: run_info.json says how it ended
+            record_attempt_end(run_dir, _outcome(err))
         raise
     finally:
         if lock is not None:
             lock.release()
+
+
+def _outcome(err: BaseException) -> str:
+    """How an attempt that raised ended, in one line for run_info.json."""
+    if isinstance(err, SystemExit):
+        return {143: "stopped by SIGTERM (exit 143)", 130: "stopped by SIGINT (exit 130)"}.get(
+            err.code, f"exited with status {err.code}")
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted"
+    return "failed: " + " ".join(f"{type(err).__name__}: {err}".split())[:300]
 
 
 def check_not_launching_ranks_in_a_sweep(trainer: pl.Trainer) -> None:

@@ -135,6 +135,28 @@ def test_run_info_keeps_every_attempt_and_warns_of_a_new_commit(tmp_path, monkey
         f"this run started on commit {'a' * 10} and continues on {'b' * 10} (run_info.json lists every attempt)"]
 
 
+def test_run_info_says_how_each_attempt_ended(compose, tmp_path, monkeypatch):
+    """A run listed as unfinished says why: each attempt that ran records `ended` (a diverged or crashed attempt
+    looked like a killed one). An unreadable run_info.json is kept aside, not overwritten."""
+    from longmixer.tasks.classification import Classification
+
+    def diverges(self, batch, batch_idx):
+        raise FloatingPointError("the training loss is nan at step 0")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Classification, "training_step", diverges)
+        with pytest.raises(FloatingPointError):
+            train(compose(BASE))
+    info = tmp_path / "run" / "run_info.json"
+    (failed,) = json.loads(info.read_text())["attempts"]
+    assert failed["ended"] == "failed: FloatingPointError: the training loss is nan at step 0"
+    info.write_text(info.read_text()[:-20])  # cut short
+    train(compose(BASE))
+    assert [a["ended"] for a in json.loads(info.read_text())["attempts"]] == ["finished"]
+    (kept,) = info.parent.glob("run_info.json.unreadable.*")
+    assert '"ended": "failed: FloatingPointError' in kept.read_text()
+
+
 def test_resume_force_trains_with_the_changed_optimizer_settings(compose, tmp_path, caplog):
     """A checkpoint restores the optimizer's and the schedule's settings with their state: `resume=force` puts the
     changed config's back (lr, weight decay, and max_steps, the schedule's length), keeping the step and moments."""

@@ -63,7 +63,9 @@ def write_run_info(run_dir: Path, repo_dir: Path, resumed_from: str | None = Non
     try:
         previous = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError):
-        log.warning("%s is unreadable: its record of earlier attempts is lost", path)
+        kept = path.with_name(f"{path.name}.unreadable.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+        path.replace(kept)
+        log.warning("%s is unreadable: kept as %s; the record of attempts starts again", path, kept.name)
         previous = {}
     attempts = previous.get("attempts") if isinstance(previous, dict) else None
     if attempts is None:  # written before attempts were recorded: its top level is the one earlier attempt
@@ -79,3 +81,15 @@ def write_run_info(run_dir: Path, repo_dir: Path, resumed_from: str | None = Non
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps(info, indent=2))
     return info
+
+
+def record_attempt_end(run_dir: Path, outcome: str) -> None:
+    """Set this attempt's `ended` in run_info.json (`finished`, `failed: <error>`, `stopped by signal 15`, ...), so
+    that a run listed as unfinished says why; nothing when the file is missing or unreadable."""
+    path = run_dir / "run_info.json"
+    try:
+        info = json.loads(path.read_text())
+        info["attempts"][-1]["ended"] = outcome
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return
+    write_atomically(path, json.dumps(info, indent=2))
