@@ -622,3 +622,22 @@ def test_evaluate_reads_the_data_from_a_moved_data_dir(compose, tmp_path):
     metrics = evaluate(compose([f"run_dir={tmp_path / 'run'}"], data_dir=tmp_path / "moved"))
     assert metrics["test/acc"] == pytest.approx(trained["metrics"]["test/acc"])
     assert not (tmp_path / "data").exists()  # nothing was prepared again at the old place
+
+
+def test_a_best_checkpoint_written_after_the_resume_point_is_set_aside(compose, tmp_path, monkeypatch):
+    """A kill between a new best-N.ckpt and the last.ckpt after it: the resumed run's state does not track that
+    file, so it stayed in checkpoints/ for good and the step's best came back as best-N-v1.ckpt."""
+    import shutil
+
+    args = [*BASE, "trainer.max_steps=4"]
+    monkeypatch.setenv("LONGMIXER_FAULT", "SIGTERM:train:2")  # after the step-2 validation: last.ckpt at step 3
+    with pytest.raises(SystemExit):
+        train(compose(args))
+    monkeypatch.delenv("LONGMIXER_FAULT")
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert torch.load(ckpts / "last.ckpt", weights_only=True)["global_step"] == 3
+    shutil.copy(ckpts / "best-000002.ckpt", ckpts / "best-000003.ckpt")  # what the killed attempt left
+    train(compose(args))
+    names = sorted(p.name for p in ckpts.glob("*.ckpt"))
+    assert len(names) == 2 and names[0] in ("best-000002.ckpt", "best-000004.ckpt") and names[1] == "last.ckpt"
+    assert [p.name for p in (ckpts / "orphaned").iterdir()] == ["best-000003.ckpt"]

@@ -27,7 +27,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import signal
+from pathlib import Path
 from weakref import proxy
 
 import torch
@@ -108,6 +110,24 @@ class AtomicModelCheckpoint(ModelCheckpoint):
         # Lightning restores the original handlers at teardown
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._make_handler(trainer))
+        if trainer.is_global_zero and trainer.ckpt_path and self.dirpath:
+            self._set_aside_orphans(trainer.global_step)
+
+    def _set_aside_orphans(self, step: int) -> None:
+        """Move best checkpoints that a killed attempt wrote after the checkpoint this one resumed from into
+        `orphaned/`: the restored state does not track them, and the resumed run writes that step's best again
+        (under the same name, not Lightning's `-v1` beside a file nobody would ever delete)."""
+        tracked = {os.path.abspath(p) for p in (*self.best_k_models, self.best_model_path) if p}
+        prefix = (self.filename or "").split("{", 1)[0]
+        for path in sorted(Path(self.dirpath).glob(f"{prefix}*{self.FILE_EXTENSION}")):
+            steps = re.findall(r"\d+", path.stem[len(prefix):])
+            if os.path.abspath(path) in tracked or not steps or int(steps[0]) < step:
+                continue
+            orphaned = path.parent / "orphaned"
+            orphaned.mkdir(exist_ok=True)
+            path.replace(orphaned / path.name)
+            log.warning("%s was written after the checkpoint this run resumed from (step %d): moved to %s",
+                        path.name, step, orphaned)
 
     def _make_handler(self, trainer):
         def handler(signum, frame):
