@@ -245,6 +245,10 @@ def _rewind_loggers(trainer: pl.Trainer, ckpt_path: str | None) -> None:
             elif dropped:
                 log.info("metrics.csv: %d rows logged after the checkpoint (step >= %d) moved to %s; the resumed run "
                          "logs them again", dropped, step, ResumableCSVLogger.DROPPED)
+            metrics = Path(logger.log_dir) / "metrics.csv"
+            if step > 0 and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 2):
+                log.warning("%s holds no rows, but the run resumes at step %d: the history before it is missing "
+                            "(deleted or emptied); the rows from here on are appended", metrics, step)
 
 
 def _check_best_readable(best_ckpt: str, run_dir: Path) -> None:

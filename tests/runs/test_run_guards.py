@@ -641,3 +641,15 @@ def test_a_best_checkpoint_written_after_the_resume_point_is_set_aside(compose, 
     names = sorted(p.name for p in ckpts.glob("*.ckpt"))
     assert len(names) == 2 and names[0] in ("best-000002.ckpt", "best-000004.ckpt") and names[1] == "last.ckpt"
     assert [p.name for p in (ckpts / "orphaned").iterdir()] == ["best-000003.ckpt"]
+
+
+def test_a_resume_without_metrics_history_warns(compose, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("LONGMIXER_FAULT", "SIGTERM:train:2")
+    args = [*BASE, "trainer.max_steps=4"]
+    with pytest.raises(SystemExit):
+        train(compose(args))
+    monkeypatch.delenv("LONGMIXER_FAULT")
+    (tmp_path / "run" / "csv" / "metrics.csv").unlink()
+    with caplog.at_level("WARNING", logger="longmixer"):
+        train(compose(args))
+    assert any("holds no rows, but the run resumes at step 3" in r.getMessage() for r in caplog.records)
