@@ -195,7 +195,10 @@ def test_second_process_on_a_run_dir_fails_fast(tmp_path):
 
 
 def test_non_finite_loss_stops_the_run(compose):
-    with pytest.raises(FloatingPointError, match="non-finite loss at step"):
+    """A user-facing error (one line and exit 2 from the command line; it was a traceback): the fix is a setting."""
+    from longmixer.utils.errors import UserFacingError
+
+    with pytest.raises(UserFacingError, match="non-finite loss at step"):
         train(compose([*BASE, "optim.lr=1e30", "trainer.max_steps=6", "trainer.val_check_interval=6",
                        "data.num_train=96"]))
 

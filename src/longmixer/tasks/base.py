@@ -18,6 +18,7 @@ from torch import nn
 
 from longmixer.utils.compile import COMPILE_MODES, STEP_GRAPH, TrainStepGraph, compile_blocks, resolve_compile_mode
 from longmixer.utils.config import ConfigError
+from longmixer.utils.errors import TrainingDivergedError
 from longmixer.utils.optim import build_optimizer, clip_grad_norm, configured_settings, reapply_settings
 from longmixer.utils.strategies import ZeroDDPStrategy
 
@@ -314,7 +315,7 @@ class SequenceTask(pl.LightningModule):
             diverged = strategy.reduce_boolean_decision(diverged, all=False)
         if diverged:
             lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self.trainer.optimizers else float("nan")
-            raise FloatingPointError(
+            raise TrainingDivergedError(
                 f"training diverged: non-finite loss at step {step or '?'} (learning rate {lr:.3g} at the stop). "
                 "Lower optim.lr, raise scheduler.warmup_steps, set trainer.gradient_clip_val, or train in "
                 "trainer.precision=32-true; the run dir keeps the last finite checkpoint")
