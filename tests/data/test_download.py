@@ -106,6 +106,7 @@ def test_unreachable_server_gives_one_line(tmp_path):
     with pytest.raises(DataDownloadError) as caught:
         dl.download("http://127.0.0.1:9/none.zip", tmp_path / "none.zip")
     assert "\n" not in str(caught.value) and "data.source_dir=<folder>" in str(caught.value)
+    assert f"put it at {tmp_path / 'none.zip'}" in str(caught.value)  # where a copy fetched by hand is picked up
     assert caught.value.__suppress_context__
 
 

@@ -7,9 +7,11 @@ import http.server
 import io
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from longmixer.data import lra_release as lra
 from longmixer.data.download import DataDownloadError, Pin
@@ -85,8 +87,9 @@ def test_download_with_wrong_size_keeps_the_partial_file(tmp_path, server):
 
 def test_ensure_extracts_requested_parts_and_locates_tasks(tmp_path, server):
     url, handler = server
-    release = lra.ensure_lra_release(tmp_path, parts=["listops-1000", "tsv_data"], url=url)
-    assert release == tmp_path / "lra_release" / "lra_release"
+    found = lra.ensure_lra_release(tmp_path, parts=["listops-1000", "tsv_data"], url=url)
+    release = tmp_path / "lra_release" / "lra_release"
+    assert found == {"listops-1000": release, "tsv_data": release}
     assert (lra.listops_dir(release) / "basic_train.tsv").read_bytes().startswith(b"Source\tTarget")
     assert (lra.aan_dir(release) / "new_aan_pairs.train.tsv").exists()
     assert not (release / "pathfinder32").exists()  # not requested, not extracted
@@ -94,7 +97,7 @@ def test_ensure_extracts_requested_parts_and_locates_tasks(tmp_path, server):
         lra.pathfinder_dir(release, 32, "curv_contour_length_14")
     # a second call finds the extracted parts and downloads nothing
     n_requests = len(handler.requests)
-    assert lra.ensure_lra_release(tmp_path, parts=["tsv_data"], url=url) == release
+    assert lra.ensure_lra_release(tmp_path, parts=["tsv_data"], url=url) == {"tsv_data": release}
     assert len(handler.requests) == n_requests
     # a new part is extracted from the archive already on disk
     lra.ensure_lra_release(tmp_path, parts=["pathfinder32"], url=url)
@@ -105,7 +108,7 @@ def test_ensure_extracts_requested_parts_and_locates_tasks(tmp_path, server):
 def test_a_release_extracted_by_hand_is_used_as_is(tmp_path):
     (tmp_path / "mine" / "listops-1000").mkdir(parents=True)
     assert lra.ensure_lra_release(tmp_path, parts=["listops-1000"], url="http://127.0.0.1:9/none") == \
-        tmp_path / "mine"
+        {"listops-1000": tmp_path / "mine"}
 
 
 def test_unknown_part_is_rejected(tmp_path, server):
@@ -115,9 +118,9 @@ def test_unknown_part_is_rejected(tmp_path, server):
 
 
 def test_listops_official_mode_reads_the_release(tmp_path, server):
-    """The lead's ListOps calls `ensure_lra_release(data_dir / "lra_release") / "listops-1000"`."""
+    """ListOps calls `ensure_lra_release(data_dir / "lra_release", ["listops-1000"])["listops-1000"]`."""
     url, _ = server
-    release = lra.ensure_lra_release(tmp_path / "lra_release", url=url)
+    release = lra.ensure_lra_release(tmp_path / "lra_release", ["listops-1000"], url=url)["listops-1000"]
     assert Path(release / "listops-1000" / "basic_train.tsv").exists()
 
 
@@ -126,12 +129,58 @@ def test_an_extraction_cut_short_is_redone(tmp_path, server):
     with `.extracting-<part>`: the next call unpacks the part again instead of taking the folders as a release
     unpacked by hand."""
     url, _ = server
-    release = lra.ensure_lra_release(tmp_path, parts=["listops-1000"], url=url)
+    release = lra.ensure_lra_release(tmp_path, parts=["listops-1000"], url=url)["listops-1000"]
     train = lra.listops_dir(release) / "basic_train.tsv"
     whole = train.read_bytes()
     train.write_bytes(whole[: len(whole) // 3])  # what the kill left
     (tmp_path / ".extracted-listops-1000").unlink()
     (tmp_path / ".extracting-listops-1000").touch()
-    assert lra.ensure_lra_release(tmp_path, parts=["listops-1000"], url=url) == release
+    assert lra.ensure_lra_release(tmp_path, parts=["listops-1000"], url=url) == {"listops-1000": release}
     assert train.read_bytes() == whole
     assert (tmp_path / ".extracted-listops-1000").exists() and not (tmp_path / ".extracting-listops-1000").exists()
+
+
+def test_a_run_waits_for_another_runs_extraction(tmp_path):
+    """Two settings sharing `lra_release/` (pathfinder at difficulties 9 and 14, or listops beside retrieval) each
+    unpacked into it at once: one deleted the other's `.extracting-<part>` marker ("No such file or directory") or
+    read its half-written files. A run now waits on `lra_release/.lock` while another extracts, then uses its
+    result without downloading or unpacking anything itself (the address below answers nothing)."""
+    marker = tmp_path / ".extracting-listops-1000"
+    marker.touch()  # another run is extracting the part, and holds the lock
+    other = FileLock(str(tmp_path / ".lock"))
+    other.acquire()
+    outcome = {}
+
+    def run():
+        try:
+            outcome["found"] = lra.ensure_lra_release(tmp_path, ["listops-1000"], url="http://127.0.0.1:9/none")
+        except Exception as err:  # noqa: BLE001 (reported by the assertion below)
+            outcome["error"] = err
+
+    waiting = threading.Thread(target=run)
+    waiting.start()
+    time.sleep(0.5)
+    assert waiting.is_alive() and marker.exists() and not outcome
+    (tmp_path / "lra_release" / "listops-1000").mkdir(parents=True)  # the other run finishes its extraction
+    (tmp_path / ".extracted-listops-1000").write_text("lra_release\n")
+    marker.unlink()
+    other.release()
+    waiting.join(10)
+    assert outcome == {"found": {"listops-1000": tmp_path / "lra_release"}}
+
+
+def test_parts_at_different_nestings_are_each_found(tmp_path, server):
+    """`tsv_data/` unpacked by hand directly in `lra_release/` while the archive put `listops-1000/` two levels
+    down: the first folder holding any part was taken for the whole release, so listops was looked for beside
+    tsv_data (and never found) on every run. Each part is now looked up on its own."""
+    url, handler = server
+    (tmp_path / "tsv_data").mkdir()
+    assert lra.ensure_lra_release(tmp_path, ["tsv_data"], url=url) == {"tsv_data": tmp_path}
+    assert handler.requests == []
+    deep = tmp_path / "lra_release" / "lra_release"
+    assert lra.ensure_lra_release(tmp_path, ["listops-1000"], url=url) == {"listops-1000": deep}
+    assert (lra.listops_dir(deep) / "basic_train.tsv").exists()
+    n_requests = len(handler.requests)
+    assert lra.ensure_lra_release(tmp_path, ["listops-1000", "tsv_data"], url=url) == \
+        {"listops-1000": deep, "tsv_data": tmp_path}
+    assert len(handler.requests) == n_requests

@@ -46,10 +46,12 @@ class Pin:
     md5: str | None = None
 
 
-def download_hint(what: str, err: object) -> str:
-    """The one-line message for a download that failed (also printed by scripts/prepare_data.py)."""
+def download_hint(what: str, err: object, dest: Path | None = None) -> str:
+    """The one-line message for a download that failed (also printed by scripts/prepare_data.py); `dest`: where a
+    copy of the file fetched by other means is picked up."""
+    manual = "" if dest is None else f", or fetch the file by other means and put it at {dest} (it is used from there)"
     return (f"could not download {what}: {err}; check the network (or a proxy) and run the same "
-            f"command again (partial downloads resume), or put the original files in a folder and pass "
+            f"command again (partial downloads resume){manual}, or put the original files in a folder and pass "
             f"data.source_dir=<folder> (docs/data.md lists what each task expects)")
 
 
@@ -136,7 +138,7 @@ def download(url: str, dest: Path, pin: Pin = Pin(), chunk: int = 1 << 20) -> Pa
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
         if isinstance(err, DataDownloadError):
             raise
-        raise DataDownloadError(download_hint(url, err)) from None
+        raise DataDownloadError(download_hint(url, err, dest)) from None
     check_file(part, pin)
     os.replace(part, dest)
     dest.with_name(dest.name + ".sha256").write_text(f"{_digest(dest, 'sha256')}  {dest.name}\n")

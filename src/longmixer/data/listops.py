@@ -82,7 +82,8 @@ class ListOps(SequenceDataModule):
             return Path(self.source_dir)
         from longmixer.data.lra_release import ensure_lra_release
 
-        return ensure_lra_release(self.data_dir / "lra_release", parts=["listops-1000"]) / "listops-1000"
+        release = ensure_lra_release(self.data_dir / "lra_release", parts=["listops-1000"])["listops-1000"]
+        return release / "listops-1000"
 
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         tsv_dir = self._source_tsvs()

@@ -15,6 +15,8 @@ import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from longmixer.data.download import UNPACK_ERRORS, damaged_archive, download, progress
 from longmixer.data.integrity import SourceFileMissingError
 
@@ -25,13 +27,21 @@ ARCHIVE_NAME = "lra_release.gz"
 PARTS = ("listops-1000", "tsv_data", "pathfinder32", "pathfinder64", "pathfinder128", "pathfinder256")
 
 
-def find_release_dir(root: Path) -> Path | None:
-    """The folder under `root` (up to three levels down) that directly holds any of `PARTS`, or None."""
+def find_part(root: Path, part: str) -> Path | None:
+    """The folder under `root` (up to three levels down) that directly holds the folder `part`, or None.
+
+    Each part is looked up on its own: a part unpacked by hand at one nesting (`root/tsv_data`) and one that
+    `extract` took from the archive at another (`root/lra_release/lra_release/listops-1000`) are both found. Where
+    `extract` unpacked the part, its marker names the folder it went to, which is taken first."""
     root = Path(root)
+    marker = root / f".extracted-{part}"
+    home = marker.read_text().strip() if marker.exists() else ""
+    if home and (root / home / part).is_dir():
+        return root / home
     frontier = [root]
     for _ in range(4):
         for folder in frontier:
-            if any((folder / name).is_dir() for name in PARTS):
+            if (folder / part).is_dir():
                 return folder
         frontier = [child for folder in frontier if folder.is_dir() for child in sorted(folder.iterdir())
                     if child.is_dir()]
@@ -40,8 +50,9 @@ def find_release_dir(root: Path) -> Path | None:
 
 def extract(archive: Path, dest: Path, parts: Sequence[str] | None = None) -> None:
     """Stream the tar.gz into `dest`, keeping only members under the top-level `parts` (all when None). Each part
-    carries a marker `.extracting-<part>` while its members come out and `.extracted-<part>` once all are out, so a
-    killed extraction (the archive is 18.6 GB unpacked) is told from a finished one and redone.
+    carries a marker `.extracting-<part>` while its members come out and `.extracted-<part>` (holding the folder,
+    relative to `dest`, that the part went into) once all are out, so a killed extraction (the archive is 18.6 GB
+    unpacked) is told from a finished one and redone. Callers hold `dest/.lock` (`ensure_lra_release`).
 
     Raises:
         DataDownloadError: the archive is damaged or cut short, naming it and the fix.
@@ -55,29 +66,45 @@ def extract(archive: Path, dest: Path, parts: Sequence[str] | None = None) -> No
     for part in wanted:
         (dest / f".extracted-{part}").unlink(missing_ok=True)
         (dest / f".extracting-{part}").touch()
+    homes: dict[str, str] = {}
     try:
         with progress(f"extracting {archive.name}", archive.stat().st_size, unit="bytes") as advance, \
                 open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r|gz") as tar:
             done = 0
             for member in tar:
-                if any(part in Path(member.name).parts for part in wanted):
+                names = Path(member.name).parts
+                part = next((p for p in wanted if p in names), None)
+                if part is not None:
                     tar.extract(member, dest, filter="data")
+                    homes.setdefault(part, Path(*names[:names.index(part)]).as_posix())
                 advance(raw.tell() - done)
                 done = raw.tell()
     except UNPACK_ERRORS as err:
         raise damaged_archive(archive, err, "and the parts unpacked so far are redone") from None
     for part in wanted:
-        (dest / f".extracted-{part}").touch()
-        (dest / f".extracting-{part}").unlink()
+        (dest / f".extracted-{part}").write_text(homes.get(part, "") + "\n")
+        (dest / f".extracting-{part}").unlink(missing_ok=True)
 
 
-def ensure_lra_release(root: Path, parts: Sequence[str] | None = None, url: str = LRA_URL) -> Path:
-    """Make the LRA release available under `root` and return the folder holding `listops-1000/`, `tsv_data/`,
-    `pathfinder*/`.
+def _located(root: Path, wanted: Sequence[str]) -> dict[str, Path] | None:
+    """Each wanted part's folder when every one is in place; None when one is missing or its extraction by
+    `extract` was cut short (`.extracting-<part>`: a tree unpacked by hand has no markers and is taken as it is)."""
+    if any((root / f".extracting-{p}").exists() for p in wanted):
+        return None
+    found = {p: find_part(root, p) for p in wanted}
+    return None if any(folder is None for folder in found.values()) else found
 
-    A release already extracted under `root` (by this function, or by hand: `tar xzf lra_release.gz -C root`) is
+
+def ensure_lra_release(root: Path, parts: Sequence[str] | None = None, url: str = LRA_URL) -> dict[str, Path]:
+    """Make the requested parts of the LRA release available under `root`; returns, for each, the folder that holds
+    it (`listops_dir`, `aan_dir` and `pathfinder_dir` take that folder).
+
+    A part already extracted under `root` (by this function, or by hand: `tar xzf lra_release.gz -C root`) is
     used as it is; one whose extraction by this function was cut short is extracted again. Otherwise
-    `root/lra_release.gz` is downloaded (resumable) and the requested `parts` extracted.
+    `root/lra_release.gz` (downloaded, resumable, unless it is already there) is opened and the missing parts
+    extracted. Tasks share `root`: the check, download and extraction run under the lock `root/.lock`, so two
+    runs (pathfinder at two difficulties, listops beside retrieval) neither unpack over each other nor read a half
+    written file; parts already in place are read without the lock, so a read-only copy serves.
 
     Args:
         root: where the archive and its extracted tree live (`<data_dir>/lra_release`).
@@ -92,19 +119,32 @@ def ensure_lra_release(root: Path, parts: Sequence[str] | None = None, url: str 
     unknown = [p for p in wanted if p not in PARTS]
     if unknown:
         raise ValueError(f"parts={unknown} are not in the LRA release; choose from {PARTS}")
-    found = find_release_dir(root)
-    done = all((root / f".extracted-{p}").exists() for p in wanted)
-    # a tree unpacked by hand has no markers and is taken as it is; one that `extract` began and did not finish
-    # (`.extracting-<part>`) is unpacked again
-    interrupted = any((root / f".extracting-{p}").exists() for p in wanted)
-    if found is not None and not interrupted and (done or all((found / p).is_dir() for p in wanted)):
+    found = _located(root, wanted)
+    if found is not None:
         return found
-    archive = download(url, root / ARCHIVE_NAME)
-    extract(archive, root, wanted)
-    found = find_release_dir(root)
-    if found is None:
-        raise FileNotFoundError(f"{archive} held none of {wanted}; delete it and re-run to download it again")
-    return found
+    root.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(root / ".lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("waiting for another run to finish downloading or extracting the LRA release in %s (%s)", root,
+                 root / ".lock")
+        lock.acquire()
+    try:
+        found = _located(root, wanted)  # again under the lock: another run may have extracted them meanwhile
+        if found is not None:
+            return found
+        missing = [p for p in wanted if (root / f".extracting-{p}").exists() or find_part(root, p) is None]
+        archive = download(url, root / ARCHIVE_NAME)
+        extract(archive, root, missing)
+        found = {p: find_part(root, p) for p in wanted}
+        absent = [p for p, folder in found.items() if folder is None]
+        if absent:
+            raise SourceFileMissingError(f"{archive} does not hold {absent}; delete it and re-run to download "
+                                         "it again")
+        return found
+    finally:
+        lock.release()
 
 
 def listops_dir(release: Path) -> Path:

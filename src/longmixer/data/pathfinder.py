@@ -161,7 +161,8 @@ class Pathfinder(SequenceDataModule):
             return self.source_dir / difficulty_dir(self.difficulty)
         from longmixer.data.lra_release import ensure_lra_release, pathfinder_dir
 
-        release = ensure_lra_release(self.data_dir / "lra_release", parts=[f"pathfinder{self.resolution}"])
+        part = f"pathfinder{self.resolution}"
+        release = ensure_lra_release(self.data_dir / "lra_release", parts=[part])[part]
         return pathfinder_dir(release, self.resolution, difficulty_dir(self.difficulty))
 
     def _pack(self, folder: Path, root: Path) -> dict:

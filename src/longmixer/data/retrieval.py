@@ -109,7 +109,7 @@ class AAN(SequenceDataModule):
             return self.source_dir
         from longmixer.data.lra_release import aan_dir, ensure_lra_release
 
-        return aan_dir(ensure_lra_release(self.data_dir / "lra_release", parts=["tsv_data"]))
+        return aan_dir(ensure_lra_release(self.data_dir / "lra_release", parts=["tsv_data"])["tsv_data"])
 
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         source = self._source()
