@@ -103,3 +103,53 @@ def pathfinder_label(index: int) -> int:
 def pathfinder_gen_overrides() -> dict:
     """Tiny generated Pathfinder (the generator runs for real: about 2 s on one core)."""
     return {"num_images": 20, "images_per_batch": 10, "generator_workers": 1}
+
+
+def orphaned_workers_end(script: str, args: list[str], timeout_s: float = 5.0) -> tuple[list[int], list[int]]:
+    """Run `script` (python -c) until it prints its first line (its workers are at work), SIGKILL it, and wait up
+    to `timeout_s` for the processes it started to end. Returns (the processes it had started, those still
+    running). Linux: reads /proc; a zombie (ended, not yet reaped by init) counts as ended."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def table() -> dict[int, tuple[int, str]]:
+        out = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                out[int(entry.name)] = (int(fields[1]), fields[0])  # (parent pid, state)
+        return out
+
+    def descendants(root: int) -> list[int]:
+        procs, found, frontier = table(), [], [root]
+        while frontier:
+            children = [pid for pid, (ppid, _) in procs.items() if ppid in frontier]
+            found += children
+            frontier = children
+        return found
+
+    parent = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline(), "the generator ended before its workers started"
+        started = descendants(parent.pid)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            procs = table()
+            running = [pid for pid in started if pid in procs and procs[pid][1] != "Z"]
+            if not running or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    for pid in running:  # leave no process behind, whatever the assertion says
+        os.kill(pid, signal.SIGKILL)
+    return started, running

@@ -1,4 +1,5 @@
 import csv
+import sys
 
 import numpy as np
 import pytest
@@ -6,6 +7,7 @@ import pytest
 from longmixer.data.base import DatasetNotPreparedError
 from longmixer.data.generators.listops import ListOpsSpec, evaluate, generate, sample_tree, tree_length, write_tsv_splits
 from longmixer.data.listops import VOCAB, GeneratedListOps, ListOps, tokenize
+from tests.data.fixtures import orphaned_workers_end
 
 SPEC = ListOpsSpec(num_train=60, num_val=20, num_test=20, max_depth=4, max_args=4, min_length=5, max_length=60)
 
@@ -155,3 +157,17 @@ def test_prepare_script_reports_a_malformed_source_in_one_line(tmp_path, capsys)
     assert module.main(["listops", f"paths.data_dir={tmp_path / 'data'}", f"data.source_dir={src}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "basic_train.tsv:2: expected `<source>\\t<digit 0-9>`" in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_end_when_the_generating_process_is_killed():
+    """`kill -9` of prepare_data during generation above 20k examples left the spawn pool's workers drawing
+    samples. They watch their parent and end within a second of its death."""
+    script = ("from longmixer.data.generators.listops import ListOpsSpec, generate\n"
+              # long trees: a shard takes seconds, so the shards already queued would keep an orphan busy long
+              "spec = ListOpsSpec(num_train=10_000_000, num_val=1, num_test=1, min_length=1500)\n"
+              "for i, _ in enumerate(generate(spec, seed=0, workers=2)):\n"
+              "    if i == 0: print('started', flush=True)\n")
+    started, running = orphaned_workers_end(script, [], timeout_s=2.0)
+    assert len(started) >= 2
+    assert running == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from dataclasses import replace
 
@@ -14,6 +15,7 @@ from PIL import Image
 from longmixer.data.generators import pathfinder as gen
 from longmixer.data.generators import snake_raster as raster
 from longmixer.data.pathfinder import read_metadata
+from tests.data.fixtures import orphaned_workers_end
 
 log = logging.getLogger(__name__)
 
@@ -217,3 +219,18 @@ def test_blank_steps_are_taken_only_on_the_empty_window(monkeypatch):
     for i in range(3):
         gen.generate_image(p, gen._image_rng(p, 4, i))
     assert seen["seed"] > 0 and seen["extend"] > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_end_when_the_generating_process_is_killed(tmp_path):
+    """`kill -9` of prepare_data (or of a training run) during generation left the Manager and the workers alive,
+    still writing images into the folder. They watch their parent and end within a second of its death."""
+    script = ("import sys\n"
+              "from longmixer.data.generators import pathfinder as gen\n"
+              "def first(n, said=[]):\n"
+              "    if not said: said.append(print('started', flush=True))\n"
+              "gen.generate_pathfinder(sys.argv[1], 32, 'baseline', 100_000, images_per_batch=2, num_workers=2,"
+              " on_progress=first)\n")
+    started, running = orphaned_workers_end(script, [str(tmp_path)])
+    assert len(started) >= 3  # the Manager and two workers
+    assert running == []

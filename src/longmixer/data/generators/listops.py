@@ -8,6 +8,8 @@ first-generation order instead of Python set order, so the same seed gives byte-
 from __future__ import annotations
 
 import csv
+import multiprocessing
+import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from longmixer.data.generators.workers import exit_with_parent
 from longmixer.utils.errors import UserFacingError
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")  # [FIRST and [LAST are defined but disabled in LRA
@@ -131,9 +134,9 @@ def generate(spec: ListOpsSpec, seed: int, progress: Callable[[int], None] | Non
 
     pool = None
     if workers > 1:
-        import multiprocessing
-
-        pool = multiprocessing.get_context("spawn").Pool(workers)
+        # the workers end with this process, also when it is killed with SIGKILL (generators/workers.py)
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=exit_with_parent,
+                                                         initargs=(os.getpid(),))
     try:
         stalled = 0
         for samples in shards(pool):

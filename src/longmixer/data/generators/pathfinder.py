@@ -27,11 +27,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import multiprocessing
 import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,7 @@ from PIL import Image
 
 from longmixer.data.generators.snake_raster import (bytescale, dilate, dilated_at, flip, free_coordinates, imresize,
                                                    in_bounds, place, translate)
+from longmixer.data.generators.workers import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -407,9 +408,10 @@ def _label(p: SnakesParams, seed: int, index: int) -> int:
 _progress_queue = None  # in worker processes: where each finished image is reported
 
 
-def _init_worker(queue) -> None:
+def _init_worker(queue, parent: int) -> None:
     global _progress_queue
     _progress_queue = queue
+    exit_with_parent(parent)
 
 
 def _write_batch(job: tuple[str, SnakesParams, int, int, int, int], on_image=None) -> int:
@@ -472,9 +474,14 @@ def generate_pathfinder(root: str | os.PathLike, resolution: int, difficulty: st
         for job in jobs:
             _write_batch(job, on_progress)
         return out
-    with multiprocessing.Manager() as manager:
+    # the Manager (which serves the progress queue) and the workers end with this process, also when it is killed
+    # with SIGKILL and cannot shut them down (generators/workers.py)
+    manager = SyncManager()
+    manager.start(exit_with_parent, (os.getpid(),))
+    with manager:
         queue = manager.Queue()
-        with ProcessPoolExecutor(max_workers=num_workers, initializer=_init_worker, initargs=(queue,)) as pool:
+        with ProcessPoolExecutor(max_workers=num_workers, initializer=_init_worker,
+                                 initargs=(queue, os.getpid())) as pool:
             pending = {pool.submit(_write_batch, job) for job in jobs}
             while pending:
                 finished, pending = wait(pending, timeout=0.5)
