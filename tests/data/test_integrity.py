@@ -295,3 +295,23 @@ def test_a_rebuild_or_restore_killed_anywhere_is_finished_by_the_next_run(tmp_pa
     kept = ListOps(data_dir=tmp_path / "data", source_dir=b)
     kept.setup()
     assert kept.verify() > 0
+
+
+def test_a_read_only_data_folder_that_needs_preparing_is_one_line(tmp_path, monkeypatch):
+    """Data still to be prepared in a read-only data_dir (a shared copy without this setting) stopped with a
+    PermissionError traceback on `<data>/<task>/.lock`; it is the not-prepared error, naming the folder and the fix.
+    (Tests run as root, who may write anywhere: the lock's refusal is simulated.)"""
+    import errno
+
+    from longmixer.data import base
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(base, "FileLock", refused)
+    dm = ListOps(data_dir=tmp_path / "data", source_dir=write_listops(tmp_path / "src"))
+    with pytest.raises(DatasetNotPreparedError) as caught:
+        dm.prepare_data()
+    message = str(caught.value)
+    assert "\n" not in message and f"{dm.root / '.lock'} gives Permission denied" in message
+    assert "paths.data_dir=<writable folder>" in message

@@ -13,6 +13,7 @@ digest, shapes, dtypes, counts, label histograms, label and token ranges); `veri
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -31,12 +32,14 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from longmixer.data.integrity import (DataIntegrityError, DatasetNotPreparedError, check_prepared, sha256_of,
                                       verify_files, warn_truncated)
+from longmixer.utils.errors import UserFacingError
 
 log = logging.getLogger(__name__)
 
 SET_ASIDE = ".previous"  # the prepared files of other settings, kept while a rebuild runs
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # what writing into a read-only data folder raises
 
 
 def default_num_workers(gpu: bool) -> int:
@@ -397,6 +400,30 @@ class SequenceDataModule(pl.LightningDataModule):
         # data that is already prepared needs no lock: a shared, read-only copy can be trained on
         if self._manifest_staleness() == {}:
             return
+        try:
+            self._prepare_locked()
+        except OSError as err:
+            if err.errno not in NOT_WRITABLE or isinstance(err, UserFacingError):
+                raise
+            raise self._not_writable(err) from None
+
+    def _not_writable(self, err: OSError) -> DatasetNotPreparedError:
+        """The one-line error for data that must be prepared in a folder this process may not write (a shared,
+        read-only copy without this setting's data), or from a file it may not read."""
+        path = Path(err.filename) if err.filename else self.root
+        if path.resolve().is_relative_to(self.data_dir.resolve()):
+            return DatasetNotPreparedError(
+                f"the {self.name} data at {self.root} is not prepared, and it cannot be prepared there: {path} "
+                f"gives {err.strerror}; prepare it in a folder you can write, with "
+                f"`python scripts/prepare_data.py {self.name} paths.data_dir=<writable folder>` and the same data.* "
+                "settings (or the training run with paths.data_dir=<writable folder>), or ask the folder's owner to "
+                f"run `{self.prepare_hint}`")
+        return DatasetNotPreparedError(f"preparing the {self.name} data at {self.root} needs {path}, which gives "
+                                       f"{err.strerror}; make it readable, or point data.source_dir at a copy "
+                                       "you can read")
+
+    def _prepare_locked(self) -> None:
+        """`prepare_data` past its lock-free check: prepare (or rebuild) under the task's lock."""
         self.root.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.root / ".lock")):
             self._finish_interrupted_rebuild()
