@@ -1,12 +1,13 @@
 """Download, generate or verify one task's data: `python scripts/prepare_data.py <task> [key=value ...]`.
 
 <task> is any `configs/data/<task>.yaml` (listops, listops_gen, text, retrieval, image, pathfinder, pathx,
-pathfinder_gen, pathx_gen, ...). The data config is composed with Hydra's compose API together with `paths`
-(so `paths.data_dir` defaults to `$LONGMIXER_DATA` or `./data`) and `seed`; overrides such as
+pathfinder_gen, pathx_gen, ...). The config is composed as training composes it (`data=<task>` and the overrides,
+so `paths.data_dir` defaults to `$LONGMIXER_DATA` or `./data`) and checked as training checks it; overrides such as
 `data.num_images=2000` or `paths.data_dir=/scratch/data` apply as in training. The datamodule's `prepare_data()`
 runs (skipped when a matching manifest exists), then its `setup()` checks that the prepared data reads back, and
 the manifest's summary is printed. Every run re-verifies the prepared files against the sha256 recorded in the
-manifest, so `make data TASK=<task>` doubles as an integrity check.
+manifest, so `make data TASK=<task>` doubles as an integrity check. A mistake in the command (an unknown task or
+key, a refused value) and a data error end in one line, `error: ...`, with exit status 2.
 """
 
 from __future__ import annotations
@@ -24,16 +25,23 @@ CONFIG_DIR = Path(CONFIG_DIR)
 
 
 def compose_data(task: str, overrides: list[str]):
-    from hydra import compose, initialize_config_dir
+    """The training config with `data=<task>` and `overrides`, composed as `python -m longmixer.train` composes it.
+
+    Raises:
+        ConfigError: no `configs/data/<task>.yaml`.
+        HydraException: an override Hydra refuses.
+    """
+    import difflib
+
+    from longmixer.utils.compose import compose
+    from longmixer.utils.config import ConfigError
 
     if not (CONFIG_DIR / "data" / f"{task}.yaml").exists():
         known = sorted(p.stem for p in (CONFIG_DIR / "data").glob("*.yaml"))
-        raise SystemExit(f"no data config {task!r}; choose one of {known}")
-    from longmixer.utils.resolvers import register_resolvers
-
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(overrides=[f"+data={task}", "+paths=default", "+seed=0", *overrides])
+        close = difflib.get_close_matches(task, known, n=1)
+        raise ConfigError(f"no data config {task!r}" + (f" (did you mean {close[0]}?)" if close else "")
+                          + f"; choose one of {', '.join(known)}")
+    return compose([f"data={task}", *overrides])
 
 
 def summary(manifest: dict) -> str:
@@ -54,20 +62,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    from hydra.utils import instantiate
+    from hydra.errors import HydraException
 
+    from longmixer.runs.run import instantiate_node
+    from longmixer.utils.compose import override_hint
+    from longmixer.utils.config import validate_config
     from longmixer.utils.errors import UserFacingError
 
-    cfg = compose_data(args.task, args.overrides)
-    datamodule = instantiate(cfg.data)
     try:
+        cfg = compose_data(args.task, args.overrides)
+    except HydraException as err:
+        # Hydra's own message names no keys; override_hint's line says which keys there are (as train's)
+        hint = override_hint([f"data={args.task}", *args.overrides])
+        print(f"error: {hint or str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except UserFacingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        validate_config(cfg)
+        datamodule = instantiate_node(cfg.data)
         datamodule.prepare_data()
         checked = datamodule.verify()
         datamodule.setup("fit")
     except (UserFacingError, ValueError, FileNotFoundError) as err:
-        # the one-line message a training run ends with, without the library traceback: download and integrity
-        # errors, a missing source file, and the readers' errors, which name the file and line of a malformed
-        # source. LONGMIXER_TRACEBACK=1 shows the traceback of the other two kinds (a bug may raise them too).
+        # the one-line message a training run ends with, without the library traceback: config refusals,
+        # download and integrity errors, a missing source file, and the readers' errors, which name the file and
+        # line of a malformed source. LONGMIXER_TRACEBACK=1 shows the traceback of the other two kinds (a bug may
+        # raise them too).
         if not isinstance(err, UserFacingError) and os.environ.get("LONGMIXER_TRACEBACK") == "1":
             raise
         print(f"error: {err}", file=sys.stderr)

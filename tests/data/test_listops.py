@@ -140,9 +140,7 @@ def test_blank_lines_are_not_examples(tmp_path):
     assert read_tsv(path)[1] == [2]
 
 
-def test_prepare_script_reports_a_malformed_source_in_one_line(tmp_path, capsys):
-    """`scripts/prepare_data.py` (`make data`) ends with `error: <file:line: what>` and exit 2 for a malformed source
-    file, as for a download or integrity error, not with a traceback."""
+def _prepare_script():
     import importlib.util
     from pathlib import Path
 
@@ -150,6 +148,13 @@ def test_prepare_script_reports_a_malformed_source_in_one_line(tmp_path, capsys)
     spec = importlib.util.spec_from_file_location("prepare_data", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_prepare_script_reports_a_malformed_source_in_one_line(tmp_path, capsys):
+    """`scripts/prepare_data.py` (`make data`) ends with `error: <file:line: what>` and exit 2 for a malformed source
+    file, as for a download or integrity error, not with a traceback."""
+    module = _prepare_script()
     src = tmp_path / "src"
     src.mkdir()
     for split in ("train", "val", "test"):
@@ -171,3 +176,25 @@ def test_workers_end_when_the_generating_process_is_killed():
     started, running = orphaned_workers_end(script, [], timeout_s=2.0)
     assert len(started) >= 2
     assert running == []
+
+
+@pytest.mark.parametrize("argv, expected", [
+    pytest.param(["retrieval", "data.seq_len=0"], "data (AAN): data.seq_len=0 must be positive", id="refused"),
+    pytest.param(["listops", "data.seq_lem=1"], "data.seq_lem is not a key of data (did you mean data.seq_len?)",
+                 id="unknown-key"),
+    pytest.param(["listops_gen", "data.num_train=abc"], "data.num_train='abc' must be a whole number >= 1",
+                 id="not-a-number"),
+    pytest.param(["listops_gen", "data.num_train=-5"], "data.num_train=-5 must be a whole number >= 1", id="negative"),
+    pytest.param(["listops_gen", "data.num_val=0"], "data.num_val=0 must be a whole number >= 1", id="empty-split"),
+    pytest.param(["listops_gen", "data.source_dir=/elsewhere"], "data.source_dir=/elsewhere is not used by "
+                 "listops_gen", id="source-dir"),
+    pytest.param(["listopz"], "no data config 'listopz' (did you mean listops?)", id="unknown-task"),
+])
+def test_prepare_script_reports_config_mistakes_in_one_line(tmp_path, capsys, argv, expected):
+    """The command's mistakes ended in tracebacks (Hydra's InstantiationException and ConfigCompositionException, a
+    TypeError, a bare StopIteration from the generator) or exit 1 for an unknown task, where training reports them
+    in one line; listops_gen took data.source_dir without reading it. One line each, exit 2."""
+    module = _prepare_script()
+    assert module.main([*argv, f"paths.data_dir={tmp_path / 'data'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and expected in err and len(err.strip().splitlines()) == 1, err

@@ -108,8 +108,15 @@ class GeneratedListOps(ListOps):
 
     def __init__(self, num_train: int = 96_000, num_val: int = 2_000, num_test: int = 2_000, max_depth: int = 10,
                  max_args: int = 10, min_length: int = 500, max_length: int = 2_000, generator_seed: int = 0,
-                 **kwargs):
+                 source_dir: str | None = None, **kwargs):
         super().__init__(**kwargs)
+        for key, count in (("num_train", num_train), ("num_val", num_val), ("num_test", num_test)):
+            # every split needs an example (the TSV reader refuses an empty one, and the generator would stop short)
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise ValueError(f"data.{key}={count!r} must be a whole number >= 1")
+        if source_dir is not None:
+            raise ValueError(f"data.source_dir={source_dir} is not used by {self.name}, which generates its "
+                             "examples; use data=listops to read a folder of TSVs")
         self.spec = ListOpsSpec(num_train, num_val, num_test, max_depth, max_args, min_length, max_length)
         self.generator_seed = generator_seed
         if self.seq_len < max_length - 1:
