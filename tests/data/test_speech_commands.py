@@ -4,10 +4,12 @@ half-resolution evaluation."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 
+from longmixer.data.integrity import SourceFileError, SourceFileMissingError
 from longmixer.data.speech_commands import SC10_CLASSES, SpeechCommands, read_wav, stratified_split
 from tests.data.fixtures_extra import SC10_PER_WORD, sc10_clip, write_sc10_fixture
 
@@ -81,3 +83,24 @@ def test_half_resolution_evaluation(sc10_source, tmp_path):
     assert half.datasets["train"][0]["inputs"].shape == (16000, 1)  # training stays at 16 kHz
     with pytest.raises(ValueError, match="data.eval_resolution=4"):
         SpeechCommands(data_dir=tmp_path, eval_resolution=4)
+
+
+def test_a_missing_word_folder_is_refused(tmp_path):
+    """With one word folder missing SC10 was prepared as a 10-class task whose class 'go' never occurs; it is
+    refused, naming the folder."""
+    overrides = write_sc10_fixture(tmp_path / "raw")
+    shutil.rmtree(tmp_path / "raw" / "go")
+    dm = SpeechCommands(data_dir=tmp_path / "data", **overrides)
+    with pytest.raises(SourceFileMissingError, match=f"{tmp_path / 'raw' / 'go'} holds no full-length 16 kHz clip"):
+        dm.prepare_data()
+    assert not (dm.root / "manifest.json").exists()
+
+
+def test_a_corrupt_wav_is_named_in_one_line(tmp_path):
+    """A damaged WAV escaped as soundfile's LibsndfileError traceback; it is one line naming the file."""
+    overrides = write_sc10_fixture(tmp_path / "raw")
+    bad = tmp_path / "raw" / "up" / "00000002_nohash_0.wav"
+    bad.write_bytes(b"RIFF\x10\x00\x00\x00WAVEjunk")
+    with pytest.raises(SourceFileError, match=f"{bad} is not a readable WAV file") as caught:
+        SpeechCommands(data_dir=tmp_path / "data", **overrides).prepare_data()
+    assert "\n" not in str(caught.value)

@@ -29,6 +29,11 @@ class SourceFileMissingError(UserFacingError, FileNotFoundError):
     """A source file the prepare step reads is absent; the message names the file and where it comes from."""
 
 
+class SourceFileError(UserFacingError, ValueError):
+    """A source file that does not read as its format (cut short, damaged, not what its name says); the message
+    names the file and the fix. A ValueError, as the readers' other refusals of a malformed source."""
+
+
 class DataIntegrityError(DatasetNotPreparedError):
     """Prepared data that does not match its manifest (damaged or edited); the message names the file and the
     command that rebuilds it."""

@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
 from longmixer.data.download import Pin, download, extract, extracted
-from longmixer.data.integrity import SourceFileMissingError
+from longmixer.data.integrity import SourceFileError, SourceFileMissingError
 from longmixer.data.scifar import check_shapes
 
 log = logging.getLogger(__name__)
@@ -42,10 +42,19 @@ STRATIFIED_FRACTIONS = (0.70, 0.15)  # train, val; test is the rest
 
 
 def read_wav(path: Path) -> tuple[np.ndarray, int]:
-    """A WAV file -> (int16 samples [T] of the first channel, sample rate)."""
+    """A WAV file -> (int16 samples [T] of the first channel, sample rate).
+
+    Raises:
+        SourceFileError: the file is not a readable audio file, naming it and the fix.
+    """
     import soundfile  # the `data` extra; imported here so that importing this module needs nothing
 
-    samples, rate = soundfile.read(str(path), dtype="int16", always_2d=True)
+    try:
+        samples, rate = soundfile.read(str(path), dtype="int16", always_2d=True)
+    except (soundfile.SoundFileError, RuntimeError) as err:
+        raise SourceFileError(f"{path} is not a readable WAV file ({' '.join(str(err).split())}); replace it with "
+                              "the archive's copy (delete the folder and prepare again to re-extract it, or "
+                              "correct data.source_dir)") from None
     return samples[:, 0], int(rate)
 
 
@@ -158,6 +167,13 @@ class SpeechCommands(SequenceDataModule):
         if not clips:
             raise SourceFileMissingError(f"no full-length 16 kHz clips of {SC10_CLASSES} under {raw}: point "
                                          "data.source_dir at the extracted Speech Commands v0.02 folders")
+        # a missing word would be prepared as a 10-class task with a class that never occurs
+        absent = [word for label, word in enumerate(SC10_CLASSES) if label not in set(labels)]
+        if absent:
+            raise SourceFileMissingError(f"{raw / absent[0]} holds no full-length 16 kHz clip (SC10 needs all of "
+                                         f"{SC10_CLASSES}; without clips: {absent}): point data.source_dir at "
+                                         "complete Speech Commands v0.02 folders, or delete the folder and prepare "
+                                         "again to re-extract it")
         np.save(root / "audio.npy", np.stack(clips).astype(np.int16))  # [N, 16000]
         np.save(root / "labels.npy", np.asarray(labels, dtype=np.int64))
         (root / "files.txt").write_text("\n".join(files) + "\n")
