@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from longmixer.data.enwik8 import Enwik8
+from longmixer.data.integrity import SourceFileMissingError
 from tests.data.fixtures_extra import ENWIK8_BYTES, ENWIK8_EVAL, enwik8_bytes, write_enwik8_fixture
 
 
@@ -49,3 +50,10 @@ def test_changing_the_split_size_rebuilds(tmp_path):
 def test_too_small_file_raises(tmp_path):
     with pytest.raises(ValueError, match="data.eval_bytes=3000"):
         make(tmp_path, eval_bytes=3000)
+
+
+def test_a_missing_byte_file_names_it(tmp_path):
+    """A source folder without `enwik8` was a bare `[Errno 2]` traceback; the error names the file and the fix."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceFileMissingError, match=f"{tmp_path / 'empty' / 'enwik8'} is missing"):
+        Enwik8(data_dir=tmp_path / "data", source_dir=tmp_path / "empty").prepare_data()

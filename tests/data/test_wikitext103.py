@@ -7,6 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from longmixer.data.integrity import SourceFileError, SourceFileMissingError
 from longmixer.data.wikitext103 import WikiText103
 from tests.data.fixtures_extra import WIKI_TEXT, write_wikitext_fixture
 
@@ -61,3 +62,20 @@ def test_vocab_size_mismatch_names_the_fix(tmp_path):
     dm.prepare_data()
     with pytest.raises(ValueError, match=f"set data.vocab_size={overrides['vocab_size'] - 1}"):
         dm.setup()
+
+
+def test_a_missing_split_file_names_the_files_and_folder(tmp_path):
+    """A missing `wiki.valid.tokens` was a bare `[Errno 2]` traceback; the error names the folder and the files."""
+    overrides = write_wikitext_fixture(tmp_path / "raw")
+    (tmp_path / "raw" / "wiki.valid.tokens").unlink()
+    with pytest.raises(SourceFileMissingError, match=r"lacks \['wiki.valid.tokens'\] \(WikiText-103 needs"):
+        WikiText103(data_dir=tmp_path / "data", **overrides).prepare_data()
+
+
+def test_a_byte_that_is_not_utf8_is_located(tmp_path):
+    """A non-UTF-8 byte escaped as a UnicodeDecodeError traceback; it is one line naming the file, line and column."""
+    overrides = write_wikitext_fixture(tmp_path / "raw")
+    path = tmp_path / "raw" / "wiki.train.tokens"
+    path.write_bytes(path.read_bytes().replace(b"\n", b"\n ab\xffc\n", 1))
+    with pytest.raises(SourceFileError, match=rf"{path}:2:4: byte 0xff is not UTF-8"):
+        WikiText103(data_dir=tmp_path / "data", **overrides).prepare_data()

@@ -18,6 +18,7 @@ import numpy as np
 
 from longmixer.data.lm_stream import LMDataModule
 from longmixer.data.download import download, extract, extracted
+from longmixer.data.integrity import SourceFileMissingError
 
 ENWIK8_URL = "https://mattmahoney.net/dc/enwik8.zip"  # no checksum published: recorded at first download
 ENWIK8_BYTES = 100_000_000
@@ -67,6 +68,10 @@ class Enwik8(LMDataModule):
         raw = (self.source_dir or root / "raw") / "enwik8"
         if self.source_dir is None and not extracted(root / "raw", "enwik8.zip"):
             extract(download(ENWIK8_URL, root / "raw" / "enwik8.zip"), root / "raw")
+        if not raw.is_file():
+            raise SourceFileMissingError(f"{raw} is missing (enwik8 is the one file `enwik8`, 100,000,000 bytes, in "
+                                         f"{raw.parent}): point data.source_dir at the folder of the unzipped "
+                                         "enwik8.zip, or leave it unset to download it")
         data = np.fromfile(raw, dtype=np.uint8)
         splits = {}
         for split, part in split_bytes(data, self.eval_bytes).items():

@@ -24,6 +24,7 @@ import numpy as np
 
 from longmixer.data.lm_stream import LMDataModule
 from longmixer.data.download import download, extract, extracted
+from longmixer.data.integrity import SourceFileError, SourceFileMissingError, locate_bad_utf8
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +34,20 @@ SPLIT_FILES = {"train": "wiki.train.tokens", "val": "wiki.valid.tokens", "test":
 
 
 def read_lines(path: Path) -> Iterable[list[str]]:
-    """The whitespace-split words of each line, with `<eos>` appended (Transformer-XL `add_eos=True`)."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            yield line.split() + [EOS]
+    """The whitespace-split words of each line, with `<eos>` appended (Transformer-XL `add_eos=True`).
+
+    Raises:
+        SourceFileError: a byte that is not UTF-8, naming the file, line and column.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                yield line.split() + [EOS]
+    except UnicodeDecodeError:
+        line_no, col, byte = locate_bad_utf8(path)
+        raise SourceFileError(f"{path}:{line_no}:{col}: byte 0x{byte:02x} is not UTF-8; WikiText-103 files are "
+                              "UTF-8 text: replace the file with the archive's copy (delete the folder and prepare "
+                              "again to download it, or correct data.source_dir)") from None
 
 
 def build_vocab(path: Path) -> list[str]:
@@ -90,6 +101,11 @@ class WikiText103(LMDataModule):
         raw = self.source_dir or root / "raw" / "wikitext-103"
         if self.source_dir is None and not extracted(root / "raw", "wikitext-103-v1.zip"):
             extract(download(WT103_URL, root / "raw" / "wikitext-103-v1.zip"), root / "raw")
+        missing = [name for name in SPLIT_FILES.values() if not (raw / name).is_file()]
+        if missing:
+            raise SourceFileMissingError(f"{raw} lacks {missing} (WikiText-103 needs {list(SPLIT_FILES.values())}): "
+                                         "point data.source_dir at the folder of the extracted wikitext-103-v1.zip, "
+                                         "or leave it unset to download it")
         log.info("counting the WikiText-103 training vocabulary")
         vocab = build_vocab(raw / SPLIT_FILES["train"])
         index = {word: i for i, word in enumerate(vocab)}
