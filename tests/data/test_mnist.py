@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from longmixer.data.integrity import SourceFileError
 from longmixer.data.mnist import MNIST, bitreversal_permutation, read_idx
 from tests.data.fixtures_extra import MNIST_TEST, MNIST_TRAIN, mnist_images, write_mnist_fixture
 
@@ -60,3 +61,25 @@ def test_bitreversal_permutation():
 def test_unknown_permutation_raises(tmp_path):
     with pytest.raises(ValueError, match="data.permutation='shuffle'"):
         MNIST(data_dir=tmp_path, permutation="shuffle")
+
+
+def test_a_cut_gzip_file_is_named_in_one_line(tmp_path):
+    """A truncated `.gz` escaped as gzip's EOFError traceback; it is one line naming the file."""
+    overrides = write_mnist_fixture(tmp_path / "raw")
+    path = tmp_path / "raw" / "train-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(SourceFileError, match=f"{path} does not unpack \\(EOFError"):
+        MNIST(data_dir=tmp_path / "data", **overrides).prepare_data()
+
+
+def test_train_and_test_images_of_other_sizes_are_refused(tmp_path):
+    """Test images of another size than the training images were packed into one dataset with the training
+    images' sequence length; they are refused, naming both sizes."""
+    overrides = write_mnist_fixture(tmp_path / "raw")
+    for name in ("t10k-images-idx3-ubyte", "t10k-images-idx3-ubyte.gz"):
+        (tmp_path / "raw" / name).unlink(missing_ok=True)
+    small = np.zeros((MNIST_TEST, 14, 14), dtype=np.uint8)
+    header = (2051).to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in small.shape)
+    (tmp_path / "raw" / "t10k-images-idx3-ubyte").write_bytes(header + small.tobytes())
+    with pytest.raises(ValueError, match="the test images are 14x14, the training images 28x28"):
+        MNIST(data_dir=tmp_path / "data", **overrides).prepare_data()

@@ -139,3 +139,29 @@ def test_a_missing_batch_names_the_fix_for_where_it_came_from(tmp_path):
         read_cifar_split(tmp_path, ["test_batch"], from_source=True)
     with pytest.raises(SourceFileMissingError, match="lacks \\['test_batch'\\]; delete .* download and unpack"):
         read_cifar_split(tmp_path / "raw" / "cifar-10-batches-py", ["test_batch"], from_source=False)
+
+
+def test_a_damaged_batch_is_one_line_naming_the_file(tmp_path):
+    """Bytes flipped in a CIFAR batch let the unpickler's LookupError (an unknown encoding), AttributeError,
+    OverflowError and MemoryError escape as tracebacks. Every damaged copy (a seeded sample of flips that meets
+    these) either reads or fails with one line naming the file."""
+    import pickle
+    import random
+
+    from longmixer.data.integrity import SourceFileError
+
+    batch = {b"labels": [1, 2], b"data": np.random.RandomState(0).randint(0, 256, (2, 3072)).astype(np.uint8)}
+    whole = pickle.dumps(batch, protocol=2)
+    path = tmp_path / "data_batch_1"
+    flips = random.Random(0)
+    for _ in range(4000):
+        damaged = bytearray(whole)
+        for _ in range(flips.randint(1, 4)):
+            damaged[flips.randrange(len(damaged))] = flips.randrange(256)
+        path.write_bytes(bytes(damaged))
+        try:
+            read_cifar_batch(path)
+        except SourceFileError as err:
+            assert str(err).startswith(f"{path} is not a readable CIFAR-10 python batch") and "\n" not in str(err)
+        except ValueError as err:
+            assert str(err).startswith(str(path)), err

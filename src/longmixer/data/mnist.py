@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
 from longmixer.data.download import Pin, download
+from longmixer.data.integrity import SourceFileError
 from longmixer.data.scifar import PixelSequenceDataset, check_shapes, holdout_split
 
 MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
@@ -38,19 +40,27 @@ IDX_IMAGES, IDX_LABELS = 2051, 2049
 
 
 def read_idx(path: Path) -> np.ndarray:
-    """An idx file (optionally .gz) -> uint8 array of the dims its header gives."""
+    """An idx file (optionally .gz) -> uint8 array of the dims its header gives.
+
+    Raises:
+        ValueError: a header or size that is not an idx file's (a SourceFileError where the file does not unpack).
+    """
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+        raise SourceFileError(f"{path} does not unpack ({type(err).__name__}: {err}): a damaged or cut download; "
+                              "delete it and prepare again to download it afresh, or correct data.source_dir") from None
     magic = int.from_bytes(data[:4], "big")
     if magic not in (IDX_IMAGES, IDX_LABELS):
         raise ValueError(f"{path}: idx magic {magic} is neither {IDX_IMAGES} (images) nor {IDX_LABELS} (labels)")
     ndim = magic & 0xFF
     dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
-    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
-    if body.size != math.prod(dims):
-        raise ValueError(f"{path}: header dims {dims} need {math.prod(dims)} bytes, file has {body.size}")
-    return body.reshape(dims)
+    size = max(len(data) - 4 - 4 * ndim, 0)
+    if size != math.prod(dims):
+        raise ValueError(f"{path}: header dims {dims} need {math.prod(dims)} bytes, file has {size}")
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
 def bitreversal_permutation(n: int) -> np.ndarray:
@@ -121,17 +131,21 @@ class MNIST(SequenceDataModule):
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         raw = self.source_dir or root / "raw"
         raw.mkdir(parents=True, exist_ok=True)
-        splits = {}
+        splits, side = {}, None
         for split, (images_stem, labels_stem) in MNIST_FILES.items():
             images = read_idx(_find(raw, images_stem, self.source_dir is None))
             labels = read_idx(_find(raw, labels_stem, self.source_dir is None)).astype(np.int64)
             if images.ndim != 3 or labels.shape != (images.shape[0],):
                 raise ValueError(f"{raw}: {split} images {images.shape} and labels {labels.shape} do not match")
+            if side is not None and images.shape[1:] != side:
+                raise ValueError(f"{raw}: the test images are {images.shape[1]}x{images.shape[2]}, the training "
+                                 f"images {side[0]}x{side[1]}; the idx files come from different datasets: point "
+                                 "data.source_dir at one MNIST copy")
+            side = images.shape[1:]
             np.save(root / f"{split}.images.npy", images.reshape(len(images), -1, 1))
             np.save(root / f"{split}.labels.npy", labels)
             splits[split] = {"count": int(len(labels)), "labels": label_counts(labels)}
-        side = images.shape[1] * images.shape[2]
-        return splits, {"seq_len": int(side), "d_input": 1, "num_classes": 10}
+        return splits, {"seq_len": int(side[0] * side[1]), "d_input": 1, "num_classes": 10}
 
     def _load(self, root: Path, manifest: dict) -> dict[str, Dataset]:
         check_shapes(self.name, manifest, seq_len=self.seq_len, d_input=self.d_input, num_classes=self.num_classes)

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from longmixer.data.base import SequenceDataModule, label_counts
 from longmixer.data.download import Pin, download, extract, extracted
-from longmixer.data.integrity import SourceFileMissingError
+from longmixer.data.integrity import SourceFileError, SourceFileMissingError
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +55,25 @@ def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     Raises:
         ValueError: the file is not a CIFAR batch, or it references a global a batch never holds.
     """
+    unreadable = (f"{path} is not a readable CIFAR-10 python batch ({{}}); delete the extracted folder and prepare "
+                  "again (the archive is re-checked against its md5)")
     try:
+        # a damaged pickle fails in any of these ways (an opcode's argument cut short or out of range, a memo
+        # index that is not there, a length field read as gigabytes)
         batch = _BatchUnpickler(io.BytesIO(Path(path).read_bytes()), encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as err:
-        raise ValueError(f"{path} is not a readable CIFAR-10 python batch ({err}); delete the extracted folder and "
-                         "prepare again (the archive is re-checked against its md5)") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, LookupError, AttributeError, MemoryError,
+            OverflowError) as err:
+        raise SourceFileError(unreadable.format(f"{type(err).__name__}: {err}")) from None
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise ValueError(f"{path} holds no b'data' / b'labels' dict; is it a cifar-10-batches-py file?")
-    data = np.asarray(batch[b"data"], dtype=np.uint8)
+    try:
+        data = np.asarray(batch[b"data"], dtype=np.uint8)
+        labels = np.asarray(batch[b"labels"], dtype=np.int64)
+    except (ValueError, TypeError, OverflowError, MemoryError) as err:
+        raise SourceFileError(unreadable.format(f"its b'data' or b'labels' is no array of numbers: {err}")) from None
     if data.ndim != 2 or data.shape[1] != 3 * SIDE * SIDE:
         raise ValueError(f"{path}: expected b'data' of shape [N, 3072], got {data.shape}")
     images = data.reshape(-1, 3, SIDE * SIDE).transpose(0, 2, 1)  # [N, 1024, 3]
-    labels = np.asarray(batch[b"labels"], dtype=np.int64)
     if labels.shape != (len(images),) or (labels.size and not 0 <= labels.min() <= labels.max() < 10):
         raise ValueError(f"{path}: expected {len(images)} labels in [0, 10), got shape {labels.shape} with values "
                          f"{labels.min() if labels.size else '-'}..{labels.max() if labels.size else '-'}; is it "
