@@ -83,6 +83,31 @@ def test_numpy_metadata_from_the_upstream_generator_is_read(tmp_path):
     assert entries[-1] == (folder / "imgs/1/sample_9.png", pathfinder_label(N_IMAGES - 1))
 
 
+@pytest.mark.parametrize("damage, match", [
+    pytest.param(lambda path: path.write_bytes(b"imgs/0 sample_0.png 0 \xff\n"), "is not UTF-8 text", id="not-utf8"),
+    pytest.param(lambda path: np.save(path, np.array([["imgs/0", "sample_0.png", "0", "1"]] * 50))
+                 or path.write_bytes(path.read_bytes()[:150]), "is not a readable Pathfinder metadata array",
+                 id="cut-np-save"),
+    pytest.param(lambda path: np.save(path, np.array([{"a": 1}], dtype=object)),
+                 "is not a readable Pathfinder metadata array", id="object-array"),
+    pytest.param(lambda path: np.save(path, np.arange(4)), "is not a readable Pathfinder metadata array",
+                 id="numbers"),
+])
+def test_unreadable_metadata_names_the_file(tmp_path, damage, match):
+    """Metadata that is neither text nor a string array escaped as UnicodeDecodeError, numpy's ValueError without
+    the file, or a TypeError; each is one line naming the file."""
+    from longmixer.data.integrity import SourceFileError
+
+    write_pathfinder_fixture(tmp_path / "raw")
+    folder = tmp_path / "raw" / "pathfinder32" / "curv_contour_length_14"
+    meta = folder / "metadata" / "0.npy"
+    meta.unlink()
+    damage(meta)
+    with pytest.raises(SourceFileError, match=f"{meta} {match}") as caught:
+        read_metadata(folder)
+    assert "\n" not in str(caught.value)
+
+
 def test_path_x_reads_128(tmp_path):
     dm = _module(tmp_path, cls=PathX, resolution=128)
     item = dm.datasets["train"][0]

@@ -26,6 +26,7 @@ from longmixer.data.base import SequenceDataModule, label_counts
 from longmixer.data.download import progress
 from longmixer.data.generators.pathfinder import GENERATOR_VERSION, difficulty_dir, generate_pathfinder
 from longmixer.data.image import GrayPixelDataset, pixel_mode
+from longmixer.data.integrity import SourceFileError
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +51,37 @@ def read_metadata(folder: Path) -> list[tuple[Path, int]]:
                                 "pathfinder32/curv_contour_length_14?")
     entries = []
     for meta in files:
-        with open(meta, "rb") as f:
-            is_array = f.read(len(NPY_MAGIC)) == NPY_MAGIC
-        # the release is text; the upstream generator itself wrote np.save string arrays: accept both
-        rows = np.load(meta, allow_pickle=False).tolist() if is_array else \
-            [line.split() for line in meta.read_text().splitlines() if line.strip()]
+        rows = _metadata_rows(meta)
         for line_no, row in enumerate(rows, start=1):
             if len(row) < 4 or str(row[3]) not in ("0", "1"):
                 raise ValueError(f"{meta}:{line_no}: expected `imgs/<batch> sample_<k>.png <k> <label 0|1> ...`, "
                                  f"got {row!r}")
             entries.append((Path(folder) / str(row[0]) / str(row[1]), int(row[3])))
     return entries
+
+
+def _metadata_rows(meta: Path) -> list:
+    """The rows of one metadata file: text (the release) or an np.save string array (the upstream generator).
+
+    Raises:
+        SourceFileError: neither, naming the file (a cut np.save, an object array, bytes that are not UTF-8).
+    """
+    with open(meta, "rb") as f:
+        is_array = f.read(len(NPY_MAGIC)) == NPY_MAGIC
+    fix = "delete the folder and re-extract or regenerate it"
+    try:
+        if is_array:
+            rows = np.load(meta, allow_pickle=False).tolist()
+            if not isinstance(rows, list) or any(not isinstance(row, (list, tuple)) for row in rows):
+                raise ValueError("not a 2-d array of strings")
+            return rows
+        return [line.split() for line in meta.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as err:
+        raise SourceFileError(f"{meta} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset "
+                              f"{err.start}); Pathfinder metadata is text rows: {fix}") from None
+    except (ValueError, EOFError, OSError) as err:
+        raise SourceFileError(f"{meta} is not a readable Pathfinder metadata array ({' '.join(str(err).split())}); "
+                              f"{fix}") from None
 
 
 def decode_png(path: Path, resolution: int) -> np.ndarray:
