@@ -161,7 +161,5 @@ def test_a_damaged_batch_is_one_line_naming_the_file(tmp_path):
         path.write_bytes(bytes(damaged))
         try:
             read_cifar_batch(path)
-        except SourceFileError as err:
-            assert str(err).startswith(f"{path} is not a readable CIFAR-10 python batch") and "\n" not in str(err)
-        except ValueError as err:
-            assert str(err).startswith(str(path)), err
+        except SourceFileError as err:  # one line naming the file, whichever check refused it
+            assert str(err).startswith(str(path)) and "\n" not in str(err), err

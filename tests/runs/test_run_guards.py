@@ -656,3 +656,16 @@ def test_a_resume_without_metrics_history_warns(compose, tmp_path, monkeypatch, 
     with caplog.at_level("WARNING", logger="longmixer"):
         train(compose(args))
     assert any("holds no rows, but the run resumes at step 3" in r.getMessage() for r in caplog.records)
+
+
+def test_a_damaged_source_file_stops_training_in_one_line(compose, tmp_path):
+    """The readers' errors about a source file are user-facing in training too (they were a traceback there and
+    one line only in scripts/prepare_data.py)."""
+    from longmixer.data.integrity import SourceFileError
+
+    source = tmp_path / "listops-1000"
+    source.mkdir()
+    for split in ("train", "val", "test"):
+        (source / f"basic_{split}.tsv").write_text("Source\tTarget\n")
+    with pytest.raises(SourceFileError, match=r"basic_train\.tsv has a header but no examples"):
+        train(compose(["data=listops", f"data.source_dir={source}", *TINY_TRAINER]))

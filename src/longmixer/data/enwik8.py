@@ -18,7 +18,7 @@ import numpy as np
 
 from longmixer.data.lm_stream import LMDataModule
 from longmixer.data.download import download, extract, extracted
-from longmixer.data.integrity import SourceFileMissingError
+from longmixer.data.integrity import SourceFileError, SourceFileMissingError
 
 ENWIK8_URL = "https://mattmahoney.net/dc/enwik8.zip"  # no checksum published: recorded at first download
 ENWIK8_BYTES = 100_000_000
@@ -28,7 +28,7 @@ SPLIT_BYTES = 5_000_000
 def split_bytes(data: np.ndarray, eval_bytes: int) -> dict[str, np.ndarray]:
     """First len - 2 * eval_bytes to train, the next eval_bytes to val, the last eval_bytes to test."""
     if data.size <= 2 * eval_bytes:
-        raise ValueError(f"the byte file has {data.size} bytes, too few for two evaluation splits of "
+        raise SourceFileError(f"the byte file has {data.size} bytes, too few for two evaluation splits of "
                          f"data.eval_bytes={eval_bytes}")
     n_train = data.size - 2 * eval_bytes
     return {"train": data[:n_train], "val": data[n_train:n_train + eval_bytes], "test": data[n_train + eval_bytes:]}

@@ -159,6 +159,6 @@ def read_utf8_lines(path: Path, what: str, fix: str) -> list[str]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         line, col, byte = locate_bad_utf8(path)
-        raise ValueError(f"{path}:{line}:{col}: byte 0x{byte:02x} is not UTF-8; {what} files are UTF-8 text: "
+        raise SourceFileError(f"{path}:{line}:{col}: byte 0x{byte:02x} is not UTF-8; {what} files are UTF-8 text: "
                          f"{fix}") from None
     return text.splitlines()

@@ -13,7 +13,7 @@ import numpy as np
 from longmixer.data.base import RaggedDataset, SequenceDataModule, label_counts, save_ragged
 from longmixer.data.download import progress
 from longmixer.data.generators.listops import OPERATORS, SHARD, ListOpsSpec, write_tsv_splits
-from longmixer.data.integrity import SourceFileMissingError, read_utf8_lines
+from longmixer.data.integrity import SourceFileError, SourceFileMissingError, read_utf8_lines
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +39,17 @@ def read_tsv(path: Path) -> tuple[list[np.ndarray], list[int]]:
     reader = csv.reader(read_utf8_lines(path, "ListOps", "re-extract the file or regenerate it"), delimiter="\t")
     header = next(reader, None)
     if header is None or [h.strip() for h in header[:2]] != ["Source", "Target"]:
-        raise ValueError(f"{path} is not an LRA ListOps TSV: its header is {header!r}, expected "
+        raise SourceFileError(f"{path} is not an LRA ListOps TSV: its header is {header!r}, expected "
                          "['Source', 'Target']")
     for line_no, row in enumerate(reader, start=2):
         if not any(cell.strip() for cell in row):
             continue  # a blank line (a trailing newline too many): no example
         if len(row) != 2 or not row[1].strip().isdigit() or not 0 <= int(row[1]) <= 9:
-            raise ValueError(f"{path}:{line_no}: expected `<source>\\t<digit 0-9>`, got {row[:2]!r}")
+            raise SourceFileError(f"{path}:{line_no}: expected `<source>\\t<digit 0-9>`, got {row[:2]!r}")
         sequences.append(tokenize(row[0]))
         labels.append(int(row[1]))
     if not sequences:
-        raise ValueError(f"{path} has a header but no examples; the split is empty: re-extract or regenerate it")
+        raise SourceFileError(f"{path} has a header but no examples; the split is empty: re-extract or regenerate it")
     return sequences, labels
 
 

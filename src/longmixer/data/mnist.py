@@ -54,12 +54,12 @@ def read_idx(path: Path) -> np.ndarray:
                               "delete it and prepare again to download it afresh, or correct data.source_dir") from None
     magic = int.from_bytes(data[:4], "big")
     if magic not in (IDX_IMAGES, IDX_LABELS):
-        raise ValueError(f"{path}: idx magic {magic} is neither {IDX_IMAGES} (images) nor {IDX_LABELS} (labels)")
+        raise SourceFileError(f"{path}: idx magic {magic} is neither {IDX_IMAGES} (images) nor {IDX_LABELS} (labels)")
     ndim = magic & 0xFF
     dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
     size = max(len(data) - 4 - 4 * ndim, 0)
     if size != math.prod(dims):
-        raise ValueError(f"{path}: header dims {dims} need {math.prod(dims)} bytes, file has {size}")
+        raise SourceFileError(f"{path}: header dims {dims} need {math.prod(dims)} bytes, file has {size}")
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
@@ -136,9 +136,9 @@ class MNIST(SequenceDataModule):
             images = read_idx(_find(raw, images_stem, self.source_dir is None))
             labels = read_idx(_find(raw, labels_stem, self.source_dir is None)).astype(np.int64)
             if images.ndim != 3 or labels.shape != (images.shape[0],):
-                raise ValueError(f"{raw}: {split} images {images.shape} and labels {labels.shape} do not match")
+                raise SourceFileError(f"{raw}: {split} images {images.shape} and labels {labels.shape} do not match")
             if side is not None and images.shape[1:] != side:
-                raise ValueError(f"{raw}: the test images are {images.shape[1]}x{images.shape[2]}, the training "
+                raise SourceFileError(f"{raw}: the test images are {images.shape[1]}x{images.shape[2]}, the training "
                                  f"images {side[0]}x{side[1]}; the idx files come from different datasets: point "
                                  "data.source_dir at one MNIST copy")
             side = images.shape[1:]

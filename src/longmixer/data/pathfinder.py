@@ -54,7 +54,7 @@ def read_metadata(folder: Path) -> list[tuple[Path, int]]:
         rows = _metadata_rows(meta)
         for line_no, row in enumerate(rows, start=1):
             if len(row) < 4 or str(row[3]) not in ("0", "1"):
-                raise ValueError(f"{meta}:{line_no}: expected `imgs/<batch> sample_<k>.png <k> <label 0|1> ...`, "
+                raise SourceFileError(f"{meta}:{line_no}: expected `imgs/<batch> sample_<k>.png <k> <label 0|1> ...`, "
                                  f"got {row!r}")
             entries.append((Path(folder) / str(row[0]) / str(row[1]), int(row[3])))
     return entries
@@ -94,10 +94,10 @@ def decode_png(path: Path, resolution: int) -> np.ndarray:
         with Image.open(path) as img:
             pixels = np.asarray(img.convert("L"))
     except (UnidentifiedImageError, OSError) as err:
-        raise ValueError(f"{path} is not a readable image ({err}); delete the folder and re-extract or "
+        raise SourceFileError(f"{path} is not a readable image ({err}); delete the folder and re-extract or "
                          "regenerate it") from err
     if pixels.shape != (resolution, resolution):
-        raise ValueError(f"{path} is {pixels.shape[1]}x{pixels.shape[0]}, expected {resolution}x{resolution}; "
+        raise SourceFileError(f"{path} is {pixels.shape[1]}x{pixels.shape[0]}, expected {resolution}x{resolution}; "
                          f"is data.resolution={resolution} right for this folder?")
     return pixels.reshape(-1)
 
@@ -114,7 +114,7 @@ def pack_pathfinder(folder: Path, root: Path, resolution: int, split_seed: int, 
     if len(kept) < len(entries):
         log.warning("skipping %d empty PNG(s) in %s", len(entries) - len(kept), folder)
     if len(kept) < 10:
-        raise ValueError(f"{folder} has {len(kept)} images; at least 10 are needed for an 80/10/10 split")
+        raise SourceFileError(f"{folder} has {len(kept)} images; at least 10 are needed for an 80/10/10 split")
     order = np.random.default_rng(split_seed).permutation(len(kept))
     n_train, n_val = len(kept) * 8 // 10, len(kept) // 10
     bounds = {"train": (0, n_train), "val": (n_train, n_train + n_val), "test": (n_train + n_val, len(kept))}

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from longmixer.data.base import RaggedDataset, SequenceDataModule, label_counts, save_ragged
-from longmixer.data.integrity import SourceFileMissingError, warn_truncated
+from longmixer.data.integrity import SourceFileError, SourceFileMissingError, warn_truncated
 from longmixer.data.text import BYTE_VOCAB, byte_ids, check_vocab
 
 log = logging.getLogger(__name__)
@@ -44,20 +44,20 @@ def read_aan_tsv(path: Path, max_len: int) -> tuple[list[np.ndarray], list[np.nd
                 continue  # a blank line (a trailing newline too many): no example
             cols = line.rstrip(b"\r\n").split(b"\t")
             if len(cols) != 5:
-                raise ValueError(f"{path}:{line_no}: expected 5 tab-separated columns (label, id1, id2, text1, "
+                raise SourceFileError(f"{path}:{line_no}: expected 5 tab-separated columns (label, id1, id2, text1, "
                                  f"text2), got {len(cols)}; the file is truncated or not an AAN pairs TSV")
             try:
                 label = float(cols[0])
             except ValueError:  # not a number: reported below
                 label = -1.0
             if label not in (0.0, 1.0):
-                raise ValueError(f"{path}:{line_no}: label {cols[0].decode(errors='replace')!r} is not 0 or 1")
+                raise SourceFileError(f"{path}:{line_no}: label {cols[0].decode(errors='replace')!r} is not 0 or 1")
             labels.append(int(label))
             docs1.append(byte_ids(cols[3], max_len))
             docs2.append(byte_ids(cols[4], max_len))
             raw_lengths += [len(cols[3]), len(cols[4])]
     if not labels:
-        raise ValueError(f"{path} holds no examples; the split is empty: re-extract the LRA release's tsv_data or "
+        raise SourceFileError(f"{path} holds no examples; the split is empty: re-extract the LRA release's tsv_data or "
                          "point data.source_dir at a complete copy")
     warn_truncated(f"{path.name} documents", np.asarray(raw_lengths), max_len)
     return docs1, docs2, labels

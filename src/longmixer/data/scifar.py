@@ -65,17 +65,17 @@ def read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
             OverflowError) as err:
         raise SourceFileError(unreadable.format(f"{type(err).__name__}: {err}")) from None
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
-        raise ValueError(f"{path} holds no b'data' / b'labels' dict; is it a cifar-10-batches-py file?")
+        raise SourceFileError(f"{path} holds no b'data' / b'labels' dict; is it a cifar-10-batches-py file?")
     try:
         data = np.asarray(batch[b"data"], dtype=np.uint8)
         labels = np.asarray(batch[b"labels"], dtype=np.int64)
     except (ValueError, TypeError, OverflowError, MemoryError) as err:
         raise SourceFileError(unreadable.format(f"its b'data' or b'labels' is no array of numbers: {err}")) from None
     if data.ndim != 2 or data.shape[1] != 3 * SIDE * SIDE:
-        raise ValueError(f"{path}: expected b'data' of shape [N, 3072], got {data.shape}")
+        raise SourceFileError(f"{path}: expected b'data' of shape [N, 3072], got {data.shape}")
     images = data.reshape(-1, 3, SIDE * SIDE).transpose(0, 2, 1)  # [N, 1024, 3]
     if labels.shape != (len(images),) or (labels.size and not 0 <= labels.min() <= labels.max() < 10):
-        raise ValueError(f"{path}: expected {len(images)} labels in [0, 10), got shape {labels.shape} with values "
+        raise SourceFileError(f"{path}: expected {len(images)} labels in [0, 10), got shape {labels.shape} with values "
                          f"{labels.min() if labels.size else '-'}..{labels.max() if labels.size else '-'}; is it "
                          "a CIFAR-10 batch (not CIFAR-100)?")
     return np.ascontiguousarray(images), labels
