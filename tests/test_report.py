@@ -267,6 +267,27 @@ def test_runs_that_differ_in_any_model_data_or_trainer_key_are_separate_groups(t
     assert groups["trainer.max_steps=50"].stats("test/acc") == (pytest.approx(0.1), None, 1)
 
 
+def test_a_repeated_override_key_counts_by_its_last_value(tmp_path):
+    """`model.d_model=-3 ... model.d_model=32` runs with 32: the report grouped it apart from `model.d_model=32` (and
+    the listing showed both values), while the run-dir hash now counts only the last value too."""
+    from longmixer.report.runs import list_runs
+
+    _fake_run(tmp_path, "repeated", ["experiment=mega/listops", "seed=0", "model.d_model=-3", "model.d_model=32"], 0.5)
+    _fake_run(tmp_path, "once", ["experiment=mega/listops", "seed=1", "model.d_model=32"], 0.7, seed=1)
+    _fake_run(tmp_path, "reversed", ["experiment=mega/listops", "seed=0", "model.d_model=32", "model.d_model=64"],
+              0.2)
+    groups = {g.variant: g for g in group_runs(collect_runs(tmp_path))}
+    assert sorted(groups) == ["model.d_model=32", "model.d_model=64"]
+    assert groups["model.d_model=32"].seeds == [0, 1]
+    unfinished = tmp_path / "unfinished"
+    (unfinished / ".hydra").mkdir(parents=True)
+    (unfinished / "config_resolved.yaml").write_text("seed: 2\n")
+    (unfinished / ".hydra" / "overrides.yaml").write_text("- seed=2\n- optim.lr=1e-3\n- optim.lr=2e-3\n")
+    rows = {r["run"]: r["overrides"] for r in list_runs(tmp_path)}
+    assert rows == {"once": "model.d_model=32", "repeated": "model.d_model=32", "reversed": "model.d_model=64",
+                    "unfinished": "optim.lr=2e-3"}
+
+
 def _png(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

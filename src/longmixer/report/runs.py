@@ -17,7 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from longmixer.report.tables import RUN_MARKERS, Group, headline_metric, inside_a_run, load_run, write_csv
+from longmixer.report.tables import (RUN_MARKERS, Group, effective_overrides, headline_metric, inside_a_run, load_run,
+                                     override_key, write_csv)
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,10 @@ def _started_as(run_dir: Path) -> dict:
 
     choices = ((read(run_dir / ".hydra" / "hydra.yaml") or {}).get("hydra", {}).get("runtime", {})
                .get("choices", {})) or {}
-    overrides = read(run_dir / ".hydra" / "overrides.yaml") or []
+    overrides = effective_overrides(read(run_dir / ".hydra" / "overrides.yaml") or [])
     seed = (read(run_dir / "config_resolved.yaml") or {}).get("seed", "")
     named = ("experiment", "model", "data", "seed")
-    rest = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in named]
+    rest = [o for o in overrides if override_key(o) not in named]
     return {"experiment": choices.get("experiment") or "", "model": choices.get("model") or "",
             "data": choices.get("data") or "", "seed": seed, "overrides": " ".join(rest)}
 

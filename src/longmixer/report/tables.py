@@ -83,13 +83,27 @@ def _csv_final_metrics(path: Path) -> dict[str, float]:
     return last
 
 
+def override_key(item: str) -> str:
+    """The key an override sets (`+model.mixer.truncation=8` -> `model.mixer.truncation`, `model@foo=bar` ->
+    `model@foo`)."""
+    return str(item).lstrip("+~").partition("=")[0]
+
+
+def effective_overrides(items) -> list[str]:
+    """The overrides that decide a run's config: of a key given more than once (`model.d_model=-3 ...
+    model.d_model=32`), only the last, which Hydra applies last, so the run is listed and grouped by the value it ran
+    with (as the run-dir hash counts it: utils/resolvers.py). Order otherwise kept."""
+    last = {override_key(item): i for i, item in enumerate(items)}
+    return [str(item) for i, item in enumerate(items) if last[override_key(item)] == i]
+
+
 def _split_overrides(run_dir: Path) -> tuple[str | None, str]:
     """(ablation choice, the other result-changing overrides joined) from `<run dir>/.hydra/overrides.yaml`."""
     path = run_dir / ".hydra" / "overrides.yaml"
     if not path.exists():
         return None, ""
     ablation, rest = None, []
-    for item in yaml.safe_load(path.read_text()) or []:
+    for item in effective_overrides(yaml.safe_load(path.read_text()) or []):
         key, _, value = str(item).lstrip("+~").partition("=")
         if key == "ablation":
             ablation = value

@@ -25,12 +25,15 @@ def _canonical(value):
 def _run_hash(overrides, exclude_keys) -> str:
     """A short stable hash of the command-line overrides that change results: the same command maps to the same
     run dir. Each override is parsed (Hydra's grammar) and its value normalized before hashing, so `optim.lr=2e-3`
-    and `optim.lr=0.002` share a run dir; keys in `exclude_keys` (and keys under them) are left out."""
+    and `optim.lr=0.002` share a run dir; keys in `exclude_keys` (and keys under them) are left out. A key given
+    more than once counts by its last override, the one Hydra applies last and so the value the run gets
+    (`X=a X=b` is `X=b`, not `X=b X=a`). A command line without a repeated key hashes as it always has, so existing
+    run dirs stay where their commands find them (tests/utils/test_resolvers.py pins two hashes)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     excluded = [str(k) for k in (exclude_keys or [])]
     parser = OverridesParser.create()
-    items = []
+    items: dict[str, str] = {}
     for text in overrides or []:
         override = parser.parse_override(str(text))
         key = override.key_or_group
@@ -38,8 +41,9 @@ def _run_hash(overrides, exclude_keys) -> str:
             continue
         prefix = "~" if override.is_delete() else "++" if override.is_force_add() else "+" if override.is_add() else ""
         value = None if override.is_delete() and override.value() is None else _canonical(override.value())
-        items.append(f"{prefix}{key}={json.dumps(value, sort_keys=True)}")
-    return "default" if not items else hashlib.sha1("\n".join(sorted(items)).encode()).hexdigest()[:10]
+        items[f"{key}@{override.package}" if override.package else key] = \
+            f"{prefix}{key}={json.dumps(value, sort_keys=True)}"
+    return "default" if not items else hashlib.sha1("\n".join(sorted(items.values())).encode()).hexdigest()[:10]
 
 
 def _run_name(experiment, model, data) -> str:
