@@ -250,8 +250,47 @@ def test_impossible_values_fail_with_the_key(compose, override, message):
 
 
 @pytest.mark.parametrize("override, message", [
+    ("model.d_model=abc", r"^model.d_model='abc' must be a whole number \(SequenceModel takes d_model: int\)$"),
+    ("model.dropout=abc", r"^model.dropout='abc' must be a number \(SequenceModel takes dropout: float\)$"),
+    ("model.n_layers=2.5", r"^model.n_layers=2.5 must be a whole number"),
+    ("model.d_model=64.0", r"^model.d_model=64.0 must be a whole number"),
+    ("model.prenorm=yes", r"^model.prenorm='yes' must be true or false \(SequenceModel takes prenorm: bool\)$"),
+    ("model.mixer.hidden_dropout=none", r"^model.mixer.hidden_dropout='none' must be a number \(CHELA takes"),
+    ("model.d_ffn=-3", r"^model.d_ffn=-3: a size of the model must be >= 1 or null \(SequenceModel takes d_ffn: "
+                       r"int \| None\)$"),
+    ("model.d_model=0", r"^model.d_model=0: a size of the model must be >= 1 \(SequenceModel"),
+    ("model.mixer.n_heads=0", r"^model.mixer.n_heads=0: a size of the model must be >= 1 \(CHELA takes n_heads"),
+    ("model=mega model.mixer.zdim=-3", r"^model.mixer.zdim=-3: a size of the model must be >= 1 \(MEGA"),
+    ("model=seqboat model.mixer.window=0", r"^model.mixer.window=0: a size of the model must be >= 1 or null"),
+    ("scheduler.warmup_steps=abc", r"^scheduler.warmup_steps='abc' must be a whole number \(LinearDecay takes"),
+    ("scheduler.warmup_steps=-1", r"^scheduler \(LinearDecay\): scheduler.warmup_steps=-1 must be >= 0$"),
+    ("scheduler=plateau ~scheduler.warmup_steps scheduler.factor=2", r"^scheduler \(Plateau\): scheduler.factor=2 must be in \(0, 1\)$"),
+    ("scheduler=inverse_sqrt scheduler.warmup_steps=0", r"^scheduler \(InverseSqrtDecay\): .*must be >= 1"),
+    ("trainer.val_check_interval=0", r"^trainer.val_check_interval=0 must be > 0"),
+    ("trainer.val_check_interval=-0.5", r"^trainer.val_check_interval=-0.5 must be > 0"),
+    ("trainer.enable_progress_bar=3", r"^trainer.enable_progress_bar=3 must be true or false or null \(Trainer"),
+])
+def test_a_value_its_constructor_cannot_take_fails_with_the_key(compose, override, message):
+    """Values that reached the constructors (or, for the scheduler, Lightning's fit) and failed there with a
+    traceback naming no key: `'<' not supported between str and int`, `float cannot be interpreted as an integer`,
+    `Trying to create tensor with negative dimension -3`, a ZeroDivisionError inside Lightning. The check reads each
+    `_target_`'s annotations, so it covers every family's keys."""
+    cfg = compose(override.split())
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg)
+
+
+@pytest.mark.parametrize("override", ["model.d_ffn=null", "model=seqboat model.mixer.window=null", "model.dropout=0",
+                                      "trainer.val_check_interval=0.5", "trainer.gradient_clip_val=1",
+                                      "trainer.enable_progress_bar=false", "scheduler.warmup_steps=0"])
+def test_values_the_constructors_take_pass_the_type_checks(compose, override):
+    validate_config(compose(override.split()))
+
+
+@pytest.mark.parametrize("override, message", [
     ("data.batch_size=0", r"^data \(GeneratedListOps\): data.batch_size=0 must be >= 1 \(raised at base.py:\d+\)$"),
-    ("model.d_model=-3", r"^model \(SequenceModel\): .*model.d_model=-3 must be >= 1 \(raised at backbone.py:\d+\)$"),
+    ("model.mixer.n_heads=3", r"^model \(SequenceModel\): model.mixer.n_heads=3 must divide model.d_model=64 "
+                              r"\(raised at chela.py:\d+\)$"),
     ("model.dropout=2", r"^model \(SequenceModel\): dropout probability has to be between 0 and 1, but got 2"),
     ("trainer.max_epochs=-5", r"^trainer \(Trainer\): `max_epochs` must be a non-negative integer or -1"),
 ])
@@ -278,6 +317,7 @@ def _raise_user_facing(**_):
     ({"_target_": "json.dumps", "obj": 1, "not_a_kw": 2}, "JSONEncoder.__init__()"),  # a TypeError deeper down
     ({"_target_": "json.JSONEncoder", "bogus": 1}, "ConfigError"),  # an argument of the target's own signature
     ({"_target_": "tests.test_configs._raise_user_facing"}, "UserFacingError"),  # ours: raised as it is
+    ({"_target_": "torch.nn.Linear", "in_features": 4, "out_features": -3}, "ConfigError"),  # a negative width
 ])
 def test_which_constructor_errors_become_config_errors(node, kind):
     from omegaconf import OmegaConf
@@ -287,7 +327,11 @@ def test_which_constructor_errors_become_config_errors(node, kind):
 
     with pytest.raises(Exception) as info:
         instantiate_node(OmegaConf.create(node))
-    if kind == "ConfigError":
+    if kind == "ConfigError" and node["_target_"] == "torch.nn.Linear":
+        assert type(info.value) is ConfigError
+        assert str(info.value).startswith("config (Linear): Trying to create tensor with negative dimension -3: "
+                                          "[-3, 4]; config.out_features=-3: a size must be >= 1 (raised at ")
+    elif kind == "ConfigError":
         assert type(info.value) is ConfigError
         assert str(info.value).startswith("config (JSONEncoder): JSONEncoder.__init__() got an unexpected keyword "
                                           "argument 'bogus'")

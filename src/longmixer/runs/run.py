@@ -24,10 +24,11 @@ log = logging.getLogger("longmixer")
 def instantiate_node(node: DictConfig, **kwargs) -> Any:
     """`hydra.utils.instantiate`, with a constructor's refusal of a setting raised as a ConfigError that names the
     config key and the class in one line (the entry points print it and exit 2, as for the checks on the composed
-    config): a ValueError or Lightning's MisconfigurationException, or a TypeError about an argument of the target's
-    own signature. The line says where it was raised; the whole traceback is logged at DEBUG (at ERROR with
-    HYDRA_FULL_ERROR=1). Other errors keep Hydra's error and traceback. An error of ours that a user fixes
-    (`UserFacingError`) is raised as it is."""
+    config): a ValueError or Lightning's MisconfigurationException, a TypeError about an argument of the target's
+    own signature, or torch's RuntimeError for a tensor of negative size (a width the checks on the composed config
+    do not know; the line names the node's keys that hold that size). The line says where it was raised; the whole
+    traceback is logged at DEBUG (at ERROR with HYDRA_FULL_ERROR=1). Other errors keep Hydra's error and traceback.
+    An error of ours that a user fixes (`UserFacingError`) is raised as it is."""
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
@@ -38,9 +39,10 @@ def instantiate_node(node: DictConfig, **kwargs) -> Any:
             raise cause from None
         target = re.search(r"Error in call to target '([^']+)'", str(err))
         name = target.group(1).rsplit(".", 1)[-1] if target else ""
+        negative = re.search(r"negative dimension (-\d+)", str(cause)) if isinstance(cause, RuntimeError) else None
         refused = isinstance(cause, ValueError) or type(cause).__name__ == "MisconfigurationException" or (
             isinstance(cause, TypeError) and bool(name) and str(cause).startswith((f"{name}.__init__()", f"{name}()"))
-            and re.search(r"unexpected keyword argument|missing \d+ required", str(cause)) is not None)
+            and re.search(r"unexpected keyword argument|missing \d+ required", str(cause)) is not None) or bool(negative)
         if not refused:
             raise
         trace = "".join(traceback.format_exception(cause))
@@ -50,7 +52,29 @@ def instantiate_node(node: DictConfig, **kwargs) -> Any:
         key = "model" + key[len("task.model"):] if key.startswith("task.model") else key  # task.model is ${model}
         frame = traceback.extract_tb(cause.__traceback__)[-1] if cause.__traceback__ else None
         at = f" (raised at {Path(frame.filename).name}:{frame.lineno})" if frame else ""
-        raise ConfigError(f"{key} ({name}): {' '.join(str(cause).split())}{at}") from err
+        sizes = _keys_holding(node, int(negative.group(1)), key) if negative else []
+        fix = f"; {' or '.join(sizes)}: a size must be >= 1" if sizes else ""
+        raise ConfigError(f"{key} ({name}): {' '.join(str(cause).split())}{fix}{at}") from err
+
+
+def _keys_holding(node: DictConfig, value: int, prefix: str) -> list[str]:
+    """`<key>=<value>` for each key under `node` whose resolved value is the int `value` (the candidates for the
+    negative size torch names without its key)."""
+    found = []
+    try:
+        container = OmegaConf.to_container(node, resolve=True, throw_on_missing=False)
+    except Exception:  # noqa: BLE001 - an interpolation that resolves only inside a run: the line goes without keys
+        return found
+
+    def walk(item, path):
+        if isinstance(item, dict):
+            for k, v in item.items():
+                walk(v, f"{path}.{k}")
+        elif isinstance(item, int) and not isinstance(item, bool) and item == value:
+            found.append(f"{path}={value}")
+
+    walk(container, prefix)
+    return found
 
 
 def instantiate_group(group: DictConfig | None, what: str) -> list[Any]:

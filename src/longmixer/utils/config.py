@@ -7,6 +7,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import types
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,22 +46,80 @@ def locate(target: str):
         raise ConfigError(f"_target_ {target!r} cannot be imported: {err}") from err
 
 
-def accepted_parameters(target) -> tuple[set[str], bool]:
-    """Names `target` accepts, following **kwargs up the class hierarchy; the flag says whether any name is
-    accepted (a **kwargs that reaches no named parameters)."""
-    names: set[str] = set()
+def _signature(fn) -> inspect.Signature:
+    """`fn`'s signature with its annotations evaluated where they can be (postponed ones are strings; one that names
+    a type imported only for type checkers stays a string, which `_scalar_kinds` reads as far as it can)."""
+    try:
+        return inspect.signature(fn, eval_str=True)
+    except Exception:  # noqa: BLE001 - any failure to evaluate an annotation: the unevaluated signature is enough
+        return inspect.signature(fn)
+
+
+def target_parameters(target) -> tuple[dict[str, inspect.Parameter], bool]:
+    """The parameters `target` accepts by name, following **kwargs up the class hierarchy (a subclass's own
+    declaration of a name wins); the flag says whether any name is accepted (a **kwargs that reaches no named
+    parameters)."""
+    params: dict[str, inspect.Parameter] = {}
     classes = inspect.getmro(target) if inspect.isclass(target) else (None,)
     for cls in classes:
         fn = target if cls is None else cls.__dict__.get("__init__")
         if fn is None:
             continue
-        params = inspect.signature(fn).parameters.values()
-        names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
-        if not any(p.kind == p.VAR_KEYWORD for p in params):
-            return names, False
+        own = _signature(fn).parameters.values()
+        for p in own:
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self":
+                params.setdefault(p.name, p)
+        if not any(p.kind == p.VAR_KEYWORD for p in own):
+            return params, False
         if cls is None or cls is object:
-            return names, True
-    return names, True
+            return params, True
+    return params, True
+
+
+def accepted_parameters(target) -> tuple[set[str], bool]:
+    """Names `target` accepts and whether it accepts any name (`target_parameters`)."""
+    params, open_ended = target_parameters(target)
+    return set(params), open_ended
+
+
+_SCALARS = {int: "int", float: "float", bool: "bool", str: "str", type(None): "None"}
+
+
+def _scalar_kinds(annotation) -> frozenset[str] | None:
+    """The scalar types an annotation is made of (`int | None` -> {int, None}), or None where it also allows
+    something else (a list, a module, a callable, a Literal, Any) or none is written: such a parameter's value is
+    not checked here."""
+    if annotation is inspect.Parameter.empty:
+        return None
+    if isinstance(annotation, str):  # not evaluable: read `a | b` of builtin names, nothing else
+        atoms = [a.strip() for a in annotation.split("|")]
+        return frozenset(atoms) if all(a in _SCALARS.values() for a in atoms) else None
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        kinds = [_scalar_kinds(a) for a in typing.get_args(annotation)]
+        return None if any(k is None for k in kinds) else frozenset().union(*kinds)
+    return frozenset((_SCALARS[annotation],)) if annotation in _SCALARS else None
+
+
+def _type_problem(value, kinds: frozenset[str]) -> str | None:
+    """What a scalar value's type lacks for a parameter of `kinds` (None where it fits or is not checked). An int
+    parameter takes no float (64.0 and 1e5 reach `range`, `nn.Linear` and Lightning as floats) and no string; a
+    float one takes any number; a bool one takes only true or false (a string or number would be truthy)."""
+    if value is None or "str" in kinds:
+        return None
+    if isinstance(value, bool):
+        fits = "bool" in kinds
+    elif isinstance(value, int):
+        fits = bool(kinds & {"int", "float"})
+    elif isinstance(value, float):
+        fits = "float" in kinds
+    else:
+        fits = not kinds & {"int", "float", "bool"}
+    if fits:
+        return None
+    wants = [w for k, w in (("int", "a whole number"), ("float", "a number"), ("bool", "true or false")) if k in kinds]
+    if "int" in kinds and "float" in kinds:
+        wants.remove("a whole number")
+    return " or ".join(wants + (["null"] if "None" in kinds else []))
 
 
 def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
@@ -82,6 +142,12 @@ INTEGER_KEYS = ("trainer.max_steps", "trainer.max_epochs", "trainer.min_steps", 
                 "trainer.check_val_every_n_epoch", "trainer.log_every_n_steps", "data.batch_size", "data.seq_len")
 NUMBER_KEYS = ("optim.weight_decay", "trainer.gradient_clip_val", "trainer.val_check_interval",
                "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.limit_test_batches")
+# the model's sizes (its own and its mixer's): a count or width below 1 reaches a constructor as a tensor of negative
+# size, a division by zero or a model that builds and then fails in the first step; null stays where the parameter
+# takes None (a size that is off: `d_ffn`, `window`, `chunk_size`, ...)
+SIZE_KEYS = ("d_model", "n_layers", "d_ffn", "d_classifier", "max_len", "n_heads", "zdim", "hdim", "ndim", "d_qk",
+             "d_v", "ema_ndim", "s4d_state", "n_codes", "chunk_size", "window", "truncation", "kernel_len",
+             "pool_size")
 
 
 def _number(cfg: DictConfig, key: str, kind: type) -> float | int | None:
@@ -117,14 +183,69 @@ def validate_config(cfg: DictConfig) -> None:
         _number(cfg, key, int)
     for key in NUMBER_KEYS:
         _number(cfg, key, float)
+    interval = OmegaConf.select(cfg, "trainer.val_check_interval")
+    if interval is not None and not interval > 0:
+        raise ConfigError(f"trainer.val_check_interval={interval!r} must be > 0: a number of training batches (e.g. "
+                          "1000) or a fraction of the epoch (e.g. 0.5)")
     for path, node in _targets(cfg, ""):
         if path.startswith("hydra"):
             continue
-        target = locate(node["_target_"])
-        names, open_ended = accepted_parameters(target)
-        if open_ended:
+        _check_target_keys(path, node)
+    _check_scheduler(cfg)
+
+
+def _check_target_keys(path: str, node: DictConfig) -> None:
+    """Every key of a `_target_` node is a parameter of the target, its value (where written in this node, not
+    interpolated) of the type the parameter's annotation allows, and a model size >= 1."""
+    target = locate(node["_target_"])
+    params, open_ended = target_parameters(target)
+    name = node["_target_"].rsplit(".", 1)[-1]
+    for key in node.keys():
+        if key in HYDRA_KEYS:
             continue
-        for key in node.keys():
-            if key not in HYDRA_KEYS and key not in names:
-                raise ConfigError(f"unknown key {path}.{key}{_suggest(key, names)} for {node['_target_']}; "
-                                  f"allowed: {sorted(names)}")
+        if key not in params:
+            if open_ended:
+                continue
+            raise ConfigError(f"unknown key {path}.{key}{_suggest(key, params)} for {node['_target_']}; "
+                              f"allowed: {sorted(params)}")
+        if OmegaConf.is_interpolation(node, key) or OmegaConf.is_missing(node, key):
+            continue  # checked where its value is written
+        value = node[key]
+        if isinstance(value, (DictConfig, ListConfig)):
+            continue
+        kinds = _scalar_kinds(params[key].annotation)
+        want = kinds and _type_problem(value, kinds)
+        if want:
+            shown = " | ".join(k for k in _SCALARS.values() if k in kinds)
+            raise ConfigError(f"{path}.{key}={value!r} must be {want} ({name} takes {key}: {shown})")
+        if (path == "model" or path.startswith("model.")) and key in SIZE_KEYS and isinstance(value, int) \
+                and not isinstance(value, bool) and value < 1:
+            null = " or null" if kinds and "None" in kinds else ""
+            raise ConfigError(f"{path}.{key}={value}: a size of the model must be >= 1{null} ({name} takes "
+                              f"{key}: {' | '.join(k for k in _SCALARS.values() if k in kinds) if kinds else 'int'})")
+
+
+def _check_scheduler(cfg: DictConfig) -> None:
+    """Build the schedule once on a stand-in optimizer, so that a value its constructor refuses
+    (`scheduler.warmup_steps=-1`, `scheduler.factor=2`) stops here with the key: the task builds it only inside
+    Lightning's fit, where the refusal came as a traceback."""
+    node = cfg.get("scheduler")
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        return
+    import torch
+    from hydra.utils import instantiate
+
+    name = node["_target_"].rsplit(".", 1)[-1]
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        schedule = instantiate(node)
+        schedule(optimizer, total_steps=max(int(OmegaConf.select(cfg, "trainer.max_steps") or 1), 1))
+    except UserFacingError:
+        raise
+    except Exception as err:  # noqa: BLE001 - hydra wraps the constructor's error; its own message names the key
+        cause = err
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        if not isinstance(cause, (ValueError, TypeError)):
+            raise
+        raise ConfigError(f"scheduler ({name}): {' '.join(str(cause).split())}") from err
