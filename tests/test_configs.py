@@ -218,6 +218,75 @@ def test_train_refuses_a_task_mode_under_optuna_in_one_line(monkeypatch, capsys)
     assert err.startswith("error: task.mode=best: task.mode is the monitored metric's direction") and "Trace" not in err
 
 
+def _shown(argv, capsys, job_name="train") -> str:
+    from longmixer.utils.compose import show_config
+
+    assert show_config(argv, job_name=job_name)
+    return capsys.readouterr().out
+
+
+def test_cfg_job_and_all_print_the_config_with_the_mixer_blocks_applied(capsys):
+    """Hydra's `--cfg` printed its composed config, before the recipe's and the ablation's `mixers.<name>` blocks
+    reach `model.mixer`: `experiment=chela/text ablation=chela/ema --cfg job` showed `conv: short_long` for a run
+    that uses `ema` (and a `mixers:` node the run does not have)."""
+    import yaml
+
+    argv = ["experiment=chela/text", "ablation=chela/ema"]
+    job = yaml.safe_load(_shown([*argv, "--cfg", "job"], capsys))
+    assert job["model"]["mixer"]["conv"] == "ema" and "mixers" not in job and "hydra" not in job
+    everything = yaml.safe_load(_shown(["-c", "all", *argv], capsys))
+    assert everything["model"]["mixer"]["conv"] == "ema" and everything["hydra"]["job"]["name"] == "train"
+    assert everything["hydra"]["runtime"]["config_sources"][1] == {"path": "longmixer.configs", "schema": "pkg",
+                                                                   "provider": "main"}
+    package = _shown([*argv, "--cfg=job", "--package", "model.mixer"], capsys)
+    assert package.startswith("# @package model.mixer\n") and yaml.safe_load(package)["conv"] == "ema"
+    resolved = yaml.safe_load(_shown([*argv, "--cfg", "job", "--resolve", "-p", "model"], capsys))
+    assert resolved["mixer"]["max_len"] == 4096 and resolved["mixer"]["conv"] == "ema"
+    assert _shown([*argv, "--cfg", "job", "-p", "seed"], capsys) == "0\n"
+
+
+def test_help_shows_the_config_the_run_uses(capsys):
+    text = _shown(["experiment=chela/text", "ablation=chela/ema", "--help"], capsys, job_name="evaluate")
+    assert text.startswith("evaluate is powered by Hydra.") and "== Configuration groups ==" in text
+    assert "ablation/chela: ema, longconv, s4d" in text and "conv: ema" in text and "short_long" not in text
+    assert "mixers:" not in text
+
+
+@pytest.mark.parametrize("argv", [["seed=1"], ["--cfg", "hydra"], ["-m", "--cfg", "job"], ["--info", "defaults"],
+                                  ["--hydra-help"], ["model=nope", "--cfg", "job"]])
+def test_other_commands_are_left_to_hydra(argv):
+    """A run, Hydra's own prints and a command line that does not compose (Hydra refuses it in its words) go on to
+    Hydra."""
+    from longmixer.utils.compose import show_config
+
+    assert not show_config(argv)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cfg", "job", "-cd", "/tmp"], "error: -cd: --cfg and --help print the packaged configs"),
+    (["--cfg", "job", "-p", "model.nope"], "error: --package model.nope: no such key in the config"),
+    (["--cfg", "job", "experiment=las/listops", "ablation=chela/ema"], "error: ablation=chela/ema belongs to another"),
+])
+def test_a_config_print_that_cannot_be_faithful_is_refused(argv, message, capsys):
+    from longmixer.utils.compose import show_config
+
+    with pytest.raises(SystemExit) as exit_info:
+        show_config(argv)
+    assert exit_info.value.code == 2 and capsys.readouterr().err.startswith(message)
+
+
+@pytest.mark.parametrize("entry", ["train", "evaluate"])
+def test_entry_points_print_the_config_before_hydra_and_exit_0(entry, monkeypatch, capsys):
+    import importlib
+
+    module = importlib.import_module(f"longmixer.{entry}")
+    monkeypatch.setattr("sys.argv", [f"/x/longmixer/{entry}.py", "experiment=chela/text", "ablation=chela/ema",
+                                     "--cfg", "job", "-p", "model.mixer.conv"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 0 and capsys.readouterr().out == "ema\n"
+
+
 def test_missing_group_option_lists_choices(compose):
     with pytest.raises(ConfigCompositionException, match="transformer"):
         compose(["model=transfomer"])

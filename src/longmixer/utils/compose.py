@@ -16,11 +16,12 @@ the recipe, and must name the chosen model's family.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from longmixer.utils.errors import UserFacingError
 
@@ -108,10 +109,120 @@ def task_mode_choice(argv: Sequence[str]) -> str | None:
 def refuse_before_hydra(argv: Sequence[str]) -> None:
     """Exit with status 2 before Hydra starts where the command line chooses null for a config group
     (`null_group_choices`) or an impossible `task.mode` (`task_mode_choice`); the train and evaluate entry points.
-    Logging is not configured yet, so the message goes to stderr as is."""
+    Logging is not configured yet, so the message goes to stderr as is. A command line that only asks for the config
+    (`--cfg job|all`, `--help`) is answered here, with the mixer blocks applied (`show_config`), and exits 0."""
     if problem := null_group_choices(argv) or task_mode_choice(argv):
         sys.stderr.write(f"error: {problem}\n")
         raise SystemExit(2)
+    if show_config(argv):
+        raise SystemExit(0)
+
+
+# Hydra's flags that take a value (`--cfg job`), those after which another Hydra command runs (not a config
+# print) and those that choose other configs than the packaged ones, which `show_config` does not compose.
+_VALUE_FLAGS = {"--cfg": "cfg", "-c": "cfg", "--package": "package", "-p": "package", "--config-path": "config",
+                "-cp": "config", "--config-name": "config", "-cn": "config", "--config-dir": "config",
+                "-cd": "config", "--info": "other", "-i": "other", "--shell-completion": "other", "-sc": "other",
+                "--experimental-rerun": "other"}
+_OTHER_FLAGS = ("--hydra-help", "--version", "-m", "--multirun", "-r", "--run")
+
+
+def _config_request(argv: Sequence[str]) -> dict | None:
+    """What a command line asks to print: `{"what": "job" | "all" | "help", "package", "resolve", "overrides",
+    "config": the flag choosing other configs or None}`, or None where it asks for something else (a run, a sweep,
+    `--cfg hydra`, Hydra's own help or info)."""
+    flags: dict[str, str | None] = {}
+    overrides, args = [], list(argv)
+    while args:
+        arg = args.pop(0)
+        name, eq, value = arg.partition("=")
+        if name in _VALUE_FLAGS:
+            flags.setdefault(_VALUE_FLAGS[name], arg if _VALUE_FLAGS[name] == "config" else
+                             (value if eq else args.pop(0) if args and not args[0].startswith("-") else None))
+        elif arg in _OTHER_FLAGS:
+            flags["other"] = arg
+        elif arg in ("-h", "--help"):
+            flags["help"] = arg
+        elif arg == "--resolve":
+            flags["resolve"] = arg
+        elif not arg.startswith("-"):
+            overrides.append(arg)
+    # Hydra answers --help before anything else; --cfg hydra and the other commands are Hydra's own
+    what = "help" if "help" in flags else flags.get("cfg") if "other" not in flags else None
+    if what not in ("job", "all", "help"):
+        return None
+    return {"what": what, "package": flags.get("package"), "resolve": "resolve" in flags, "overrides": overrides,
+            "config": flags.get("config")}
+
+
+def show_config(argv: Sequence[str], job_name: str | None = None) -> bool:
+    """Print what `--cfg job`, `--cfg all` (`-c`, with `--package` and `--resolve`) or `--help` asks for, as the run
+    would use it: Hydra prints its composed config, before `apply_mixer_blocks` has merged the recipe's and the
+    ablation's `mixers.<name>` blocks into `model.mixer`, so `experiment=chela/text ablation=chela/ema --cfg job`
+    showed `conv: short_long` for a run that uses `ema`. The output is otherwise Hydra's (its help template, its
+    `# @package` line).
+
+    Args:
+        argv: the command line after the program name.
+        job_name: Hydra's job name (its help's first line, `hydra.job.name`); None: the entry point's module
+            (`train` for `python -m longmixer.train` and `longmixer-train`).
+
+    Returns:
+        True where it printed the answer (the caller exits 0), False where the command line asks for something else.
+        A command line that does not compose returns False too: Hydra then refuses it with its own message.
+
+    Raises:
+        SystemExit(2): with `--config-dir`, `--config-path` or `--config-name`, which choose configs this print does
+            not compose (Hydra's print would not apply the mixer blocks either); with `--package` of a key the
+            config does not have; for mixer blocks that cannot apply (`RecipeError`, which the run stops on).
+    """
+    request = _config_request(argv)
+    if request is None:
+        return False
+    if request["config"]:
+        sys.stderr.write(f"error: {request['config']}: --cfg and --help print the packaged configs "
+                         f"({CONFIG_DIR}) with the recipe's mixer blocks applied, and cannot follow another config "
+                         "dir or name; leave the flag out, or add the config to that tree\n")
+        raise SystemExit(2)
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    name = job_name or Path(sys.argv[0]).stem.removeprefix("longmixer-")
+    try:
+        with _composing(request["overrides"], None, name) as cfg:
+            HydraConfig.instance().set_config(cfg)  # `--resolve` reads ${hydra:...}
+            text = _config_text(cfg, request)
+    except RecipeError as err:  # the run would stop on it too: say so rather than print a config that never runs
+        sys.stderr.write(f"error: {err}\n")
+        raise SystemExit(2) from None
+    except (HydraException, OmegaConfBaseException):
+        return False
+    sys.stdout.write(text)
+    return True
+
+
+def _config_text(cfg: DictConfig, request: dict) -> str:
+    """The text Hydra's `--cfg` or `--help` prints for `cfg` (a composed config with its `hydra` node)."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.global_hydra import GlobalHydra
+
+    what, package, resolve = request["what"], request["package"], request["resolve"]
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    if what == "help":  # Hydra's own help builder (its template, groups and flags), given the merged config
+        hydra = GlobalHydra.instance().hydra
+        return hydra.get_help(cfg.hydra.help, job, get_args_parser(), resolve=resolve) + "\n"
+    shown = job if what == "job" else cfg
+    if package not in (None, "_global_"):
+        shown = OmegaConf.select(shown, package)
+        if shown is None:
+            sys.stderr.write(f"error: --package {package}: no such key in the config\n")
+            raise SystemExit(2)
+    if not isinstance(shown, (DictConfig, ListConfig)):
+        return f"{shown}\n"
+    if resolve:
+        OmegaConf.resolve(shown)
+    return (f"# @package {package}\n" if package not in (None, "_global_") else "") + OmegaConf.to_yaml(shown)
 
 
 def family_of(model: str) -> str:
@@ -246,18 +357,31 @@ def compose(overrides: Sequence[str] = (), *, config_dir: str = CONFIG_DIR, hydr
         config_dir: the config directory (tests point it at a copy).
         hydra_config: keep the `hydra` node (needed to register a HydraConfig for an in-process `train()`).
     """
+    with _composing(overrides, config_dir) as cfg:
+        if not hydra_config:
+            with open_dict(cfg):
+                del cfg["hydra"]
+    return cfg
+
+
+@contextmanager
+def _composing(overrides: Sequence[str], config_dir: str | None, job_name: str | None = None) -> Iterator[DictConfig]:
+    """`compose`'s config with its `hydra` node, inside Hydra's compose context (where `GlobalHydra` lists the
+    config groups for `--help`). `config_dir=None`: the packaged configs as the entry points' `hydra.main` finds
+    them (`CONFIG_SEARCH_PATH`, which `hydra.runtime.config_sources` records)."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import initialize_config_dir, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
     from longmixer.utils.resolvers import register_resolvers
 
     register_resolvers()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+    job_name = job_name or "app"  # Hydra's compose API's name
+    initialize = (initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name=job_name) if config_dir
+                  else initialize_config_module(CONFIG_SEARCH_PATH.removeprefix("pkg://"), version_base="1.3",
+                                                job_name=job_name))
+    with initialize:
         cfg = hydra_compose("train", overrides=list(overrides), return_hydra_config=True)
-    apply_mixer_blocks(cfg, dict(cfg.hydra.runtime.choices), overrides)
-    if not hydra_config:
-        with open_dict(cfg):
-            del cfg["hydra"]
-    return cfg
+        apply_mixer_blocks(cfg, dict(cfg.hydra.runtime.choices), overrides)
+        yield cfg
