@@ -154,6 +154,10 @@ def test_wandb_summary_and_overrides_fill_a_run(tiny_runs, tmp_path):
     (run.parent / "config_resolved.yaml").write_text("seed: 0\n")  # a stray marker above the run hides nothing
     assert [r.run_dir for r in collect_runs(tmp_path / "runs")] == [run]
     assert (loaded.ablation, loaded.variant) == ("seqboat/gumbel", "optim.lr=0.01")
+    # a run that is not "finished" (untested, stopped by its budget, a fast_dev_run) is no result of a paper cell
+    for status in ("trained, not tested (test=false)", "stopped at trainer.max_time", "fast_dev_run (debug)"):
+        (run / "results.json").write_text(json.dumps({**results, "status": status}))
+        assert collect_runs(tmp_path / "runs") == []
 
 
 @pytest.mark.xdist_group("report")

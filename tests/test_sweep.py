@@ -131,6 +131,17 @@ def test_runs_cli_marks_unfinished_runs_and_refuses_a_missing_dir(tmp_path, caps
                                       "overrides": "optim.lr=0.003", "best": "", "test": ""}
     assert list(rows[0]) == list(rows[1])
     assert (tmp_path / "runs.csv").read_text().startswith("run,status,experiment,model,data,seed,overrides,best,test")
+    # how a run's last attempt ended (run_info.json), a results.json that is not "finished", one that is damaged
+    (killed / "run_info.json").write_text(json.dumps({"attempts": [{"ended": "failed: TrainingDivergedError: x"}]}))
+    untested = tmp_path / "runs" / "c"
+    untested.mkdir()
+    (untested / "results.json").write_text(json.dumps({"metrics": {}, "seed": 0, "status": "trained, not tested"}))
+    damaged = tmp_path / "runs" / "d"
+    damaged.mkdir()
+    (damaged / "results.json").write_text('{"metrics": ')
+    rows = runs_cli.main(["--runs", str(tmp_path / "runs")])
+    assert [r["status"] for r in rows] == ["unfinished (failed: TrainingDivergedError: x)", "finished",
+                                           "trained, not tested", "unreadable results.json (JSONDecodeError)"]
     with pytest.raises(SystemExit) as exit_info:
         runs_cli.main(["--runs", str(tmp_path / "missing")])
     assert exit_info.value.code == 2 and "error: --runs=" in capsys.readouterr().err

@@ -5,7 +5,9 @@
     longmixer-runs ...                                                  # the same, as a console script
 
 A run dir is a dir holding `config_resolved.yaml` (written when training starts) or `results.json` (written when it
-finishes); "finished" means results.json exists.
+finishes). Its status is results.json's ("finished": trained and tested at its best checkpoint; "stopped at
+trainer.max_time", "trained, not tested (test=false)", ...), or "unfinished" with how the last attempt ended where
+run_info.json records it ("unfinished (failed: ...)"; a run killed outright records nothing).
 """
 
 from __future__ import annotations
@@ -33,13 +35,19 @@ def find_run_dirs(root: Path) -> list[Path]:
 def run_row(run_dir: Path, root: Path, metrics: list[str] | None = None) -> dict:
     """One listing row: the run's name, status, choices, variant overrides and its headline metrics."""
     row = {"run": str(run_dir.relative_to(root)) if run_dir.is_relative_to(root) else str(run_dir)}
-    if not (run_dir / "results.json").exists():
+    def unfinished(status: str) -> dict:
         # every row has the same columns (the table and the CSV take them from the first row); what the run is
         # comes from the files training writes when it starts
-        return {**row, "status": "unfinished", **_started_as(run_dir),
+        return {**row, "status": status, **_started_as(run_dir),
                 **({m: None for m in metrics} if metrics else {"best": "", "test": ""})}
-    run = load_run(run_dir / "results.json")
-    row.update(status="finished", experiment=run.experiment or "", model=run.model or "", data=run.data or "",
+
+    if not (run_dir / "results.json").exists():
+        return unfinished(_unfinished(run_dir))
+    try:
+        run = load_run(run_dir / "results.json")
+    except (OSError, ValueError) as err:  # one damaged file does not stop the listing
+        return unfinished(f"unreadable results.json ({type(err).__name__})")
+    row.update(status=run.status, experiment=run.experiment or "", model=run.model or "", data=run.data or "",
                seed=run.seed, overrides=" ".join(filter(None, [f"+ablation={run.ablation}" if run.ablation else "",
                                                               run.variant.replace(",", " ")])))
     if metrics:
@@ -51,6 +59,16 @@ def run_row(run_dir: Path, root: Path, metrics: list[str] | None = None) -> dict
         row.update(best=f"{best}={run.metrics[best]:.4f}" if best else "",
                    test=f"{test}={run.metrics[test]:.4f}" if test and test.startswith("test/") else "")
     return row
+
+
+def _unfinished(run_dir: Path) -> str:
+    """"unfinished", with how its last attempt ended where run_info.json says (failed, stopped by a signal); a run
+    killed outright records no end."""
+    try:
+        ended = json.loads((run_dir / "run_info.json").read_text())["attempts"][-1].get("ended")
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        ended = None
+    return f"unfinished ({ended[:100]})" if isinstance(ended, str) and ended else "unfinished"
 
 
 def _started_as(run_dir: Path) -> dict:

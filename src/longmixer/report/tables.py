@@ -51,6 +51,7 @@ class Run:
     ablation: str | None = None
     variant: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    status: str = "finished"  # results.json's: also "stopped at trainer.max_time", "trained, not tested ...", ...
 
     @property
     def family(self) -> str:
@@ -129,7 +130,7 @@ def load_run(results_path: Path) -> Run:
     ablation = (results.get("choices") or {}).get("ablation", ablation)
     return Run(run_dir=run_dir, experiment=results.get("experiment"), model=results.get("model"),
                data=results.get("data"), seed=int(results.get("seed", 0)), ablation=ablation, variant=variant,
-               metrics=metrics)
+               metrics=metrics, status=str(results.get("status", "finished")))
 
 
 RUN_MARKERS = ("results.json", "config_resolved.yaml")  # what training writes into a run dir (start, end)
@@ -144,7 +145,9 @@ def inside_a_run(path: Path, root: Path) -> bool:
 
 
 def collect_runs(root: Path) -> list[Run]:
-    """Every finished run (a dir holding results.json) under `root`; one run per seed and group (the newest)."""
+    """Every finished run under `root` (results.json with the status "finished": trained and tested at its best
+    checkpoint; runs stopped by a budget, trained with test=false or fast_dev_runs are left out); one run per seed
+    and group (the newest)."""
     if not root.exists():
         raise FileNotFoundError(f"--runs={root} does not exist; pass the dir holding the run dirs (logs/runs)")
     newest: dict[tuple, tuple[float, Run]] = {}
@@ -155,6 +158,9 @@ def collect_runs(root: Path) -> list[Run]:
             run = load_run(path)
         except (json.JSONDecodeError, OSError, ValueError) as err:
             log.warning("skipping %s: %s", path, err)
+            continue
+        if run.status != "finished":
+            log.info("skipping %s: %s", path.parent, run.status)
             continue
         mtime = path.stat().st_mtime
         slot = (*run.key, run.seed)
