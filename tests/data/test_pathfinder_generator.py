@@ -222,15 +222,19 @@ def test_blank_steps_are_taken_only_on_the_empty_window(monkeypatch):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_workers_end_when_the_generating_process_is_killed(tmp_path):
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_workers_end_when_the_generating_process_is_killed(tmp_path, start_method):
     """`kill -9` of prepare_data (or of a training run) during generation left the Manager and the workers alive,
-    still writing images into the folder. They watch their parent and end within a second of its death."""
-    script = ("import sys\n"
+    still writing images into the folder. They watch their owner and end within a second of its death, under each
+    start method (forkserver, Python 3.14's default on Linux, makes the fork server their parent; the first watch
+    compared the parent with the owner and ended every such worker at once, breaking the pool)."""
+    script = ("import sys, multiprocessing\n"
+              "multiprocessing.set_start_method(sys.argv[2])\n"
               "from longmixer.data.generators import pathfinder as gen\n"
               "def first(n, said=[]):\n"
               "    if not said: said.append(print('started', flush=True))\n"
               "gen.generate_pathfinder(sys.argv[1], 32, 'baseline', 100_000, images_per_batch=2, num_workers=2,"
               " on_progress=first)\n")
-    started, running = orphaned_workers_end(script, [str(tmp_path)])
+    started, running = orphaned_workers_end(script, [str(tmp_path), start_method])
     assert len(started) >= 3  # the Manager and two workers
     assert running == []
