@@ -5,9 +5,10 @@ checkpoint, which train.py applies automatically).
     python -m longmixer.evaluate run_dir=<run dir> ckpt_path=<run dir>/checkpoints/last.ckpt
 
 With `run_dir`, the run's own `config_resolved.yaml` is used and the best checkpoint recorded in its results.json,
-unless `ckpt_path` names another. Of the command line's overrides only the device keys (`trainer=<name>`, `trainer.accelerator` / `devices` /
-`strategy` / `num_nodes` / `precision`) and `paths.data_dir` (the data on another machine) apply; any other key is
-refused, since the checkpoint is scored with the config it was trained with. Everything is written under
+unless `ckpt_path` names another. Of the command line's overrides only the device keys (`trainer=<name>`,
+`trainer.accelerator` / `devices` / `strategy` / `num_nodes` / `precision`) and `paths.data_dir` or `data.data_dir`
+(the data on another machine) apply; any other key is refused, since the checkpoint is scored with the config it
+was trained with. Everything is written under
 `<run_dir>/eval/<checkpoint name>/` (results.json, csv/metrics.csv); the training run's files are never touched.
 Checkpoints are read with `weights_only=True`.
 """
@@ -54,22 +55,26 @@ def _device_overrides(overrides: list[str]) -> tuple[bool, set[str]]:
 
 
 # what else an evaluation's command line may hold: its own inputs, and keys that change nothing it computes
-OWN_KEYS = ("run_dir", "ckpt_path", "hydra", "paths.log_dir", "paths.data_dir", "logger",
+OWN_KEYS = ("run_dir", "ckpt_path", "hydra", "paths.log_dir", "paths.data_dir", "data.data_dir",
             "trainer.enable_progress_bar")
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
 
 
 def _refuse_unused(overrides: list[str]) -> None:
     """Refuse overrides that would be silently ignored: the checkpoint is scored with the run's stored config."""
     unused = []
     for override in overrides:
-        key = override.lstrip("+~").split("=", 1)[0]
+        key = _key(override)
         device = key == "trainer" or (key.startswith("trainer.") and key.split(".", 1)[1] in DEVICE_KEYS)
         if not device and not any(key == k or key.startswith(f"{k}.") for k in OWN_KEYS):
             unused.append(override)
     if unused:
         raise EvaluateError(f"evaluate scores the checkpoint with the run's own config (config_resolved.yaml), so "
                             f"{' '.join(unused)} would not apply; drop it. The command line may set run_dir, "
-                            f"ckpt_path, paths.data_dir and the device: trainer=<name>, trainer.{{{','.join(DEVICE_KEYS)}}}")
+                            f"ckpt_path, paths.data_dir (or data.data_dir) and the device: trainer=<name>, trainer.{{{','.join(DEVICE_KEYS)}}}")
 
 
 def _run_config(run_dir: Path, cfg: DictConfig, overrides: list[str] = ()) -> DictConfig:
@@ -84,8 +89,13 @@ def _run_config(run_dir: Path, cfg: DictConfig, overrides: list[str] = ()) -> Di
     group, keys = _device_overrides(list(overrides))
     with open_dict(stored):
         stored.ckpt_path = cfg.ckpt_path
-        moved = [o for o in overrides if o.startswith("paths.data_dir=")]
-        if moved and stored.data.get("data_dir") == stored.paths.get("data_dir"):
+        keys = {_key(o) for o in overrides}
+        if "data.data_dir" in keys:
+            stored.data.data_dir = cfg.data.data_dir
+        elif "paths.data_dir" in keys:  # the data folder of the machine the run trained on, moved
+            if stored.data.get("data_dir") != stored.paths.get("data_dir"):
+                raise EvaluateError(f"the run read its data from data.data_dir={stored.data.get('data_dir')}, not "
+                                    "from paths.data_dir; pass data.data_dir=<folder> instead")
             stored.paths.data_dir = stored.data.data_dir = cfg.paths.data_dir
         stored.logger = None
         stored.callbacks = None

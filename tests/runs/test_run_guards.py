@@ -618,13 +618,18 @@ def test_evaluate_reads_the_data_from_a_moved_data_dir(compose, tmp_path):
     stored config names the data folder of the machine it trained on."""
     import shutil
 
-    from longmixer.evaluate import evaluate
+    from longmixer.evaluate import EvaluateError, evaluate
 
     trained = train(compose(BASE))
     shutil.move(tmp_path / "data", tmp_path / "moved")
     metrics = evaluate(compose([f"run_dir={tmp_path / 'run'}"], data_dir=tmp_path / "moved"))
     assert metrics["test/acc"] == pytest.approx(trained["metrics"]["test/acc"])
     assert not (tmp_path / "data").exists()  # nothing was prepared again at the old place
+    shutil.move(tmp_path / "moved", tmp_path / "again")
+    metrics = evaluate(compose([f"run_dir={tmp_path / 'run'}", f"data.data_dir={tmp_path / 'again'}"]))
+    assert metrics["test/acc"] == pytest.approx(trained["metrics"]["test/acc"])
+    with pytest.raises(EvaluateError, match="so logger=tensorboard would not apply"):  # its logger is not used
+        evaluate(compose([f"run_dir={tmp_path / 'run'}", "logger=tensorboard"]))
 
 
 def test_a_best_checkpoint_written_after_the_resume_point_is_set_aside(compose, tmp_path, monkeypatch):
