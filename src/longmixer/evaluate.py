@@ -89,10 +89,10 @@ def _run_config(run_dir: Path, cfg: DictConfig, overrides: list[str] = ()) -> Di
     group, keys = _device_overrides(list(overrides))
     with open_dict(stored):
         stored.ckpt_path = cfg.ckpt_path
-        keys = {_key(o) for o in overrides}
-        if "data.data_dir" in keys:
+        given = {_key(o) for o in overrides}
+        if "data.data_dir" in given:
             stored.data.data_dir = cfg.data.data_dir
-        elif "paths.data_dir" in keys:  # the data folder of the machine the run trained on, moved
+        elif "paths.data_dir" in given:  # the data folder of the machine the run trained on, moved
             if stored.data.get("data_dir") != stored.paths.get("data_dir"):
                 raise EvaluateError(f"the run read its data from data.data_dir={stored.data.get('data_dir')}, not "
                                     "from paths.data_dir; pass data.data_dir=<folder> instead")

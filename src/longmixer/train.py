@@ -139,7 +139,7 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
         fix = ("pass ckpt_path=<a checkpoint of this model>" if cfg.ckpt_path is not None else
                f"its config ({run_dir / STORED_CONFIG}) built another model; resume=force cannot continue these "
                "weights: start a separate run with run_tag=<name>")
-        check_weights_fit(task, load_checkpoint(ckpt_path), ckpt_path, fix)
+        check_weights_fit(task, load_checkpoint(ckpt_path, mmap=True), ckpt_path, fix)
     callbacks = [*instantiate_group(cfg.get("callbacks"), "callbacks"), *fault_callbacks()]
     if not cfg.trainer.get("enable_progress_bar", True):
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
@@ -234,7 +234,7 @@ def _rewind_loggers(trainer: pl.Trainer, ckpt_path: str | None) -> None:
     """Drop the CSV rows a killed run logged after `ckpt_path` was written (their step column, the optimizer step
     count before the logged batch, is at least the checkpoint's global step); the resumed run logs them again.
     None: a fresh start, so every row of an earlier attempt (one killed before it wrote a checkpoint) goes."""
-    step = 0 if ckpt_path is None else int(load_checkpoint(ckpt_path)["global_step"])
+    step = 0 if ckpt_path is None else int(load_checkpoint(ckpt_path, mmap=True)["global_step"])
     for logger in trainer.loggers:
         if isinstance(logger, ResumableCSVLogger) and trainer.is_global_zero:
             dropped = logger.rewind(step)

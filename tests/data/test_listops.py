@@ -182,7 +182,8 @@ def test_workers_end_when_the_generating_process_is_killed():
     pytest.param(["retrieval", "data.seq_len=0"], "data (AAN): data.seq_len=0 must be positive", id="refused"),
     pytest.param(["listops", "data.seq_lem=1"], "data.seq_lem is not a key of data (did you mean data.seq_len?)",
                  id="unknown-key"),
-    pytest.param(["listops_gen", "data.num_train=abc"], "data.num_train='abc' must be a whole number >= 1",
+    pytest.param(["listops_gen", "data.num_train=abc"],  # the config check's, against the constructor's annotation
+                 "data.num_train='abc' must be a whole number (GeneratedListOps takes num_train: int)",
                  id="not-a-number"),
     pytest.param(["listops_gen", "data.num_train=-5"], "data.num_train=-5 must be a whole number >= 1", id="negative"),
     pytest.param(["listops_gen", "data.num_val=0"], "data.num_val=0 must be a whole number >= 1", id="empty-split"),

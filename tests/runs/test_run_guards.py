@@ -586,6 +586,11 @@ def test_a_run_not_tested_is_not_finished(compose, tmp_path):
     assert train(compose_config(smoke, tmp_path / "fdr"))["status"].startswith("fast_dev_run")
     again = train(compose_config(smoke, tmp_path / "fdr"))
     assert again["status"].startswith("fast_dev_run") and "test/acc" in again["metrics"]
+    # a results.json of an earlier version, "finished" for a test=false run: tested by the same command
+    results = tmp_path / "run" / "results.json"
+    untested = {**json.loads(results.read_text()), "status": "finished", "metrics": {"val/acc_best": 0.5}}
+    results.write_text(json.dumps(untested))
+    assert "test/acc" in train(compose(BASE))["metrics"]
 
 
 def test_an_unreadable_run_file_is_refused_in_one_line(compose, tmp_path):

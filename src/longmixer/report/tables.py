@@ -159,8 +159,8 @@ def collect_runs(root: Path) -> list[Run]:
         except (json.JSONDecodeError, OSError, ValueError) as err:
             log.warning("skipping %s: %s", path, err)
             continue
-        if run.status != "finished":
-            log.info("skipping %s: %s", path.parent, run.status)
+        if run.status != "finished" or not any(k.startswith("test/") for k in run.metrics):
+            log.info("skipping %s: %s", path.parent, run.status if run.status != "finished" else "not tested")
             continue
         mtime = path.stat().st_mtime
         slot = (*run.key, run.seed)

@@ -36,14 +36,20 @@ def register_safe_globals() -> None:
         torch.serialization.add_safe_globals(ALLOWED_GLOBALS)
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    """`torch.load(path, weights_only=True)` on CPU, with errors that name the file.
+def load_checkpoint(path: str | Path, mmap: bool = False) -> dict:
+    """`torch.load(path, weights_only=True)` on CPU, with errors that name the file. `mmap`: tensors are mapped
+    from the file rather than read, for a look at the step or the shapes of a file already checked whole.
 
     Raises:
         CheckpointError: the file is truncated/corrupt, or holds objects outside the allowlist (a crafted file).
     """
     register_safe_globals()
     try:
+        if mmap:
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
+                pass
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"refused to load {path}: it is corrupt, or holds objects outside the weights-only "

@@ -243,7 +243,9 @@ def finished_results(run_dir: Path) -> dict | None:
         return None
     results = read_run_file(path, "move it aside: the same command then resumes the run from its checkpoints (or "
                                   "tests its best one) and writes it again")
-    return results if results.get("status") == "finished" else None
+    # "finished" from a version that also wrote it for test=false and fast_dev_run runs: only with test metrics
+    tested = any(str(k).startswith("test/") for k in results.get("metrics") or {})
+    return results if results.get("status") == "finished" and tested else None
 
 
 def refuse_unusable_folders(argv: list[str]) -> None:
