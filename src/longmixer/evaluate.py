@@ -45,22 +45,21 @@ class EvaluateError(UserFacingError, FileNotFoundError):
 DEVICE_KEYS = ("accelerator", "devices", "strategy", "num_nodes", "precision")
 
 
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
 def _device_overrides(overrides: list[str]) -> tuple[bool, set[str]]:
     """From this invocation's command-line overrides: whether it chose a `trainer=<name>` group, and which
     `trainer.<key>=` device keys it set."""
-    group = any(o.lstrip("+~").split("=", 1)[0] == "trainer" for o in overrides)
-    keys = {o.lstrip("+~").split("=", 1)[0].split(".", 1)[1] for o in overrides
-            if o.lstrip("+~").startswith("trainer.")}
-    return group, {k for k in keys if k in DEVICE_KEYS}
+    keys = [_key(o) for o in overrides]
+    return "trainer" in keys, {k.split(".", 1)[1] for k in keys if k.startswith("trainer.")} & set(DEVICE_KEYS)
 
 
 # what else an evaluation's command line may hold: its own inputs, and keys that change nothing it computes
 OWN_KEYS = ("run_dir", "ckpt_path", "hydra", "paths.log_dir", "paths.data_dir", "data.data_dir",
             "trainer.enable_progress_bar")
 
-
-def _key(override: str) -> str:
-    return override.lstrip("+~").split("=", 1)[0]
 
 
 def _refuse_unused(overrides: list[str]) -> None:

@@ -47,8 +47,7 @@ def run_row(run_dir: Path, root: Path, metrics: list[str] | None = None) -> dict
         run = load_run(run_dir / "results.json")
     except (OSError, ValueError) as err:  # one damaged file does not stop the listing
         return unfinished(f"unreadable results.json ({type(err).__name__})")
-    tested = any(k.startswith("test/") for k in run.metrics)
-    row.update(status=run.status if tested or run.status != "finished" else "not tested", experiment=run.experiment or "", model=run.model or "", data=run.data or "",
+    row.update(status=run.status, experiment=run.experiment or "", model=run.model or "", data=run.data or "",
                seed=run.seed, overrides=" ".join(filter(None, [f"+ablation={run.ablation}" if run.ablation else "",
                                                               run.variant.replace(",", " ")])))
     if metrics:

@@ -130,7 +130,14 @@ def load_run(results_path: Path) -> Run:
     ablation = (results.get("choices") or {}).get("ablation", ablation)
     return Run(run_dir=run_dir, experiment=results.get("experiment"), model=results.get("model"),
                data=results.get("data"), seed=int(results.get("seed", 0)), ablation=ablation, variant=variant,
-               metrics=metrics, status=str(results.get("status", "finished")))
+               metrics=metrics, status=_status(results, metrics))
+
+
+def _status(results: dict, metrics: dict[str, float]) -> str:
+    """results.json's status; "not tested" for a "finished" without test metrics (an earlier version wrote that for
+    runs trained with test=false and for fast_dev_runs)."""
+    status = str(results.get("status", "finished"))
+    return "not tested" if status == "finished" and not any(k.startswith("test/") for k in metrics) else status
 
 
 RUN_MARKERS = ("results.json", "config_resolved.yaml")  # what training writes into a run dir (start, end)
@@ -159,8 +166,8 @@ def collect_runs(root: Path) -> list[Run]:
         except (json.JSONDecodeError, OSError, ValueError) as err:
             log.warning("skipping %s: %s", path, err)
             continue
-        if run.status != "finished" or not any(k.startswith("test/") for k in run.metrics):
-            log.info("skipping %s: %s", path.parent, run.status if run.status != "finished" else "not tested")
+        if run.status != "finished":
+            log.info("skipping %s: %s", path.parent, run.status)
             continue
         mtime = path.stat().st_mtime
         slot = (*run.key, run.seed)
