@@ -138,3 +138,30 @@ def test_scaling_run_past_its_timeout_is_killed_and_reported(tmp_path, capsys):
     (run,) = json.loads((out / "scaling.json").read_text())["runs"]
     assert run["failed"].startswith("exit killed after --timeout 1 s") and run["world_size"] == 1
     assert "FAILED quickstart on 1 (single)" in capsys.readouterr().err
+
+
+# a stand-in for `python -m longmixer.train`: writes the probe's file as the ScalingProbe does at the end of
+# training, then never exits (what DDP runs on H100s did, docs/benchmarks.md "Scaling")
+_HANGS_AFTER_TRAINING = """
+import json, sys, time
+out = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("+callbacks.scaling.out="))
+json.dump({"world_size": 1, "steps": 3, "warmup_steps": 1, "loss": [2.3, 2.2, 2.1], "rows_per_step": [8, 8, 8],
+           "tokens_per_step": [80, 80, 80], "timed_steps": 2, "timed_s": 0.5, "tokens_per_s": 320.0,
+           "peak_mem_gib": [None]}, open(out, "w"))
+time.sleep(600)
+"""
+
+
+def test_run_that_hangs_after_training_keeps_its_measurement(tmp_path, capsys, monkeypatch):
+    scaling = _scaling_module()
+    monkeypatch.setattr(scaling, "train_command", lambda overrides: [sys.executable, "-c", _HANGS_AFTER_TRAINING,
+                                                                     *overrides])
+    out = tmp_path / "out"
+    assert scaling.main(["--cpu", "1", "--recipes", "quickstart", "--steps", "3", "--warmup", "1", "--exit-grace",
+                         "1", "--timeout", "300", "--out", str(out)]) == 0
+    report = json.loads((out / "scaling.json").read_text())
+    (run,) = report["runs"]
+    assert "failed" not in run and run["exit"].startswith("killed 1 s after training ended")
+    (row,) = report["summary"]
+    assert row["tokens_per_s"] == 320.0 and row["exit"] == run["exit"]
+    assert "killed 1 s after training ended" in capsys.readouterr().out

@@ -122,9 +122,13 @@ def child_env(cpu: bool) -> dict[str, str]:
     return env
 
 
+def train_command(overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "longmixer.train", *overrides]
+
+
 def run_one(name: str, recipe: Recipe, world: int, strategy: str, args, out: Path, extra: list[str]) -> dict:
     overrides = [*run_overrides(name, recipe, world, strategy, args, out), *extra]
-    cmd = [sys.executable, "-m", "longmixer.train", *overrides]
+    cmd = train_command(overrides)
     log_path = out / "runs" / (run_id(name, world, strategy) + ".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     probe = out / "runs" / (run_id(name, world, strategy) + ".json")
@@ -134,20 +138,42 @@ def run_one(name: str, recipe: Recipe, world: int, strategy: str, args, out: Pat
         # its own session: on a timeout the whole group goes (Lightning starts ranks 1..N-1 from rank 0)
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(args.cpu), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
+        returncode, measured_at = None, None
+        while returncode is None:
+            returncode = proc.poll()
+            if returncode is not None:
+                break
+            now = time.perf_counter()
+            if measured_at is None and _read_probe(probe) is not None:
+                measured_at = now
+            if measured_at is not None and now - measured_at > args.exit_grace:
+                returncode = f"killed {args.exit_grace} s after training ended (the processes did not exit)"
+            elif now - start > args.timeout:
+                returncode = f"killed after --timeout {args.timeout} s"
+            else:
+                time.sleep(0.5)
+                continue
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            returncode = f"killed after --timeout {args.timeout} s"
     wall = time.perf_counter() - start
     strategy = "single" if world == 1 else strategy
-    if returncode != 0 or not probe.exists():
+    result = _read_probe(probe)
+    if result is None or (returncode != 0 and measured_at is None):
         tail = log_path.read_text()[-2000:]
         return {"recipe": name, "strategy": strategy, "world_size": world, "log_tail": tail,
                 "failed": f"exit {returncode}; log {log_path}", "command": " ".join(cmd)}
+    # a run whose probe was written measured all its steps: it counts even if its processes then hung at exit
+    # (seen with DDP on H100s, docs/benchmarks.md "Scaling"); the row says so
     return {"recipe": name, "strategy": strategy, "wall_s": wall, "command": " ".join(cmd),
-            **json.loads(probe.read_text())}
+            "exit": "ok" if returncode == 0 else str(returncode), **result}
+
+
+def _read_probe(path: Path) -> dict | None:
+    """The probe's JSON once it is whole (rank 0 writes it at the end of training), else None."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def summarise(results: list[dict]) -> list[dict]:
@@ -168,20 +194,20 @@ def summarise(results: list[dict]) -> list[dict]:
                      "tokens_per_s": r["tokens_per_s"], "speedup": speedup, "efficiency": speedup / r["world_size"],
                      "peak_mem_gib_max": max(peaks) if peaks else float("nan"),
                      "peak_mem_gib_per_device": peaks, "loss_first": r["loss"][0], "loss_last": r["loss"][-1],
-                     "max_abs_loss_diff_vs_1": diff})
+                     "max_abs_loss_diff_vs_1": diff, "exit": r.get("exit", "ok")})
     return rows
 
 
 def table(rows: list[dict]) -> str:
     head = (f"{'recipe':<20} {'strategy':<8} {'dev':>3} {'batch':>5} {'tokens/s':>12} {'speedup':>7} {'eff':>5} "
             f"{'peak GiB':>8} "
-            f"{'loss 0 -> last':>16} {'max|dloss|':>10}")
+            f"{'loss 0 -> last':>16} {'max|dloss|':>10}  exit")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['recipe']:<20} {r['strategy']:<8} {r['devices']:>3} {r['global_batch']:>5} "
                      f"{r['tokens_per_s']:>12,.0f} "
                      f"{r['speedup']:>7.3f} {r['efficiency']:>5.2f} {r['peak_mem_gib_max']:>8.2f} "
-                     f"{r['loss_first']:>7.4f} -> {r['loss_last']:<6.4f} {r['max_abs_loss_diff_vs_1']:>10.2e}")
+                     f"{r['loss_first']:>7.4f} -> {r['loss_last']:<6.4f} {r['max_abs_loss_diff_vs_1']:>10.2e}  {r['exit']}")
     return "\n".join(lines)
 
 
@@ -242,6 +268,9 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=Path("logs/scaling"), help="results: scaling.{json,csv}, "
                    "loss_curves.csv, runs/<recipe>_n<N>.{json,log}")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    p.add_argument("--exit-grace", type=int, default=60,
+                   help="seconds a run may take to exit once its probe is written; then it is killed and its "
+                        "measurement kept, marked in the `exit` column")
     p.add_argument("extra", nargs="*", help="more Hydra overrides for every run (after --)")
     args = p.parse_args(argv)
     if args.gpus and args.cpu:
@@ -281,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             for strategy in (["single"] if world == 1 else args.strategies):
                 result = run_one(name, recipe, world, strategy, args, out, extra)
                 results.append(result)
-                state = result.get("failed") or f"{result['tokens_per_s']:,.0f} tokens/s"
+                state = result.get("failed") or f"{result['tokens_per_s']:,.0f} tokens/s" + (
+                    "" if result["exit"] == "ok" else f" ({result['exit']})")
                 print(f"{name} on {world} {'process(es)' if args.cpu else 'GPU(s)'} ({result['strategy']}): "
                       f"{state}", flush=True)
                 write_outputs(out, results, summarise(results), meta)  # a run cut short keeps what it measured
