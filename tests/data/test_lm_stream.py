@@ -143,3 +143,17 @@ def test_loader_workers_split_batches_without_duplicates():
     assert sorted(x.flatten().tolist() for x in plain) == sorted(x.flatten().tolist() for x in workers)
     second = [b["inputs"] for b in loader]  # the workers of the next epoch see the new roll
     assert sorted(x.flatten().tolist() for x in second) != sorted(x.flatten().tolist() for x in workers)
+
+
+@pytest.mark.parametrize("consumed", [1, 2, 3])
+def test_loader_with_workers_resumes_mid_epoch_in_order(consumed):
+    """Workers deal the batches from the first one yielded: a resume after an odd number of batches gives the rest of
+    the epoch in order (they used to deal from batch 0, so the first two came swapped, and a second resume then
+    skipped one batch and repeated another)."""
+    tokens = torch.arange(2000)
+    epoch0 = [b["inputs"] for b in LMStreamLoader(make_train(tokens))]
+    resumed = LMStreamLoader(make_train(tokens), num_workers=2)
+    resumed.load_state_dict({"epoch": 0, "consumed": consumed})
+    rest = [b["inputs"] for b in resumed]
+    assert len(rest) == len(epoch0) - consumed
+    assert all(torch.equal(x, y) for x, y in zip(rest, epoch0[consumed:]))

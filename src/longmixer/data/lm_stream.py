@@ -130,7 +130,7 @@ class LMTrainStream(IterableDataset):
             starts.append(starts[-1] + length)
         skip, self.skip = self.skip, 0
         for i, (pos, end) in enumerate(zip(starts[:-1], starts[1:])):
-            if i < skip or not _mine_in_worker(i):
+            if i < skip or not _mine_in_worker(i - skip):  # the workers deal from the first batch yielded
                 continue
             inputs = data[:, pos:end]
             yield {"inputs": inputs.long(), "targets": data[:, pos + 1:end + 1].long()}
