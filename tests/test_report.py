@@ -259,14 +259,18 @@ def _fake_run(root: Path, name: str, overrides: list[str], acc: float, seed: int
 def test_runs_that_differ_in_any_model_data_or_trainer_key_are_separate_groups(tmp_path):
     _fake_run(tmp_path, "full", ["experiment=mega/listops", "seed=0"], 0.5)
     _fake_run(tmp_path, "full_elsewhere", ["experiment=mega/listops", "seed=1", "data.num_workers=8",
-                                           "trainer.devices=2", "paths.data_dir=/x", "~callbacks.progress",
+                                           "trainer.accelerator=gpu", "paths.data_dir=/x", "~callbacks.progress",
                                            "trainer.enable_progress_bar=false"], 0.6, seed=1)
+    # the global batch (data.batch_size is per device) and the tested weights differ: separate groups
+    _fake_run(tmp_path, "two_gpus", ["experiment=mega/listops", "seed=0", "trainer.devices=2"], 0.7)
+    _fake_run(tmp_path, "ema", ["experiment=mega/listops", "seed=0", "callbacks=ema"], 0.8)
     _fake_run(tmp_path, "debug", ["experiment=mega/listops", "seed=0", "trainer.max_steps=50"], 0.1)
     _fake_run(tmp_path, "wide", ["experiment=mega/listops", "seed=0", "model.d_model=256"], 0.2)
     _fake_run(tmp_path, "short", ["experiment=mega/listops", "seed=0", "data.seq_len=512"], 0.3)
     groups = {g.variant: g for g in group_runs(collect_runs(tmp_path))}
-    assert sorted(groups) == ["", "data.seq_len=512", "model.d_model=256", "trainer.max_steps=50"]
-    # the neutral keys (workers, devices, data dir, display) still merge: one group of two seeds
+    assert sorted(groups) == ["", "callbacks=ema", "data.seq_len=512", "model.d_model=256", "trainer.devices=2",
+                              "trainer.max_steps=50"]
+    # the neutral keys (workers, accelerator, data dir, display) still merge: one group of two seeds
     assert groups[""].seeds == [0, 1] and groups[""].stats("test/acc")[0] == pytest.approx(0.55)
     assert groups["trainer.max_steps=50"].stats("test/acc") == (pytest.approx(0.1), None, 1)
 

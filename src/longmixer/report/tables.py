@@ -30,8 +30,10 @@ LAYOUT_TITLES = {"lra": "Long Range Arena", "scifar": "sCIFAR", "sc10": "Speech 
 # configs/hydra/default.yaml), the ones a run is already grouped by, and display-only settings. Matched as whole
 # keys: `model` (the group choice) is neutral, while `model.d_model`, `data.seq_len` or `trainer.max_steps` make a
 # separate group. Only logger, paths and hydra settings are neutral as a whole subtree.
+# `trainer.devices` is not neutral (data.batch_size is per device, so it sets the global batch), nor is the
+# `callbacks` group (callbacks=ema tests the averaged weights).
 _NEUTRAL_KEYS = frozenset(("seed", "experiment", "model", "data", "ablation", "resume", "ckpt_path", "logger",
-                           "trainer.devices", "trainer.accelerator", "callbacks", "hparams_search", "data.num_workers",
+                           "trainer.accelerator", "hparams_search", "data.num_workers",
                            "train", "test", "run_tag", "tags", "callbacks.progress", "callbacks.summary",
                            "callbacks.lr_monitor", "callbacks.throughput", "callbacks.throughput.window",
                            "callbacks.params", "trainer.enable_progress_bar", "trainer.enable_model_summary",
