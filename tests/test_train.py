@@ -309,3 +309,15 @@ def test_debug_overfit_trains_on_its_batches_with_the_resumable_loader(compose, 
     assert results["status"] == "finished" and "test/acc" in results["metrics"]
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 4 and ckpt["epoch"] >= 1  # two batches an epoch
+
+
+def test_the_last_step_is_validated_when_max_steps_ends_mid_epoch(compose, tmp_path):
+    """4 batches an epoch, validation at epoch ends, max_steps 6: step 6 is validated too (it used to be trained and
+    never scored, and the test took the step-4 checkpoint)."""
+    import csv
+
+    trainer = [o for o in TINY_TRAINER if not o.startswith(("trainer.max_steps", "trainer.val_check_interval"))]
+    train(compose([*TINY_LISTOPS, *trainer, "trainer.max_steps=6", "trainer.val_check_interval=null"]))
+    rows = list(csv.DictReader(open(tmp_path / "run" / "csv" / "metrics.csv")))
+    # the csv's step of a validation is the index of the last step trained (0-based)
+    assert sorted(int(r["step"]) for r in rows if r.get("val/loss")) == [3, 5]

@@ -201,6 +201,8 @@ def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> 
         return
     if cfg.trainer.get("limit_val_batches") == 0:
         problem = "trainer.limit_val_batches=0 disables validation"
+    elif cfg.trainer.get("check_val_every_n_epoch", 1) in (None, 1):
+        return  # the step at max_steps is validated (SequenceTask.on_train_batch_end)
     else:
         first = first_validation_step(cfg, datamodule, world_size)
         if first is None or first <= max_steps:

@@ -282,6 +282,15 @@ class SequenceTask(pl.LightningModule):
         if hasattr(self.model, "set_progress"):
             self.model.set_progress(self.global_step, self.total_steps)
 
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        """At `trainer.max_steps` ask Lightning to stop, which makes it validate that step: a run whose last step
+        falls between validations (max_steps mid-epoch, or off the `val_check_interval` grid) had its last steps
+        trained and never scored, so the test took an earlier best checkpoint (transformer/listops: 2,000 of its
+        5,000 steps). At a step that validates anyway this changes nothing."""
+        trainer = self.trainer
+        if 0 < trainer.max_steps <= trainer.global_step:
+            trainer.should_stop = True
+
     def after_forward(self) -> None:
         """Right after each call of the model (the compiled entry): the model's `after_forward()` hook, eagerly and
         before any other forward (LongVQ's codebook statistics; see `SequenceModel.after_forward`)."""
