@@ -320,4 +320,9 @@ def test_the_last_step_is_validated_when_max_steps_ends_mid_epoch(compose, tmp_p
     train(compose([*TINY_LISTOPS, *trainer, "trainer.max_steps=6", "trainer.val_check_interval=null"]))
     rows = list(csv.DictReader(open(tmp_path / "run" / "csv" / "metrics.csv")))
     # the csv's step of a validation is the index of the last step trained (0-based)
-    assert sorted(int(r["step"]) for r in rows if r.get("val/loss")) == [3, 5]
+    val_rows = {int(r["step"]) + 1: r for r in rows if r.get("val/loss")}
+    assert sorted(val_rows) == [4, 6]
+    # results.json pairs the test of the best checkpoint with that checkpoint's own validation
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    best_step = int(Path(results["best_ckpt"]).stem.split("-")[1])
+    assert results["metrics"]["val/loss"] == pytest.approx(float(val_rows[best_step]["val/loss"]))

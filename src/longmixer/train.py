@@ -193,7 +193,9 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
                                    "best validation checkpoint) cannot be applied; check callbacks.checkpoint and "
                                    "that validation ran (trainer.limit_val_batches, check_val_every_n_epoch)")
         if best_ckpt:
-            _check_best_readable(best_ckpt, run_dir)
+            # the tested weights' own validation: results.json pairs test/* with the val/* of the same checkpoint
+            # (the last validation's stay in metrics.csv)
+            metrics.update(_read_best_checkpoint(best_ckpt, run_dir))
         for result in _test_until_signal(trainer, task, datamodule, best_ckpt):
             metrics.update({k: to_number(v) for k, v in result.items()})
 
@@ -251,16 +253,21 @@ def _rewind_loggers(trainer: pl.Trainer, ckpt_path: str | None) -> None:
                             "(deleted or emptied); the rows from here on are appended", metrics, step)
 
 
-def _check_best_readable(best_ckpt: str, run_dir: Path) -> None:
+def _read_best_checkpoint(best_ckpt: str, run_dir: Path) -> dict[str, float]:
     """Read the best checkpoint before the test phase loads it: a damaged one is named with the way out, not
-    reported as the bare OSError of Lightning's load."""
+    reported as the bare OSError of Lightning's load. Returns the val/* metrics of the validation that wrote it (the
+    checkpoint callback's state; empty for a checkpoint without them)."""
     try:
-        load_checkpoint(best_ckpt)
+        checkpoint = load_checkpoint(best_ckpt)
     except CheckpointError as err:
         raise CheckpointError(f"{err}. The test split is scored at the best validation checkpoint, so this run cannot "
                               f"report test metrics from it: train it again in a new run dir (run_tag=<name>), or "
                               f"score another of its checkpoints with `python -m longmixer.evaluate "
                               f"run_dir={run_dir} ckpt_path=<file>`") from None
+    for state in (checkpoint.get("callbacks") or {}).values():
+        if isinstance(state, dict) and isinstance(state.get("val_metrics"), dict):
+            return {k: float(v) for k, v in state["val_metrics"].items()}
+    return {}
 
 
 def _test_until_signal(trainer: pl.Trainer, task, datamodule, ckpt_path: str | None) -> list[dict]:

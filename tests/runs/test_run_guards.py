@@ -203,9 +203,16 @@ def test_non_finite_loss_stops_the_run(compose):
                        "data.num_train=96"]))
 
 
-def test_max_steps_before_first_validation_stops_at_start(compose):
+def test_max_steps_before_the_first_scheduled_validation_is_validated_there(compose):
+    """max_steps 2 with validation every 4 steps: the last step is validated, so the run has a best checkpoint."""
+    results = train(compose([*BASE, "trainer.val_check_interval=4"]))
+    assert {"val/acc", "test/acc"} <= set(results["metrics"]) and results["best_ckpt"].endswith("best-000002.ckpt")
+
+
+def test_max_steps_in_an_epoch_that_never_validates_stops_at_start(compose):
+    # validation every second epoch (4 steps each): max_steps 2 ends in the first, which is not validated
     with pytest.raises(ValueError, match="trainer.max_steps"):
-        train(compose([*BASE, "trainer.val_check_interval=4"]))
+        train(compose([*BASE, "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=2"]))
 
 
 def test_progress_bar_off_with_the_rich_bar_in_callbacks(compose):
@@ -480,13 +487,13 @@ def test_the_test_phase_ends_with_the_signals_exit_status():
 
 
 def test_a_damaged_best_checkpoint_is_named_before_the_test_phase(tmp_path):
-    from longmixer.train import _check_best_readable
+    from longmixer.train import _read_best_checkpoint
 
     best = tmp_path / "best-000006.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(1000)}, "global_step": 6}, best)
     best.write_bytes(best.read_bytes()[: best.stat().st_size // 2])
     with pytest.raises(CheckpointError, match=r"best-000006.ckpt .*truncated.*longmixer.evaluate run_dir="):
-        _check_best_readable(str(best), tmp_path)
+        _read_best_checkpoint(str(best), tmp_path)
 
 
 def test_resume_never_refuses_a_finished_run_dir_too(compose, tmp_path):
