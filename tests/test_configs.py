@@ -519,3 +519,17 @@ def test_callbacks_none_keeps_the_runs_checkpointing(compose):
     one would be tested instead of the best validation checkpoint, and nothing could be resumed or evaluated."""
     callbacks = {k for k, v in compose(["callbacks=none"]).callbacks.items() if v is not None}
     assert callbacks == {"resume_step", "checkpoint"}
+
+
+@pytest.mark.parametrize("task", ["image", "pathfinder"])
+def test_token_pixels_as_the_docs_give_them_train_the_embedding_of_pixel_zero(compose, task):
+    """docs/data.md's token-pixel overrides: pixel value 0 gets a trainable embedding (by default row 0 is the
+    padding row, frozen at zero)."""
+    cfg = compose([f"experiment=chela/{task}", "data.vocab_size=256", "data.d_input=null", "+model.padding_idx=null",
+                   "model.n_layers=1", "model.d_model=16"])
+    validate_config(cfg)
+    model = instantiate(cfg.model)
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    model.embedding(tokens).sum().backward()
+    (weight,) = [p for p in model.embedding.parameters() if p.dim() == 2]
+    assert weight[0].abs().sum() > 0 and weight.grad[0].abs().sum() > 0
