@@ -141,6 +141,26 @@ def test_plateau_schedule_resumes_to_the_uninterrupted_result(tmp_path, fault):
     assert_same_run(ref_dir, run_dir, mid_epoch=fault.startswith("SIGTERM"))
 
 
+ACCUMULATE = ["trainer.accumulate_grad_batches=2"]
+
+
+@pytest.mark.parametrize("fault, exit_code", [("SIGTERM:train:4", 143), ("SIGINT:train:3", 130)],
+                         ids=["sigterm", "sigint"])
+def test_stop_inside_a_gradient_accumulation_resumes_to_the_uninterrupted_result(tmp_path, fault, exit_code):
+    """The signal arrives at the first of an update's two batches: the checkpoint waits for the batch that completes
+    the optimizer step (a checkpoint after the first one resumed the update from its second batch alone)."""
+    ref = run_train(tmp_path / "reference", ACCUMULATE)
+    assert ref.returncode == 0, describe(ref)
+    killed = run_train(tmp_path / "killed", ACCUMULATE, fault=fault)
+    assert killed.returncode == exit_code, describe(killed)
+    run_dir = run_dir_of(tmp_path / "killed")
+    step = int(fault.split(":")[2])
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step + 1
+    resumed = run_train(tmp_path / "killed", ACCUMULATE)
+    assert resumed.returncode == 0, describe(resumed)
+    assert_same_run(run_dir_of(tmp_path / "reference"), run_dir, mid_epoch=True)
+
+
 def _close_rows(got: list[tuple], ref: list[tuple]) -> bool:
     """metric_rows of two runs: the same rows with the same columns, values within float32 rounding."""
     if len(got) != len(ref):

@@ -170,6 +170,11 @@ class AtomicModelCheckpoint(ModelCheckpoint):
         if signum is None and not due:
             return
         loop = trainer.fit_loop.epoch_loop
+        if loop._should_accumulate():
+            # inside a gradient accumulation: the gradients of this update's earlier batches are in no checkpoint,
+            # so a stop (or save) here would resume the update from its remaining batches alone. The stop waits for
+            # the batch that completes the optimizer step.
+            return
         if loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
             # a validation follows this batch: save (or stop) at its end instead. A checkpoint written here would
             # make a resumed run skip that validation (Lightning fast-forwards it)
