@@ -533,3 +533,16 @@ def test_token_pixels_as_the_docs_give_them_train_the_embedding_of_pixel_zero(co
     model.embedding(tokens).sum().backward()
     (weight,) = [p for p in model.embedding.parameters() if p.dim() == 2]
     assert weight[0].abs().sum() > 0 and weight.grad[0].abs().sum() > 0
+
+
+def test_radam_decays_weights_decoupled_as_the_fairseq_radam_of_seqboat(compose):
+    """`optim=radam` (SeqBoat's enwik8 recipe) multiplies weights by 1 - lr * wd as MEGA's fairseq RAdam does;
+    torch's default L2 form decayed a weight with small gradients several times faster."""
+    cfg = compose(["experiment=seqboat/enwik8"])
+    weight = torch.nn.Parameter(torch.ones(64))
+    optimizer = instantiate(cfg.optim)([weight])
+    lr, wd = cfg.optim.lr, cfg.optim.weight_decay
+    for _ in range(20):
+        weight.grad = torch.zeros_like(weight)
+        optimizer.step()
+    assert weight.detach() == pytest.approx(torch.full((64,), (1 - lr * wd) ** 20), rel=1e-6)
