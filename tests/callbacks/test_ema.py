@@ -57,3 +57,23 @@ def test_ema_callback_evaluates_and_tests_the_averaged_weights(compose, tmp_path
     best = next((tmp_path / "run" / "checkpoints").glob("best-*.ckpt"))
     state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
     torch.testing.assert_close(state[changed[0]], ema[changed[0]])
+
+
+def test_before_averaging_starts_validation_and_checkpoints_use_the_trained_weights(compose, tmp_path):
+    """update_starting_at_step 10 with validations at steps 2 and 4: there is no average yet, so both validate the
+    weights being trained (Lightning's copy still held the initial weights), and so do the checkpoints."""
+    for store in (WeightRecorder.raw, WeightRecorder.validated, WeightRecorder.tested):
+        store.clear()
+    cfg = compose([*TINY_LISTOPS, *TINY_TRAINER, "trainer.max_steps=4", "trainer.val_check_interval=2",
+                   "callbacks=ema", "callbacks.ema.update_starting_at_step=10",
+                   "+callbacks.zz_recorder._target_=tests.callbacks.test_ema.WeightRecorder"])
+    train(cfg)
+    raw, validated = WeightRecorder.raw, WeightRecorder.validated
+    assert len(raw) == 4 and len(validated) == 2
+    for weights, seen in ((raw[1], validated[0]), (raw[3], validated[1])):
+        assert any(not torch.equal(raw[0][k], weights[k]) for k in weights)
+        for key in weights:
+            torch.testing.assert_close(seen[key], weights[key], msg=key)
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    key = next(k for k in raw[3] if ".conv." not in k)
+    torch.testing.assert_close(last["state_dict"][key], raw[3][key])
