@@ -326,3 +326,23 @@ def test_the_last_step_is_validated_when_max_steps_ends_mid_epoch(compose, tmp_p
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     best_step = int(Path(results["best_ckpt"]).stem.split("-")[1])
     assert results["metrics"]["val/loss"] == pytest.approx(float(val_rows[best_step]["val/loss"]))
+
+
+def test_a_best_checkpoint_without_its_validation_metrics_leaves_val_out_of_results(compose, tmp_path, caplog):
+    """A checkpoint of an earlier version keeps no val/* of its own: results.json then leaves out the last
+    validation's val/* (which belong to another checkpoint) rather than pair them with this one's test."""
+    trainer = [o for o in TINY_TRAINER if not o.startswith(("trainer.max_steps", "trainer.val_check_interval"))]
+    overrides = [*TINY_LISTOPS, *trainer, "trainer.max_steps=6", "trainer.val_check_interval=null"]
+    train(compose([*overrides, "test=false"]))
+    for path in (tmp_path / "run" / "checkpoints").glob("*.ckpt"):
+        checkpoint = torch.load(path, weights_only=True)
+        for state in checkpoint["callbacks"].values():
+            if isinstance(state, dict):
+                state.pop("val_metrics", None)
+        torch.save(checkpoint, path)
+    with caplog.at_level("WARNING", logger="longmixer"):
+        train(compose(overrides))
+    metrics = json.loads((tmp_path / "run" / "results.json").read_text())["metrics"]
+    assert "test/acc" in metrics and "val/acc_best" in metrics
+    assert not [k for k in metrics if k.startswith("val/") and not k.endswith("_best")], metrics
+    assert any("holds no validation metrics" in r.getMessage() for r in caplog.records)

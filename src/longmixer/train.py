@@ -181,7 +181,7 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
     metrics = dict(getattr(checkpointer, "val_metrics", {}))
     metrics.update({k: to_number(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")})
 
-    best_ckpt = None
+    best_ckpt, unpaired = None, None
     if cfg.test:
         if trainer.fast_dev_run:
             log.info("fast_dev_run writes no checkpoints: testing the current weights (debug only)")
@@ -195,7 +195,14 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
         if best_ckpt:
             # the tested weights' own validation: results.json pairs test/* with the val/* of the same checkpoint
             # (the last validation's stay in metrics.csv)
-            metrics.update(_read_best_checkpoint(best_ckpt, run_dir))
+            own = _read_best_checkpoint(best_ckpt, run_dir)
+            if not own:  # a checkpoint of an earlier version, which kept no val/*: leave the others' out
+                unpaired = _unpaired_val
+                metrics = {k: v for k, v in metrics.items() if not unpaired(k)}
+                log.warning("%s holds no validation metrics (an earlier version's checkpoint): results.json leaves "
+                            "out val/* other than the best score; `python -m longmixer.evaluate run_dir=%s` scores "
+                            "that checkpoint on the validation split", best_ckpt, run_dir)
+            metrics.update(own)
         for result in _test_until_signal(trainer, task, datamodule, best_ckpt):
             metrics.update({k: to_number(v) for k, v in result.items()})
 
@@ -211,7 +218,7 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
         status = "trained, not tested (test=false)"
     else:
         status = "finished"
-    results = (write_results(run_dir, cfg, choices, metrics, best_ckpt, majority, status=status)
+    results = (write_results(run_dir, cfg, choices, metrics, best_ckpt, majority, status=status, drop=unpaired)
                if trainer.is_global_zero else {})
     if trainer.is_global_zero:
         log.info("results%s", result_table(results))
@@ -251,6 +258,11 @@ def _rewind_loggers(trainer: pl.Trainer, ckpt_path: str | None) -> None:
             if step > 0 and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 2):
                 log.warning("%s holds no rows, but the run resumes at step %d: the history before it is missing "
                             "(deleted or emptied); the rows from here on are appended", metrics, step)
+
+
+def _unpaired_val(key: str) -> bool:
+    """val/* metrics that belong to one validation (not the run's best score, `val/<metric>_best`)."""
+    return key.startswith("val/") and not key.endswith("_best")
 
 
 def _read_best_checkpoint(best_ckpt: str, run_dir: Path) -> dict[str, float]:

@@ -175,9 +175,12 @@ class AtomicModelCheckpoint(ModelCheckpoint):
             # so a stop (or save) here would resume the update from its remaining batches alone. The stop waits for
             # the batch that completes the optimizer step.
             return
-        if loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+        # the step at max_steps is validated (SequenceTask.on_train_batch_end asks Lightning to stop, which runs after
+        # this hook, so `_should_check_val_fx` cannot see it yet)
+        last_step_validated = 0 < trainer.max_steps <= step and loop._should_check_val_epoch()
+        if last_step_validated or loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
             # a validation follows this batch: save (or stop) at its end instead. A checkpoint written here would
-            # make a resumed run skip that validation (Lightning fast-forwards it)
+            # make a resumed run skip that validation (Lightning fast-forwards it, or ends at max_steps)
             return
         # Lightning logs this step's row only after this hook; a resume from this checkpoint will not log it
         # again, so it is logged (and flushed by the save) now. The loggers' second copy is the same row.

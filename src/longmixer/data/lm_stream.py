@@ -295,7 +295,10 @@ class LMDataModule(SequenceDataModule):
     def _loader(self, split: str, train: bool) -> DataLoader:
         if split not in self.datasets:
             raise KeyError(f"{self.name} has no {split!r} split (has {sorted(self.datasets)})")
-        kwargs = dict(num_workers=self.num_workers, pin_memory=self.pin_memory, worker_init_fn=ignore_stop_signals)
+        # a private generator: creating an iterator (with workers, each epoch) must not draw from the global RNG, or a
+        # resumed run's dropout masks would drift from the uninterrupted run's (data/base.py does the same)
+        kwargs = dict(num_workers=self.num_workers, pin_memory=self.pin_memory, worker_init_fn=ignore_stop_signals,
+                      generator=torch.Generator().manual_seed(self.seed))
         if train:  # workers are re-created each epoch so that they receive the stream's new epoch and skip
             return LMStreamLoader(self.datasets[split], **kwargs)
         return DataLoader(self.datasets[split], batch_size=None, persistent_workers=self.persistent_workers, **kwargs)

@@ -8,7 +8,7 @@ import os
 import re
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -107,11 +107,14 @@ def majority_rates(manifest: dict | None) -> dict[str, float]:
 
 
 def write_results(run_dir: Path, cfg: DictConfig, choices: dict, metrics: dict[str, float], best_ckpt: str | None,
-                  majority_rate: dict[str, float] | None = None, status: str = "finished") -> dict:
+                  majority_rate: dict[str, float] | None = None, status: str = "finished",
+                  drop: Callable[[str], bool] | None = None) -> dict:
     """`<run_dir>/results.json`: what report.py collects (experiment, model, data, seed, metrics). Metrics of an
-    earlier results.json that this call does not recompute are kept, so no metric is lost across resumes."""
+    earlier results.json that this call does not recompute are kept, so no metric is lost across resumes, except
+    the keys `drop` selects (values that no longer belong with the new ones)."""
     path = run_dir / "results.json"
     previous = json.loads(path.read_text()).get("metrics", {}) if path.exists() else {}
+    previous = {k: v for k, v in previous.items() if drop is None or not drop(k)}
     results = {"run_name": cfg.run_name, "experiment": choices.get("experiment"), "model": choices.get("model"),
                "data": choices.get("data"), "seed": cfg.seed, "tags": list(cfg.tags),
                "metrics": {**previous, **metrics}, "best_ckpt": best_ckpt, "run_dir": str(run_dir),
