@@ -686,3 +686,12 @@ def test_a_damaged_source_file_stops_training_in_one_line(compose, tmp_path):
         (source / f"basic_{split}.tsv").write_text("Source\tTarget\n")
     with pytest.raises(SourceFileError, match=r"basic_train\.tsv has a header but no examples"):
         train(compose(["data=listops", f"data.source_dir={source}", *TINY_TRAINER]))
+
+
+def test_a_validation_interval_inside_a_gradient_accumulation_is_refused(compose):
+    """val_check_interval counts batches: 3 with accumulation 2 validated (and checkpointed) between an update's
+    batches, which a resume cannot continue exactly."""
+    with pytest.raises(ValueError, match="use a multiple of 2"):
+        train(compose([*BASE, "trainer.val_check_interval=3", "trainer.accumulate_grad_batches=2"]))
+    assert train(compose([*BASE, "trainer.val_check_interval=4", "trainer.accumulate_grad_batches=2",
+                          "trainer.max_steps=2"]))["metrics"]["test/acc"] >= 0
