@@ -138,11 +138,8 @@ def run_one(name: str, recipe: Recipe, world: int, strategy: str, args, out: Pat
         # its own session: on a timeout the whole group goes (Lightning starts ranks 1..N-1 from rank 0)
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(args.cpu), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        returncode, measured_at = None, None
-        while returncode is None:
-            returncode = proc.poll()
-            if returncode is not None:
-                break
+        measured_at = None
+        while (returncode := proc.poll()) is None:
             now = time.perf_counter()
             if measured_at is None and _read_probe(probe) is not None:
                 measured_at = now
@@ -155,6 +152,7 @@ def run_one(name: str, recipe: Recipe, world: int, strategy: str, args, out: Pat
                 continue
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            break
     wall = time.perf_counter() - start
     strategy = "single" if world == 1 else strategy
     result = _read_probe(probe)

@@ -197,17 +197,8 @@ def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> 
     """Stop before training when no validation (and so no best checkpoint) would happen before `max_steps`.
 
     Raises:
-        ValueError: naming the keys, when the run also tests (the papers' rule needs a best checkpoint), or when
-            an int `val_check_interval` would validate inside a gradient accumulation.
+        ValueError: naming the keys, when the run also tests (the papers' rule needs a best checkpoint).
     """
-    accumulate = max(1, int(cfg.trainer.get("accumulate_grad_batches") or 1))
-    interval = cfg.trainer.get("val_check_interval")
-    if isinstance(interval, int) and not isinstance(interval, bool) and interval % accumulate:
-        # Lightning counts the interval in batches: a validation between an update's batches writes checkpoints
-        # that hold half an update's gradients, which no resume can continue exactly
-        raise ConfigError(f"trainer.val_check_interval={interval} counts batches; with "
-                          f"trainer.accumulate_grad_batches={accumulate} it validates inside an optimizer update, "
-                          f"where a checkpoint cannot be resumed exactly: use a multiple of {accumulate}")
     max_steps = cfg.trainer.get("max_steps")
     if cfg.trainer.get("fast_dev_run") or max_steps is None or max_steps < 0:
         return

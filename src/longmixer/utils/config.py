@@ -187,6 +187,13 @@ def validate_config(cfg: DictConfig) -> None:
     if interval is not None and not interval > 0:
         raise ConfigError(f"trainer.val_check_interval={interval!r} must be > 0: a number of training batches (e.g. "
                           "1000) or a fraction of the epoch (e.g. 0.5)")
+    accumulate = OmegaConf.select(cfg, "trainer.accumulate_grad_batches") or 1
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval % accumulate:
+        # Lightning counts the interval in batches: a validation between an update's batches writes checkpoints
+        # that hold half an update's gradients, which no resume can continue exactly
+        raise ConfigError(f"trainer.val_check_interval={interval} counts batches; with "
+                          f"trainer.accumulate_grad_batches={accumulate} it validates inside an optimizer update, "
+                          f"where a checkpoint cannot be resumed exactly: use a multiple of {accumulate}")
     for path, node in _targets(cfg, ""):
         if path.startswith("hydra"):
             continue
