@@ -161,7 +161,7 @@ def run_one(name: str, recipe: Recipe, world: int, strategy: str, args, out: Pat
         return {"recipe": name, "strategy": strategy, "world_size": world, "log_tail": tail,
                 "failed": f"exit {returncode}; log {log_path}", "command": " ".join(cmd)}
     # a run whose probe was written measured all its steps: it counts even if its processes then hung at exit
-    # (seen with DDP on H100s, docs/benchmarks.md "Scaling"); the row says so
+    # (as DDP runs on H100s once did, docs/benchmarks.md "Scaling"); the row says so
     return {"recipe": name, "strategy": strategy, "wall_s": wall, "command": " ".join(cmd),
             "exit": "ok" if returncode == 0 else str(returncode), **result}
 

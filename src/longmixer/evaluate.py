@@ -29,6 +29,7 @@ from longmixer.runs.checkpoints import check_weights_fit, load_checkpoint, trust
 from longmixer.runs.resume import read_run_file, refuse_unusable_folders, write_atomically
 from longmixer.runs.run import instantiate_node, to_number
 from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_before_hydra, run_explaining_refusals
+from longmixer.utils.compile import release_cuda_graphs
 from longmixer.utils.config import validate_config
 from longmixer.utils.errors import UserFacingError
 from longmixer.utils.resolvers import register_resolvers
@@ -169,6 +170,8 @@ def _main(cfg: DictConfig) -> dict[str, float] | None:
             raise  # the sweep records the failed job and goes on
         log.error("%s", err)
         sys.exit(2)
+    finally:
+        release_cuda_graphs()  # before Lightning's exit handler destroys the process group
 
 
 def main() -> None:

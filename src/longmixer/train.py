@@ -54,6 +54,7 @@ from longmixer.runs.run_info import record_attempt_end, write_run_info
 from longmixer.utils.compose import (CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer_blocks, refuse_before_hydra,
                                      run_explaining_refusals)
 from longmixer.utils.errors import UserFacingError
+from longmixer.utils.compile import release_cuda_graphs
 from longmixer.utils.config import validate_config
 from longmixer.utils.resolvers import register_resolvers
 
@@ -82,6 +83,7 @@ def train(cfg: DictConfig) -> dict:
             record_attempt_end(run_dir, _outcome(err))
         raise
     finally:
+        release_cuda_graphs()  # before Lightning's exit handler destroys the process group
         if lock is not None:
             lock.release()
 

@@ -7,6 +7,7 @@ Shared by the tasks (training and evaluation) and the benchmark, so both measure
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,6 +32,23 @@ def resolve_compile_mode(mode: str, device: torch.device, few_shapes: bool = Tru
             return "none"
         return "reduce-overhead" if few_shapes else "default"
     return mode
+
+
+def release_cuda_graphs() -> None:
+    """Free the CUDA graphs that compiled code recorded (`reduce-overhead`), before a process group is destroyed.
+
+    NCCL keeps every collective that a graph captured (SyncBatchNorm's all-reduce in a DDP run compiled with
+    `reduce-overhead`) alive until that graph is destroyed, and `destroy_process_group` waits for them: Lightning's
+    exit handler then blocks in `ncclCommFinalize` forever (seen on 2 and 4 H100s, torch 2.11, NCCL; a py-spy stack
+    in docs/benchmarks.md "Scaling"). `torch.compiler.reset()` drops the compiled code with its graph trees, so the
+    graphs go before the process group. Only in a process that joined a process group on a GPU; a no-op otherwise.
+    """
+    import torch.distributed as dist
+
+    if not (torch.cuda.is_available() and dist.is_available() and dist.is_initialized()):
+        return
+    torch.compiler.reset()
+    gc.collect()  # the graphs held by reference cycles of the compiled frames
 
 
 def compile_blocks(model: nn.Module, mode: str, backend: str = "inductor", entry: str = "forward") -> nn.Module:
