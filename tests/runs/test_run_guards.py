@@ -215,6 +215,31 @@ def test_max_steps_in_an_epoch_that_never_validates_stops_at_start(compose):
         train(compose([*BASE, "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=2"]))
 
 
+def test_max_steps_inside_the_first_validating_epoch_is_validated_there(compose):
+    # validation every second epoch (4 steps each): max_steps 6 stops inside the second, which validates the stop
+    results = train(compose([*BASE, "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=2",
+                             "trainer.max_steps=6"]))
+    assert results["best_ckpt"].endswith("best-000006.ckpt") and "val/acc" in results["metrics"]
+
+
+@pytest.mark.parametrize("trainer, batches, first", [
+    ({"check_val_every_n_epoch": 2}, 10, 20),
+    ({"check_val_every_n_epoch": 2, "accumulate_grad_batches": 4}, 10, 6),  # an epoch ends with a step: 3 a epoch
+    ({"check_val_every_n_epoch": 3, "val_check_interval": 0.5}, 10, 25),
+    ({"check_val_every_n_epoch": 2, "val_check_interval": 0.5, "accumulate_grad_batches": 2}, 10, 7),
+    ({"check_val_every_n_epoch": 2, "val_check_interval": 4}, 10, 14),
+    ({"val_check_interval": 6, "accumulate_grad_batches": 2}, None, 3),
+    ({"check_val_every_n_epoch": 2}, None, None),  # an iterable train set: not known
+])
+def test_first_validation_step_counts_optimizer_steps(trainer, batches, first):
+    from omegaconf import OmegaConf
+
+    from longmixer.runs.run import first_validation_step
+
+    cfg = OmegaConf.create({"trainer": {"val_check_interval": None, **trainer}})
+    assert first_validation_step(cfg, batches) == first
+
+
 def test_progress_bar_off_with_the_rich_bar_in_callbacks(compose):
     cfg_overrides = [o for o in BASE if o != "~callbacks.progress"]
     assert train(compose(cfg_overrides))["metrics"]["test/acc"] >= 0

@@ -166,14 +166,10 @@ def config_tree(cfg: DictConfig, choices: dict | None = None, compact: bool = Fa
     return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
 
 
-def first_validation_step(cfg: DictConfig, datamodule, world_size: int) -> int | None:
-    """The optimizer step of the first validation, or None where it cannot be known before training (an
-    iterable train set)."""
+def _epoch_batches(cfg: DictConfig, datamodule, world_size: int) -> int | None:
+    """Training batches an epoch on each rank (after `limit_train_batches` / `overfit_batches`), or None where it
+    cannot be known before training (an iterable train set)."""
     trainer = cfg.trainer
-    accumulate = max(1, int(trainer.get("accumulate_grad_batches") or 1))
-    interval = trainer.get("val_check_interval")
-    if isinstance(interval, int) and not isinstance(interval, bool):
-        return interval // accumulate
     datamodule.prepare_data()
     datamodule.setup("fit")
     try:
@@ -188,9 +184,40 @@ def first_validation_step(cfg: DictConfig, datamodule, world_size: int) -> int |
         batches = min(batches, limit)
     elif isinstance(limit, float):
         batches = int(batches * limit)
-    fraction = interval if isinstance(interval, float) else 1.0
+    return batches
+
+
+def first_validation_step(cfg: DictConfig, batches: int | None) -> int | None:
+    """The optimizer step of the first validation, given the training batches an epoch on each rank
+    (`_epoch_batches`), or None where it cannot be known before training (an iterable train set). Validation runs
+    only in every `check_val_every_n_epoch`-th epoch, at its `val_check_interval` batches (an int: every that many
+    batches; a float: that fraction of the epoch); an epoch ends with an optimizer step even when its batches are not
+    a multiple of `accumulate_grad_batches`."""
+    trainer = cfg.trainer
+    accumulate = max(1, int(trainer.get("accumulate_grad_batches") or 1))
+    interval = trainer.get("val_check_interval")
     epochs = int(trainer.get("check_val_every_n_epoch") or 1)
-    return max(1, int(batches * fraction)) * epochs // accumulate
+    counted = isinstance(interval, int) and not isinstance(interval, bool)
+    if counted and epochs == 1:
+        return interval // accumulate
+    if batches is None:
+        return None
+    at = min(interval, batches) if counted else max(1, int(batches * (interval if isinstance(interval, float) else 1.0)))
+    steps_in_epoch = -(-at // accumulate) if at == batches else at // accumulate
+    return (epochs - 1) * -(-batches // accumulate) + steps_in_epoch
+
+
+def _validates_by(max_steps: int, cfg: DictConfig, batches: int | None) -> bool:
+    """Whether a run of `max_steps` validates at least once: at a scheduled validation, or at `max_steps` itself,
+    which Lightning validates when it falls in a validating epoch (the task stops there,
+    `SequenceTask.on_train_batch_end`). True where the epoch length is unknown."""
+    first = first_validation_step(cfg, batches)
+    if first is None or first <= max_steps:
+        return True
+    epochs = int(cfg.trainer.get("check_val_every_n_epoch") or 1)
+    accumulate = max(1, int(cfg.trainer.get("accumulate_grad_batches") or 1))
+    # the optimizer steps of the epochs before the first validating one: max_steps beyond them ends inside it
+    return batches is None or max_steps > (epochs - 1) * -(-batches // accumulate)
 
 
 def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> None:
@@ -207,9 +234,10 @@ def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> 
     elif cfg.trainer.get("check_val_every_n_epoch", 1) in (None, 1):
         return  # the step at max_steps is validated (SequenceTask.on_train_batch_end)
     else:
-        first = first_validation_step(cfg, datamodule, world_size)
-        if first is None or first <= max_steps:
+        batches = _epoch_batches(cfg, datamodule, world_size)
+        if _validates_by(max_steps, cfg, batches):
             return
+        first = first_validation_step(cfg, batches)
         problem = (f"the first validation comes at step {first} (trainer.val_check_interval, "
                    f"trainer.check_val_every_n_epoch, trainer.limit_train_batches, the epoch length) but "
                    f"trainer.max_steps={max_steps}")
