@@ -40,6 +40,7 @@ from longmixer.runs.resume import (
     write_atomically,
 )
 from longmixer.runs.run import (
+    check_validation_between_updates,
     check_validation_reachable,
     config_tree,
     instantiate_group,
@@ -152,6 +153,7 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
     trainer: pl.Trainer = instantiate_node(cfg.trainer, callbacks=callbacks, logger=loggers, _convert_="partial")
     check_not_launching_ranks_in_a_sweep(trainer)
     if cfg.train:
+        check_validation_between_updates(cfg, datamodule, trainer.world_size)
         check_validation_reachable(cfg, datamodule, trainer.world_size)
 
     if trainer.is_global_zero:

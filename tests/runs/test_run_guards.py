@@ -222,6 +222,15 @@ def test_max_steps_inside_the_first_validating_epoch_is_validated_there(compose)
     assert results["best_ckpt"].endswith("best-000006.ckpt") and "val/acc" in results["metrics"]
 
 
+def test_a_fraction_of_the_epoch_that_validates_inside_an_update_is_refused(compose):
+    # 4 batches an epoch, 2 an update: 0.75 validates after batch 3 (inside the second update); 0.5 after batch 2
+    with pytest.raises(ValueError, match=r"every 3 of an epoch's 4 batches.*use trainer.val_check_interval=2 "):
+        train(compose([*BASE, "trainer.val_check_interval=0.75", "trainer.accumulate_grad_batches=2"]))
+    results = train(compose([*BASE, "trainer.val_check_interval=0.5", "trainer.accumulate_grad_batches=2",
+                             "trainer.max_steps=3"]))
+    assert "val/acc" in results["metrics"]
+
+
 @pytest.mark.parametrize("trainer, batches, first", [
     ({"check_val_every_n_epoch": 2}, 10, 20),
     ({"check_val_every_n_epoch": 2, "accumulate_grad_batches": 4}, 10, 6),  # an epoch ends with a step: 3 a epoch

@@ -220,6 +220,32 @@ def _validates_by(max_steps: int, cfg: DictConfig, batches: int | None) -> bool:
     return batches is None or max_steps > (epochs - 1) * -(-batches // accumulate)
 
 
+def check_validation_between_updates(cfg: DictConfig, datamodule, world_size: int) -> None:
+    """Refuse a fractional `trainer.val_check_interval` whose validations fall between an optimizer update's batches
+    (Lightning validates every `int(batches * fraction)` batches of an epoch): a checkpoint written there holds half
+    an update's gradients, which no resume continues exactly. The int form is checked without data
+    (`validate_config`).
+
+    Raises:
+        ConfigError: with the int interval (a multiple of the accumulation) to use instead.
+    """
+    interval = cfg.trainer.get("val_check_interval")
+    accumulate = max(1, int(cfg.trainer.get("accumulate_grad_batches") or 1))
+    if not isinstance(interval, float) or interval >= 1.0 or accumulate == 1:
+        return
+    batches = _epoch_batches(cfg, datamodule, world_size)
+    if batches is None:
+        return
+    every = max(1, int(batches * interval))
+    if every >= batches or every % accumulate == 0:
+        return
+    instead = max(accumulate, every // accumulate * accumulate)  # at least as often as asked
+    raise ConfigError(f"trainer.val_check_interval={interval} validates every {every} of an epoch's {batches} batches "
+                      f"on each rank; with trainer.accumulate_grad_batches={accumulate} that is inside an optimizer "
+                      "update, where a checkpoint cannot be resumed exactly: use "
+                      f"trainer.val_check_interval={instead} (batches, a multiple of {accumulate})")
+
+
 def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> None:
     """Stop before training when no validation (and so no best checkpoint) would happen before `max_steps`.
 
