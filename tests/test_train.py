@@ -346,3 +346,8 @@ def test_a_best_checkpoint_without_its_validation_metrics_leaves_val_out_of_resu
     assert "test/acc" in metrics and "val/acc_best" in metrics
     assert not [k for k in metrics if k.startswith("val/") and not k.endswith("_best")], metrics
     assert any("holds no validation metrics" in r.getMessage() for r in caplog.records)
+    # nor does `longmixer-report` fill them in from metrics.csv, which holds the last validation's
+    from longmixer.report.tables import load_run
+
+    reported = load_run(tmp_path / "run" / "results.json").metrics
+    assert "test/acc" in reported and not [k for k in reported if k.startswith("val/") and not k.endswith("_best")]

@@ -121,13 +121,18 @@ def load_run(results_path: Path) -> Run:
     results = json.loads(results_path.read_text())
     run_dir = results_path.parent
     metrics = _numbers(results.get("metrics", {}).items())
+    # a run tested at a checkpoint that kept no val/* of its own left the last validation's out of results.json:
+    # the logs' last values belong to another checkpoint than the test metrics, so they are not filled in
+    unpaired = (lambda key: key.startswith("val/") and not key.endswith("_best")) if results.get("val_left_out") \
+        else (lambda key: False)
     for summary in sorted(run_dir.glob("wandb/*/files/wandb-summary.json")):
         for key, value in _numbers(json.loads(summary.read_text()).items()).items():
-            if key.startswith(("val/", "test/")):
+            if key.startswith(("val/", "test/")) and not unpaired(key):
                 metrics.setdefault(key, value)
     if (run_dir / "csv" / "metrics.csv").exists():
         for key, value in _csv_final_metrics(run_dir / "csv" / "metrics.csv").items():
-            metrics.setdefault(key, value)
+            if not unpaired(key):
+                metrics.setdefault(key, value)
     ablation, variant = _split_overrides(run_dir)
     ablation = (results.get("choices") or {}).get("ablation", ablation)
     return Run(run_dir=run_dir, experiment=results.get("experiment"), model=results.get("model"),

@@ -111,7 +111,8 @@ def write_results(run_dir: Path, cfg: DictConfig, choices: dict, metrics: dict[s
                   drop: Callable[[str], bool] | None = None) -> dict:
     """`<run_dir>/results.json`: what report.py collects (experiment, model, data, seed, metrics). Metrics of an
     earlier results.json that this call does not recompute are kept, so no metric is lost across resumes, except
-    the keys `drop` selects (values that no longer belong with the new ones)."""
+    the keys `drop` selects (values that no longer belong with the new ones): then `val_left_out` says that val/*
+    keys were left out on purpose (`_unpaired_val` in train.py: the per-validation ones, not `val/<metric>_best`)."""
     path = run_dir / "results.json"
     previous = json.loads(path.read_text()).get("metrics", {}) if path.exists() else {}
     previous = {k: v for k, v in previous.items() if drop is None or not drop(k)}
@@ -119,6 +120,8 @@ def write_results(run_dir: Path, cfg: DictConfig, choices: dict, metrics: dict[s
                "data": choices.get("data"), "seed": cfg.seed, "tags": list(cfg.tags),
                "metrics": {**previous, **metrics}, "best_ckpt": best_ckpt, "run_dir": str(run_dir),
                "majority_rate": majority_rate, "status": status}
+    if drop is not None:  # `longmixer-report` must not refill the dropped keys from the run's logs
+        results["val_left_out"] = True
     write_atomically(path, json.dumps(results, indent=2))
     return results
 
