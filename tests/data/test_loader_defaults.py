@@ -151,3 +151,33 @@ def test_fixed_length_batches_carry_no_key_mask():
     assert batch["mask"].sum(1).tolist() == [3, 5] and "mask2" not in batch
     assert pad_collate(same, pad_to=8, full_mask=False)["mask"].sum(1).tolist() == [5, 5, 5]
     assert "mask" in ListOps(seq_len=20).collate([{"inputs": torch.arange(1, 6), "labels": torch.tensor(0)}] * 2)
+
+
+def _epochs(loader, take):
+    """The first example index of each batch, for `take` batches of each of len(take) iterations."""
+    out = []
+    for n in take:
+        it = iter(loader)
+        out.append([int(next(it)[0]) for _ in range(n)])
+    return out
+
+
+def test_an_epoch_cut_short_by_limit_train_batches_starts_the_next_pass():
+    """Lightning takes `epoch_batches` batches an epoch: the next epoch is a fresh pass, not the pass's rest (which
+    made short epochs); a loader restored inside an epoch continues it, one restored at its end starts the next."""
+    from longmixer.data.base import EpochSampler, ResumableLoader
+
+    data = list(range(40))
+
+    def loader(limit):
+        return ResumableLoader(data, sampler=EpochSampler(40, seed=0, shuffle=True), epoch_batches=limit,
+                               batch_size=4)
+
+    whole = _epochs(loader(None), [10, 10])
+    limited = _epochs(loader(7), [7, 7, 7])
+    assert limited[0] == whole[0][:7] and limited[1] == whole[1][:7]
+    restored = loader(7)
+    restored.load_state_dict({"epoch": 1, "consumed": 3})
+    assert _epochs(restored, [4]) == [whole[1][3:7]]
+    restored.load_state_dict({"epoch": 1, "consumed": 7})
+    assert _epochs(restored, [7]) == [limited[2]]

@@ -1,6 +1,7 @@
 """The run dir's guards, in-process: safe loading, corrupt last.ckpt, drift, finished rerun, lock, divergence,
 unreachable validation, progress bar off."""
 
+import csv
 import json
 import os
 import pickle
@@ -222,13 +223,70 @@ def test_max_steps_inside_the_first_validating_epoch_is_validated_there(compose)
     assert results["best_ckpt"].endswith("best-000006.ckpt") and "val/acc" in results["metrics"]
 
 
+def test_epochs_cut_by_limit_train_batches_keep_their_length_and_validation(compose):
+    # 10 batches a pass, 7 an epoch: validation every second epoch comes at step 14 (the rest of a pass once made
+    # a 3-batch second epoch, which never reached its validation)
+    results = train(compose([*BASE, "data.num_train=160", "trainer.limit_train_batches=0.7",
+                             "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=2",
+                             "trainer.max_steps=17"]))
+    assert results["best_ckpt"].endswith(("best-000014.ckpt", "best-000017.ckpt"))
+    steps = sorted({int(row["step"]) for row in csv.DictReader(open(Path(results["run_dir"]) / "csv" / "metrics.csv"))
+                    if row.get("val/acc")})
+    assert steps[0] == 13  # the logger's step column of the validation after optimizer step 14
+
+
 def test_a_fraction_of_the_epoch_that_validates_inside_an_update_is_refused(compose):
     # 4 batches an epoch, 2 an update: 0.75 validates after batch 3 (inside the second update); 0.5 after batch 2
     with pytest.raises(ValueError, match=r"every 3 of an epoch's 4 batches.*use trainer.val_check_interval=2 "):
         train(compose([*BASE, "trainer.val_check_interval=0.75", "trainer.accumulate_grad_batches=2"]))
+    # 5 batches an epoch, 8 an update: no batch inside the epoch ends an update; the suggestion must be one
+    # Lightning takes (an int above the epoch's batches is refused there)
+    with pytest.raises(ValueError, match=r"use trainer.val_check_interval=null"):
+        train(compose([*BASE, "data.num_train=80", "trainer.val_check_interval=0.5",
+                       "trainer.accumulate_grad_batches=8"]))
     results = train(compose([*BASE, "trainer.val_check_interval=0.5", "trainer.accumulate_grad_batches=2",
                              "trainer.max_steps=3"]))
     assert "val/acc" in results["metrics"]
+
+
+class _Data:
+    """What `_epoch_batches` reads of a datamodule."""
+
+    def __init__(self, dataset, batch_size=4):
+        self.dataset, self.batch_size = dataset, batch_size
+
+    def prepare_data(self):
+        pass
+
+    def setup(self, stage):
+        pass
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.dataset, batch_size=self.batch_size)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(40))
+
+    def __len__(self):  # one process's length: the ranks' own are set only once they run
+        return 40
+
+
+@pytest.mark.parametrize("trainer, dataset, world, batches", [
+    ({}, list(range(40)), 2, 5),
+    ({"limit_train_batches": 0.5}, list(range(40)), 2, 2),
+    ({"overfit_batches": 6}, list(range(40)), 2, 6),  # Lightning's sequential sampler: the whole set on each rank
+    ({"overfit_batches": 0.5}, list(range(40)), 2, 5),
+    ({}, _Stream(), 1, 10),
+    ({}, _Stream(), 2, None),
+])
+def test_epoch_batches_per_rank(trainer, dataset, world, batches):
+    from omegaconf import OmegaConf
+
+    from longmixer.runs.run import _epoch_batches
+
+    assert _epoch_batches(OmegaConf.create({"trainer": trainer}), _Data(dataset), world) == batches
 
 
 @pytest.mark.parametrize("trainer, batches, first", [

@@ -289,12 +289,17 @@ class ResumableLoader(DataLoader):
     Kept instead of torchdata's StatefulDataLoader: with the seeded EpochSampler, (epoch, batches consumed) already
     reproduces the order exactly, and the core install stays without torchdata."""
 
-    def __init__(self, dataset: Dataset, sampler: EpochSampler, **kwargs):
+    def __init__(self, dataset: Dataset, sampler: EpochSampler, epoch_batches: int | None = None, **kwargs):
         super().__init__(dataset, sampler=sampler, **kwargs)
+        # the batches Lightning takes an epoch when `trainer.limit_train_batches` cuts it short: each epoch is then
+        # that many batches of a fresh pass, as without this loader (continuing the pass gave short epochs, which
+        # skipped the epoch's scheduled validation and, under accumulation, lost a batch's gradients)
+        self.epoch_batches = epoch_batches
         self._epoch, self._consumed = 0, 0
 
     def __iter__(self):
-        if self._consumed >= len(self):  # the previous pass was complete
+        complete = len(self) if self.epoch_batches is None else min(len(self), self.epoch_batches)
+        if self._consumed >= complete:  # the previous epoch was complete
             self._epoch, self._consumed = self._epoch + 1, 0
         if isinstance(self.sampler, EpochSampler):  # not a sampler Lightning put in (trainer.overfit_batches)
             self.sampler.set_epoch(self._epoch)
@@ -529,8 +534,20 @@ class SequenceDataModule(pl.LightningDataModule):
         if train:
             # the sampler by keyword: Lightning re-creates the loader with its own sampler= (overfit_batches, a
             # sequential one), which a positional sampler would collide with
-            return ResumableLoader(dataset, sampler=sampler, **kwargs)
+            return ResumableLoader(dataset, sampler=sampler, epoch_batches=self._epoch_batches(sampler, kwargs),
+                                   **kwargs)
         return DataLoader(dataset, sampler=sampler, **kwargs)
+
+    def _epoch_batches(self, sampler: EpochSampler, kwargs: dict) -> int | None:
+        """Lightning's training batches an epoch under `trainer.limit_train_batches` (an int: at most that many; a
+        float: that fraction, rounded down), or None for whole passes."""
+        limit = getattr(self.trainer, "limit_train_batches", None) if self.trainer is not None else None
+        if limit is None or getattr(self.trainer, "overfit_batches", 0):
+            return None
+        batches = -(-len(sampler) // kwargs["batch_size"])
+        if isinstance(limit, float):
+            return None if limit >= 1.0 else int(batches * limit)
+        return int(limit) if limit < batches else None
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", train=True)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import IterableDataset
 
 from longmixer.runs.resume import write_atomically
 from longmixer.utils.config import ConfigError
@@ -171,18 +172,23 @@ def config_tree(cfg: DictConfig, choices: dict | None = None, compact: bool = Fa
 
 def _epoch_batches(cfg: DictConfig, datamodule, world_size: int) -> int | None:
     """Training batches an epoch on each rank (after `limit_train_batches` / `overfit_batches`), or None where it
-    cannot be known before training (an iterable train set)."""
+    cannot be known before training: an iterable train set without a length, or one whose per-rank length is set
+    only once the ranks run (the LM streams under DDP)."""
     trainer = cfg.trainer
     datamodule.prepare_data()
     datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    if world_size > 1 and isinstance(loader.dataset, IterableDataset):
+        return None
     try:
-        batches = len(datamodule.train_dataloader())
+        batches = len(loader)
     except TypeError:
         return None
-    batches = -(-batches // world_size)
     limit = trainer.get("limit_train_batches")
     if trainer.get("overfit_batches"):  # Lightning then trains on that many batches an epoch (debug=overfit)
-        limit = trainer.overfit_batches
+        limit = trainer.overfit_batches  # of its own sequential sampler over the whole set, on every rank
+    else:
+        batches = -(-batches // world_size)
     if isinstance(limit, int) and not isinstance(limit, bool):
         batches = min(batches, limit)
     elif isinstance(limit, float):
@@ -242,11 +248,13 @@ def check_validation_between_updates(cfg: DictConfig, datamodule, world_size: in
     every = max(1, int(batches * interval))
     if every >= batches or every % accumulate == 0:
         return
-    instead = max(accumulate, every // accumulate * accumulate)  # at least as often as asked
+    instead = every // accumulate * accumulate  # at least as often as asked
+    use = (f"trainer.val_check_interval={instead} (batches, a multiple of {accumulate})" if instead else
+           f"trainer.val_check_interval=null (validation at the epoch's end: an epoch of {batches} batches holds no "
+           "other update boundary)")
     raise ConfigError(f"trainer.val_check_interval={interval} validates every {every} of an epoch's {batches} batches "
                       f"on each rank; with trainer.accumulate_grad_batches={accumulate} that is inside an optimizer "
-                      "update, where a checkpoint cannot be resumed exactly: use "
-                      f"trainer.val_check_interval={instead} (batches, a multiple of {accumulate})")
+                      f"update, where a checkpoint cannot be resumed exactly: use {use}")
 
 
 def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> None:

@@ -8,11 +8,14 @@ Shared by the tasks (training and evaluation) and the benchmark, so both measure
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 STEP_GRAPH = "step-graph"  # blocks compiled as "default", the whole training step replayed from one CUDA graph
 COMPILE_MODES = ("auto", "none", "default", "reduce-overhead", "max-autotune", STEP_GRAPH)
@@ -47,8 +50,12 @@ def release_cuda_graphs() -> None:
 
     if not (torch.cuda.is_available() and dist.is_available() and dist.is_initialized()):
         return
-    torch.compiler.reset()
-    gc.collect()  # the graphs held by reference cycles of the compiled frames
+    try:
+        torch.compiler.reset()
+        gc.collect()  # the graphs held by reference cycles of the compiled frames
+    except Exception as err:  # noqa: BLE001 - called in `finally`: never hide the error that ended the run
+        log.warning("could not free the compiled CUDA graphs (%s: %s); if the process does not exit, stop it: its "
+                    "results are written", type(err).__name__, err)
 
 
 def compile_blocks(model: nn.Module, mode: str, backend: str = "inductor", entry: str = "forward") -> nn.Module:
