@@ -223,6 +223,12 @@ def test_max_steps_inside_the_first_validating_epoch_is_validated_there(compose)
     assert results["best_ckpt"].endswith("best-000006.ckpt") and "val/acc" in results["metrics"]
 
 
+def test_an_interval_longer_than_the_epoch_with_epoch_counted_validation_is_refused(compose):
+    with pytest.raises(ValueError, match=r"val_check_interval=6 batches is longer than an epoch \(4 batches"):
+        train(compose([*BASE, "trainer.check_val_every_n_epoch=2", "trainer.val_check_interval=6",
+                       "trainer.max_steps=10"]))
+
+
 def test_epochs_cut_by_limit_train_batches_keep_their_length_and_validation(compose):
     # 10 batches a pass, 7 an epoch: validation every second epoch comes at step 14 (the rest of a pass once made
     # a 3-batch second epoch, which never reached its validation)

@@ -272,6 +272,14 @@ def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> 
         return  # the step at max_steps is validated (SequenceTask.on_train_batch_end)
     else:
         batches = _epoch_batches(cfg, datamodule, world_size)
+        interval = cfg.trainer.get("val_check_interval")
+        if (isinstance(interval, int) and not isinstance(interval, bool) and batches is not None
+                and interval > batches):  # Lightning refuses it too, but only after the data is loaded, with a traceback
+            raise ConfigError(f"trainer.val_check_interval={interval} batches is longer than an epoch ({batches} batches "
+                              f"on each rank) while trainer.check_val_every_n_epoch="
+                              f"{cfg.trainer.check_val_every_n_epoch} counts validations by epoch: use "
+                              f"trainer.val_check_interval={batches} or less, or trainer.check_val_every_n_epoch=null to "
+                              "count the interval across epochs")
         if _validates_by(max_steps, cfg, batches):
             return
         first = first_validation_step(cfg, batches)
