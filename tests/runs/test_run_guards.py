@@ -227,6 +227,8 @@ def test_an_interval_longer_than_the_epoch_with_epoch_counted_validation_is_refu
     with pytest.raises(ValueError, match=r"val_check_interval=6 batches is longer than an epoch \(4 batches"):
         train(compose([*BASE, "trainer.check_val_every_n_epoch=2", "trainer.val_check_interval=6",
                        "trainer.max_steps=10"]))
+    with pytest.raises(ValueError, match=r"val_check_interval=6 batches is longer than an epoch \(4 batches"):
+        train(compose([*BASE, "trainer.val_check_interval=6", "trainer.max_steps=10"]))
 
 
 def test_epochs_cut_by_limit_train_batches_keep_their_length_and_validation(compose):

@@ -266,20 +266,21 @@ def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> 
     max_steps = cfg.trainer.get("max_steps")
     if cfg.trainer.get("fast_dev_run") or max_steps is None or max_steps < 0:
         return
+    interval, per_epoch = cfg.trainer.get("val_check_interval"), cfg.trainer.get("check_val_every_n_epoch", 1)
+    if isinstance(interval, int) and not isinstance(interval, bool) and per_epoch is not None:
+        # Lightning refuses it too, but only once the data is loaded, with a traceback
+        batches = _epoch_batches(cfg, datamodule, world_size)
+        if batches is not None and interval > batches:
+            raise ConfigError(f"trainer.val_check_interval={interval} batches is longer than an epoch ({batches} "
+                              f"batches on each rank) while trainer.check_val_every_n_epoch={per_epoch} counts "
+                              f"validations by epoch: use trainer.val_check_interval={batches} or less, or "
+                              "trainer.check_val_every_n_epoch=null to count the interval across epochs")
     if cfg.trainer.get("limit_val_batches") == 0:
         problem = "trainer.limit_val_batches=0 disables validation"
     elif cfg.trainer.get("check_val_every_n_epoch", 1) in (None, 1):
         return  # the step at max_steps is validated (SequenceTask.on_train_batch_end)
     else:
         batches = _epoch_batches(cfg, datamodule, world_size)
-        interval = cfg.trainer.get("val_check_interval")
-        if (isinstance(interval, int) and not isinstance(interval, bool) and batches is not None
-                and interval > batches):  # Lightning refuses it too, but only after the data is loaded, with a traceback
-            raise ConfigError(f"trainer.val_check_interval={interval} batches is longer than an epoch ({batches} batches "
-                              f"on each rank) while trainer.check_val_every_n_epoch="
-                              f"{cfg.trainer.check_val_every_n_epoch} counts validations by epoch: use "
-                              f"trainer.val_check_interval={batches} or less, or trainer.check_val_every_n_epoch=null to "
-                              "count the interval across epochs")
         if _validates_by(max_steps, cfg, batches):
             return
         first = first_validation_step(cfg, batches)
