@@ -40,8 +40,7 @@ from longmixer.runs.resume import (
     write_atomically,
 )
 from longmixer.runs.run import (
-    check_validation_between_updates,
-    check_validation_reachable,
+    check_validation_schedule,
     config_tree,
     instantiate_group,
     instantiate_node,
@@ -153,8 +152,7 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
     trainer: pl.Trainer = instantiate_node(cfg.trainer, callbacks=callbacks, logger=loggers, _convert_="partial")
     check_not_launching_ranks_in_a_sweep(trainer)
     if cfg.train:
-        check_validation_between_updates(cfg, datamodule, trainer.world_size)
-        check_validation_reachable(cfg, datamodule, trainer.world_size)
+        check_validation_schedule(cfg, datamodule, trainer.world_size)
 
     if trainer.is_global_zero:
         # the attempt runs: from here its config is the run's record (a refused one above left the last record)

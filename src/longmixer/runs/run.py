@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -229,7 +230,16 @@ def _validates_by(max_steps: int, cfg: DictConfig, batches: int | None) -> bool:
     return batches is None or max_steps > (epochs - 1) * -(-batches // accumulate)
 
 
-def check_validation_between_updates(cfg: DictConfig, datamodule, world_size: int) -> None:
+def check_validation_schedule(cfg: DictConfig, datamodule, world_size: int) -> None:
+    """The checks on when a run validates, before training (`check_validation_between_updates`,
+    `check_validation_reachable`). The epoch's batches, which set up the data, are counted once, and only when a
+    check needs them."""
+    batches = functools.cache(lambda: _epoch_batches(cfg, datamodule, world_size))
+    check_validation_between_updates(cfg, batches)
+    check_validation_reachable(cfg, batches)
+
+
+def check_validation_between_updates(cfg: DictConfig, epoch_batches: Callable[[], int | None]) -> None:
     """Refuse a fractional `trainer.val_check_interval` whose validations fall between an optimizer update's batches
     (Lightning validates every `int(batches * fraction)` batches of an epoch): a checkpoint written there holds half
     an update's gradients, which no resume continues exactly. The int form is checked without data
@@ -242,7 +252,7 @@ def check_validation_between_updates(cfg: DictConfig, datamodule, world_size: in
     accumulate = max(1, int(cfg.trainer.get("accumulate_grad_batches") or 1))
     if not isinstance(interval, float) or interval >= 1.0 or accumulate == 1:
         return
-    batches = _epoch_batches(cfg, datamodule, world_size)
+    batches = epoch_batches()
     if batches is None:
         return
     every = max(1, int(batches * interval))
@@ -257,7 +267,7 @@ def check_validation_between_updates(cfg: DictConfig, datamodule, world_size: in
                       f"update, where a checkpoint cannot be resumed exactly: use {use}")
 
 
-def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> None:
+def check_validation_reachable(cfg: DictConfig, epoch_batches: Callable[[], int | None]) -> None:
     """Stop before training when no validation (and so no best checkpoint) would happen before `max_steps`.
 
     Raises:
@@ -269,7 +279,7 @@ def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> 
     interval, per_epoch = cfg.trainer.get("val_check_interval"), cfg.trainer.get("check_val_every_n_epoch", 1)
     if isinstance(interval, int) and not isinstance(interval, bool) and per_epoch is not None:
         # Lightning refuses it too, but only once the data is loaded, with a traceback
-        batches = _epoch_batches(cfg, datamodule, world_size)
+        batches = epoch_batches()
         if batches is not None and interval > batches:
             raise ConfigError(f"trainer.val_check_interval={interval} batches is longer than an epoch ({batches} "
                               f"batches on each rank) while trainer.check_val_every_n_epoch={per_epoch} counts "
@@ -280,7 +290,7 @@ def check_validation_reachable(cfg: DictConfig, datamodule, world_size: int) -> 
     elif cfg.trainer.get("check_val_every_n_epoch", 1) in (None, 1):
         return  # the step at max_steps is validated (SequenceTask.on_train_batch_end)
     else:
-        batches = _epoch_batches(cfg, datamodule, world_size)
+        batches = epoch_batches()
         if _validates_by(max_steps, cfg, batches):
             return
         first = first_validation_step(cfg, batches)
