@@ -79,17 +79,31 @@ def test_sigterm_in_the_last_step_keeps_its_validation(reference, tmp_path):
     assert all(torch.equal(ref_w[name], got_w[name]) for name in ref_w)
     ref_results = json.loads((reference / "results.json").read_text())
     assert json.loads((run_dir / "results.json").read_text())["metrics"] == ref_results["metrics"]
-    # every row but the last epoch's aggregate of training metrics, which a stop in the last step loses, and with
-    # the test row's epoch and step left out (the rerun's Lightning stamps them 2 and 14, not 3 and 15; README)
+    # every row but the last epoch's aggregate of training metrics, which a stop in the last step loses; the test
+    # row included, with the epoch and step of the uninterrupted run's (3 and 15: the rerun, which runs no training
+    # batch, once stamped it 2 and 14, the loop state of the checkpoint)
     aggregate_only = {"epoch", "step", *EPOCH_AGGREGATES}
 
     def rows(run, drop_aggregate):
-        kept = [r for r in metric_rows(run, EPOCH_AGGREGATES)
+        return [r for r in metric_rows(run, EPOCH_AGGREGATES)
                 if not (drop_aggregate and {k for k, _ in r} <= aggregate_only and dict(r)["step"] == 14)]
-        return sorted(tuple(kv for kv in r if not (kv[0] in ("epoch", "step")
-                                                   and any(k.startswith("test/") for k, _ in r))) for r in kept)
 
     assert rows(run_dir, False) == rows(reference, True)
+    tested = [dict(r) for r in rows(run_dir, False) if "test/acc" in dict(r)]
+    assert [(r["epoch"], r["step"]) for r in tested] == [(3.0, 15.0)]
+
+
+def test_a_run_trained_with_test_false_is_tested_at_the_uninterrupted_epoch_and_step(reference, tmp_path):
+    """The same command with test=true resumes from the last step's checkpoint, where the fit ends at once; its test
+    row was stamped with the checkpoint's loop state (epoch 2, step 14), one behind the uninterrupted run's."""
+    trained = run_train(tmp_path, ["test=false"])
+    assert trained.returncode == 0, describe(trained)
+    tested = run_train(tmp_path, [])
+    assert tested.returncode == 0, describe(tested)
+    run_dir = run_dir_of(tmp_path)
+    assert json.loads((run_dir / "results.json").read_text())["metrics"] == \
+        json.loads((reference / "results.json").read_text())["metrics"]
+    assert metric_rows(run_dir) == metric_rows(reference)
 
 
 def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resumes(reference, tmp_path):

@@ -314,6 +314,11 @@ class ResumedLoggingStep(Callback):
     checkpoint, so every metrics.csv row of the resumed run would carry a step one past the uninterrupted run's.
     With automatic optimization it equals `global_step` at every batch start. Put it first in the callback list,
     so that callbacks logging in `on_train_batch_start` (the LR monitor) see the corrected step.
+
+    A resume from a checkpoint of the last training step (a stop in that step, or a run trained with test=false)
+    runs no batch: Lightning skips its fit loop, whose state stays as the checkpoint saved it, before the loop's
+    end closed the last epoch. `on_fit_end` closes it, so the test rows carry the epoch and step of an
+    uninterrupted run's (3 and 15, not 2 and 14).
     """
 
     def __init__(self):
@@ -327,3 +332,16 @@ class ResumedLoggingStep(Callback):
             self._resumed = False
             if pl_module.automatic_optimization:
                 trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not self._resumed:
+            return  # a batch ran after the resume: the loop ended the fit itself
+        self._resumed = False
+        # what `_FitLoop.on_advance_end` does at the end of an uninterrupted run's last epoch, and its logging step
+        progress = trainer.fit_loop.epoch_progress
+        if progress.current.processed < progress.current.started:
+            progress.increment_processed()
+        if progress.current.completed < progress.current.processed:
+            progress.increment_completed()
+        if pl_module.automatic_optimization:
+            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
