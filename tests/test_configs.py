@@ -410,6 +410,83 @@ def test_which_constructor_errors_become_config_errors(node, kind):
         assert not isinstance(info.value, ConfigError) and kind in str(info.value)
 
 
+class _UnpackingBug:
+    """A constructor with a bug: the interpreter's ValueError, not a check of an argument."""
+
+    def __init__(self, width: int = 4):
+        rows, cols = torch.empty(width).shape
+
+
+class _InitBug:
+    """A constructor with a bug: torch's initializer refuses the tensor it was wrongly given."""
+
+    def __init__(self, width: int = 4):
+        self.weight = torch.nn.init.xavier_uniform_(torch.empty(width))
+
+
+class _Checked:
+    """A constructor outside longmixer that checks its argument."""
+
+    def __init__(self, width: int = 4):
+        if width < 1:
+            raise ValueError(f"width={width} must be >= 1")
+
+
+def _schedule_with_a_bug(optimizer, total_steps, warmup_steps=0, warmup_init_lr=0.0, warmup_power=1.0, end_lr=0.0):
+    (steps,) = divmod(total_steps, 2)
+
+
+@pytest.mark.parametrize("target, message", [
+    ("tests.test_configs._UnpackingBug", "not enough values to unpack"),
+    ("tests.test_configs._InitBug", "Fan in and fan out can not be computed"),
+], ids=["interpreter", "library-function"])
+def test_a_value_error_of_a_bug_in_a_constructor_keeps_its_traceback(target, message):
+    """A ValueError raised by a bug inside a constructor was reported as a refused setting (one line, exit 2, the
+    traceback only at DEBUG). It keeps Hydra's error, which names the `_target_`, and its traceback (exit 1)."""
+    from hydra.errors import InstantiationException
+
+    from longmixer.runs.run import instantiate_node
+
+    with pytest.raises(InstantiationException) as info:
+        instantiate_node(OmegaConf.create({"_target_": target}))
+    assert f"Error in call to target '{target}'" in str(info.value) and message in str(info.value)
+    assert isinstance(info.value.__cause__, ValueError) and info.value.__cause__.__traceback__ is not None
+
+
+@pytest.mark.parametrize("node, message", [
+    ({"_target_": "tests.test_configs._Checked", "width": 0}, "config (_Checked): width=0 must be >= 1 (raised at "
+                                                              "test_configs.py:"),
+    ({"_target_": "torch.nn.Dropout", "p": 2}, "config (Dropout): dropout probability has to be between 0 and 1, "
+                                               "but got 2 (raised at dropout.py:"),
+    ({"_target_": "longmixer.layers.norms.build_norm", "kind": "groupnorm", "d_model": 4},
+     "config (build_norm): norm='groupnorm' is not one of"),
+], ids=["own-constructor", "library-constructor", "longmixer-helper"])
+def test_a_value_error_of_an_argument_check_stays_a_refused_setting(node, message):
+    from longmixer.runs.run import instantiate_node
+
+    with pytest.raises(ConfigError) as info:
+        instantiate_node(OmegaConf.create(node))
+    assert str(info.value).startswith(message)
+
+
+def test_a_value_error_of_a_bug_in_the_schedule_keeps_its_traceback(compose):
+    """The schedule built at the config check: a bug's ValueError was reported as a refused scheduler setting."""
+    cfg = compose(["scheduler._target_=tests.test_configs._schedule_with_a_bug"])
+    with pytest.raises(ValueError, match="too many values to unpack") as info:
+        validate_config(cfg)
+    assert not isinstance(info.value, ConfigError)
+
+
+def test_a_bug_in_a_constructor_reaches_the_entry_point_with_its_target(compose):
+    from hydra.errors import InstantiationException
+
+    from longmixer.train import train
+
+    cfg = compose(["+callbacks.bug._target_=tests.test_configs._InitBug"])
+    with pytest.raises(InstantiationException, match="Error in call to target 'tests.test_configs._InitBug'"):
+        train(cfg)
+
+
 def test_seed_zero_is_valid(compose):
     validate_config(compose(["seed=0"]))
 

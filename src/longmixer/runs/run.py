@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset
 
 from longmixer.runs.resume import write_atomically
 from longmixer.utils.config import ConfigError
-from longmixer.utils.errors import UserFacingError
+from longmixer.utils.errors import UserFacingError, raised_by_a_check
 
 log = logging.getLogger("longmixer")
 
@@ -26,11 +26,12 @@ log = logging.getLogger("longmixer")
 def instantiate_node(node: DictConfig, **kwargs) -> Any:
     """`hydra.utils.instantiate`, with a constructor's refusal of a setting raised as a ConfigError that names the
     config key and the class in one line (the entry points print it and exit 2, as for the checks on the composed
-    config): a ValueError or Lightning's MisconfigurationException, a TypeError about an argument of the target's
-    own signature, or torch's RuntimeError for a tensor of negative size (a width the checks on the composed config
-    do not know; the line names the node's keys that hold that size). The line says where it was raised; the whole
-    traceback is logged at DEBUG (at ERROR with HYDRA_FULL_ERROR=1). Other errors keep Hydra's error and traceback.
-    An error of ours that a user fixes (`UserFacingError`) is raised as it is."""
+    config): a ValueError raised by an argument check (`raised_by_a_check`) or Lightning's
+    MisconfigurationException, a TypeError about an argument of the target's own signature, or torch's RuntimeError
+    for a tensor of negative size (a width the checks on the composed config do not know; the line names the node's
+    keys that hold that size). The line says where it was raised; the whole traceback is logged at DEBUG (at ERROR
+    with HYDRA_FULL_ERROR=1). Other errors, a ValueError of a bug among them, keep Hydra's error, which names the
+    `_target_`, and their traceback. An error of ours that a user fixes (`UserFacingError`) is raised as it is."""
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
@@ -42,7 +43,8 @@ def instantiate_node(node: DictConfig, **kwargs) -> Any:
         target = re.search(r"Error in call to target '([^']+)'", str(err))
         name = target.group(1).rsplit(".", 1)[-1] if target else ""
         negative = re.search(r"negative dimension (-\d+)", str(cause)) if isinstance(cause, RuntimeError) else None
-        refused = isinstance(cause, ValueError) or type(cause).__name__ == "MisconfigurationException" or (
+        refused = (isinstance(cause, ValueError) and raised_by_a_check(cause)) or (
+            type(cause).__name__ == "MisconfigurationException") or (
             isinstance(cause, TypeError) and bool(name) and str(cause).startswith((f"{name}.__init__()", f"{name}()"))
             and re.search(r"unexpected keyword argument|missing \d+ required", str(cause)) is not None) or bool(negative)
         if not refused:

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from longmixer.utils.backends import BACKENDS
-from longmixer.utils.errors import UserFacingError
+from longmixer.utils.errors import UserFacingError, raised_by_a_check
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 TOP_LEVEL = {"data", "model", "task", "optim", "scheduler", "trainer", "logger", "callbacks", "paths", "run_name", "tags",
@@ -253,6 +253,7 @@ def _check_scheduler(cfg: DictConfig) -> None:
         cause = err
         while cause.__cause__ is not None:
             cause = cause.__cause__
-        if not isinstance(cause, (ValueError, TypeError)):
-            raise
+        bug = isinstance(cause, ValueError) and not raised_by_a_check(cause)
+        if bug or not isinstance(cause, (ValueError, TypeError)):
+            raise  # a ValueError of a bug in the schedule keeps its traceback
         raise ConfigError(f"scheduler ({name}): {' '.join(str(cause).split())}") from err
