@@ -157,3 +157,22 @@ def test_loader_with_workers_resumes_mid_epoch_in_order(consumed):
     rest = [b["inputs"] for b in resumed]
     assert len(rest) == len(epoch0) - consumed
     assert all(torch.equal(x, y) for x, y in zip(rest, epoch0[consumed:]))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 4, 5])
+def test_train_epochs_have_the_same_batches(seed):
+    """Lightning counts `len(stream)` once and takes that many batches every epoch. With K drawn independently per
+    batch the count changed from epoch to epoch (an epoch of 20 batches, then 17, 18, 16): a longer epoch lost its last
+    batches, and a shorter one ended before Lightning's last batch, skipping its end-of-epoch validation and, under
+    gradient accumulation, the gradients of its unfinished update."""
+    stream = make_train(torch.arange(2000), batch_size=4, chunk=16, k_min=1, k_max=3, seed=seed)
+    counts, ks = [], []
+    for epoch in range(6):
+        stream.set_epoch(epoch)
+        lengths = [b["inputs"].shape[1] for b in stream]
+        counts.append(len(lengths))
+        ks.append(sorted(lengths))
+    assert counts == [len(stream)] * 6
+    assert all(k == ks[0] for k in ks) and len(set(ks[0])) == 3  # the same K every epoch, each of 1..3 chunks
+    assert sum(ks[0]) > 499 - 16  # only a rest shorter than k_min chunks is left out
+

@@ -3,9 +3,10 @@
 Training follows Transformer-XL's ordered iterator (frameworks.md section 2.9): the corpus, one long token stream,
 is laid out as `global_batch` rows read left to right; each DDP rank reads its own `batch_size` rows (so Lightning's
 distributed sampler is not used), and every epoch each row is rolled by its own random offset so that segment
-boundaries move. A training batch is a segment of K chunks, K drawn uniformly from [k_min, k_max] per batch (MEGA's
+boundaries move. A training batch is a segment of K chunks, K uniform in [k_min, k_max] (MEGA's
 `--variant-block-multiple-min/max`, models.md section 1.5; CHELA appendix A.2 "each segment contains m consecutive
-chunks").
+chunks"). Every epoch holds each K equally often, in an order drawn per epoch, so that every epoch has the same number
+of batches (`LMTrainStream.segment_lengths` says why).
 
 Evaluation scores every token of the stream exactly once, each with at least `context` tokens of left context
 (except the first `context` tokens of the stream, which have all there is): windows of `window` tokens slide by
@@ -52,8 +53,8 @@ class LMTrainStream(IterableDataset):
         tokens: [N] the training stream (any integer dtype; batches are int64).
         batch_size: rows per rank (the global batch is `batch_size * world_size`).
         chunk: C, the chunk length; segments are K * C tokens.
-        k_min, k_max: K is drawn uniformly from [k_min, k_max] for each batch (k_min = k_max: fixed length).
-        seed: the roll offsets and the K draws depend on (seed, epoch) only, so every rank agrees on K.
+        k_min, k_max: K is uniform in [k_min, k_max] (k_min = k_max: fixed length); `segment_lengths` says how.
+        seed: the roll offsets and the order of the K depend on (seed, epoch) only, so every rank agrees on K.
         roll: roll each row by a random offset every epoch (Transformer-XL / s4 `roll_seed`).
         rank, world_size: the DDP shard; None reads them from torch.distributed at iteration time.
     """
@@ -73,11 +74,11 @@ class LMTrainStream(IterableDataset):
         self.epoch, self.skip = 0, 0  # skip: batches of this epoch already consumed (mid-epoch resume)
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose roll offsets and K draws the next iteration uses."""
+        """Choose the epoch whose roll offsets and order of the K the next iteration uses."""
         self.epoch = epoch
 
     def _stream_seed(self, purpose: int) -> int:
-        """Distinct generator seeds per (seed, epoch) for the rolls (0) and the K draws (1)."""
+        """Distinct generator seeds per (seed, epoch) for the rolls (0) and the order of the K (1)."""
         return (self.seed * 1_000_003 + self.epoch) * 2 + purpose
 
     def _shard(self) -> tuple[int, int]:
@@ -105,18 +106,24 @@ class LMTrainStream(IterableDataset):
         return data
 
     def segment_lengths(self, row_len: int) -> list[int]:
-        """The segment lengths K * C of one epoch, K drawn from (seed, epoch); near the end of the rows K is cut to
-        the whole chunks left, and a rest shorter than k_min chunks is dropped, so every length is a multiple of C
-        (chunked mixers need L % C == 0)."""
+        """The segment lengths K * C of one epoch: as many rounds of every K in [k_min, k_max] as the rows' whole
+        chunks hold, then the largest K that fit in the rest (which leaves fewer than k_min chunks), in an order drawn
+        from (seed, epoch). Every length is a multiple of C (chunked mixers need L % C == 0).
+
+        The same K every epoch, only reordered, give every epoch the same number of batches. Lightning takes
+        `len(stream)` batches an epoch, counted once before training: with K drawn independently per batch the
+        count changed from epoch to epoch, so a longer epoch lost its last batches and a shorter one ended before
+        Lightning's last batch, skipping the epoch's validation and, under gradient accumulation, the gradients of
+        its unfinished update."""
+        values = list(range(self.k_min, self.k_max + 1))
+        rounds, rest = divmod(max(0, row_len - 1) // self.chunk, sum(values))
+        ks = values * rounds
+        for k in reversed(values):  # consecutive values, taken from the largest, leave fewer than k_min chunks
+            if k <= rest:
+                ks.append(k)
+                rest -= k
         g = torch.Generator().manual_seed(self._stream_seed(1))
-        lengths, pos = [], 0
-        while True:
-            k_fit = (row_len - 1 - pos) // self.chunk
-            if k_fit < self.k_min:
-                return lengths
-            k = min(int(torch.randint(self.k_min, self.k_max + 1, (1,), generator=g)), k_fit)
-            lengths.append(k * self.chunk)
-            pos += k * self.chunk
+        return [ks[i] * self.chunk for i in torch.randperm(len(ks), generator=g).tolist()]
 
     def __len__(self) -> int:
         rank, world_size = self._shard()
@@ -209,8 +216,8 @@ class LMEvalStream(IterableDataset):
 
 
 class LMStreamLoader(DataLoader):
-    """The training loader of an `LMTrainStream`: sets the stream's epoch on every pass (so rolls and K draws change
-    per epoch even with worker processes) and saves its position in checkpoints (Lightning's `state_dict`
+    """The training loader of an `LMTrainStream`: sets the stream's epoch on every pass (so rolls and the order of
+    the K change per epoch even with worker processes) and saves its position in checkpoints (Lightning's `state_dict`
     protocol), so a run killed mid-epoch resumes on the next unseen batch."""
 
     def __init__(self, stream: LMTrainStream, **kwargs):
