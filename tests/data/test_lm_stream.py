@@ -176,3 +176,50 @@ def test_train_epochs_have_the_same_batches(seed):
     assert all(k == ks[0] for k in ks) and len(set(ks[0])) == 3  # the same K every epoch, each of 1..3 chunks
     assert sum(ks[0]) > 499 - 16  # only a rest shorter than k_min chunks is left out
 
+
+def _lightning_epochs(loader, n: int, epochs: int) -> list[list[torch.Tensor]]:
+    """What Lightning takes of the loader: `n` batches an epoch, each epoch from a new iterator."""
+    out = []
+    for _ in range(epochs):
+        it = iter(loader)
+        out.append([next(it)["inputs"] for _ in range(n)])
+    return out
+
+
+@pytest.mark.parametrize("limit", [None, 3], ids=["whole-epochs", "limit_train_batches-3"])
+def test_loader_restored_at_an_epoch_end_starts_the_next_epoch(limit):
+    """Each epoch starts a fresh pass, also after a resume from a checkpoint written at an epoch's end. The loader
+    restored (epoch, batches consumed) as they were, so it continued the finished epoch: after a whole epoch it
+    gave an empty one, and under `trainer.limit_train_batches` it gave the cut pass's rest, so the resumed run
+    trained on other batches than the uninterrupted one."""
+    tokens = torch.arange(600)
+    n = len(make_train(tokens)) if limit is None else limit
+    uninterrupted = _lightning_epochs(LMStreamLoader(make_train(tokens), epoch_batches=limit), n, 3)
+    for epoch in range(3):  # every epoch is the first n batches of its own pass
+        stream = make_train(tokens)
+        stream.set_epoch(epoch)
+        assert all(torch.equal(x, y["inputs"]) for x, y in zip(uninterrupted[epoch], stream))
+    resumed = LMStreamLoader(make_train(tokens), epoch_batches=limit)
+    resumed.load_state_dict({"epoch": 0, "consumed": n})
+    after = _lightning_epochs(resumed, n, 2)
+    assert all(torch.equal(x, y) for got, ref in zip(after, uninterrupted[1:]) for x, y in zip(got, ref))
+
+
+@pytest.mark.parametrize("trainer, epoch_batches", [
+    ({"limit_train_batches": None, "overfit_batches": 0}, None),
+    ({"limit_train_batches": 5, "overfit_batches": 0}, 5),
+    ({"limit_train_batches": 0.5, "overfit_batches": 0}, 8),    # of the stream's 16 batches
+    ({"limit_train_batches": 2, "overfit_batches": 2}, 2),      # Lightning keeps this loader under overfit_batches
+])
+def test_datamodule_gives_the_loader_lightnings_epoch(tmp_path, trainer, epoch_batches):
+    from types import SimpleNamespace
+
+    from longmixer.data.synthetic_bytes import SyntheticBytes
+
+    dm = SyntheticBytes(train_bytes=2000, eval_bytes=300, num_words=50, seq_len=16, k_min=1, k_max=3, batch_size=4,
+                        data_dir=tmp_path)
+    dm.prepare_data()
+    dm.setup()
+    dm.trainer = SimpleNamespace(**trainer)
+    loader = dm.train_dataloader()
+    assert len(loader) == 16 and loader.epoch_batches == epoch_batches

@@ -266,3 +266,24 @@ def test_step_graph_run_stopped_mid_epoch_resumes_on_a_gpu(tmp_path):
     got, want = (json.loads((d / "results.json").read_text())["metrics"] for d in (run_dir, ref_dir))
     assert got.keys() == want.keys() and all(math.isclose(got[k], want[k], rel_tol=1e-4, abs_tol=1e-6) for k in want)
     assert _close_rows(metric_rows(run_dir, EPOCH_AGGREGATES), metric_rows(ref_dir, EPOCH_AGGREGATES))
+
+
+def test_lm_run_under_limit_train_batches_stopped_at_an_epoch_end_resumes_to_the_uninterrupted_result(tmp_path):
+    """Each epoch is `limit_train_batches` batches of a fresh pass, also after a resume from the checkpoint of an
+    epoch's end: the LM loader restored that epoch's position and continued its cut pass, so the resumed run trained
+    on other batches (and its epochs on the uninterrupted run's, one pass late)."""
+    cut = [o for o in LM if not o.startswith(("trainer.max_steps", "trainer.val_check_interval"))]
+    cut += ["trainer.limit_train_batches=0.05", "trainer.accumulate_grad_batches=2", "trainer.max_steps=9"]
+
+    def run(where, fault=None):  # epochs of 7 of the stream's 156 batches: 4 updates (2 + 2 + 2 + 1), then validation
+        paths = [f"paths.log_dir={tmp_path / where / 'logs'}", f"paths.data_dir={tmp_path / 'data'}"]
+        return run_train(tmp_path / where, [*paths, *cut], fault=fault, tiny=False)
+
+    ref = run("reference")
+    assert ref.returncode == 0, describe(ref)
+    killed = run("killed", fault="SIGKILL:train:4")  # right after the first epoch's validation and checkpoint
+    assert killed.returncode == -signal.SIGKILL, describe(killed)
+    resumed = run("killed")
+    assert resumed.returncode == 0, describe(resumed)
+    assert_same_run(run_dir_of(tmp_path / "reference"), run_dir_of(tmp_path / "killed"), mid_epoch=False,
+                    required=("val/loss", "test/bpc"))

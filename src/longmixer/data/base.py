@@ -534,17 +534,19 @@ class SequenceDataModule(pl.LightningDataModule):
         if train:
             # the sampler by keyword: Lightning re-creates the loader with its own sampler= (overfit_batches, a
             # sequential one), which a positional sampler would collide with
-            return ResumableLoader(dataset, sampler=sampler, epoch_batches=self._epoch_batches(sampler, kwargs),
-                                   **kwargs)
+            # under trainer.overfit_batches Lightning puts in its own sequential sampler, which restarts every epoch
+            overfit = self.trainer is not None and getattr(self.trainer, "overfit_batches", 0)
+            epoch_batches = None if overfit else self._epoch_batches(-(-len(sampler) // kwargs["batch_size"]))
+            return ResumableLoader(dataset, sampler=sampler, epoch_batches=epoch_batches, **kwargs)
         return DataLoader(dataset, sampler=sampler, **kwargs)
 
-    def _epoch_batches(self, sampler: EpochSampler, kwargs: dict) -> int | None:
-        """Lightning's training batches an epoch under `trainer.limit_train_batches` (an int: at most that many; a
-        float: that fraction, rounded down), or None for whole passes."""
+    def _epoch_batches(self, batches: int) -> int | None:
+        """Lightning's training batches an epoch of a loader whose pass holds `batches` batches, under
+        `trainer.limit_train_batches` (an int: at most that many; a float: that fraction, rounded down; Lightning sets
+        it to `trainer.overfit_batches` when that is on), or None for whole passes."""
         limit = getattr(self.trainer, "limit_train_batches", None) if self.trainer is not None else None
-        if limit is None or getattr(self.trainer, "overfit_batches", 0):
+        if limit is None:
             return None
-        batches = -(-len(sampler) // kwargs["batch_size"])
         if isinstance(limit, float):
             return None if limit >= 1.0 else int(batches * limit)
         return int(limit) if limit < batches else None

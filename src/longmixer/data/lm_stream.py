@@ -217,21 +217,26 @@ class LMEvalStream(IterableDataset):
 
 class LMStreamLoader(DataLoader):
     """The training loader of an `LMTrainStream`: sets the stream's epoch on every pass (so rolls and the order of
-    the K change per epoch even with worker processes) and saves its position in checkpoints (Lightning's `state_dict`
-    protocol), so a run killed mid-epoch resumes on the next unseen batch."""
+    the K change per epoch even with worker processes) and saves its position in checkpoints (Lightning's
+    `state_dict` protocol), so a run killed anywhere resumes on the next unseen batch.
 
-    def __init__(self, stream: LMTrainStream, **kwargs):
+    As `ResumableLoader`, it counts its own epochs: a pass that consumed the epoch's batches (`epoch_batches` under
+    `trainer.limit_train_batches`, else the whole stream) moves the next pass to the next epoch, also after a resume
+    from a checkpoint written at an epoch's end."""
+
+    def __init__(self, stream: LMTrainStream, epoch_batches: int | None = None, **kwargs):
         if kwargs.get("persistent_workers"):
             raise ValueError("LMStreamLoader needs persistent_workers=False: persistent workers keep a copy of the "
                              "stream made before the epoch changed")
         super().__init__(stream, batch_size=None, **kwargs)
-        self._epoch, self._consumed, self._resume = -1, 0, None
+        # each epoch is that many batches of a fresh pass, as Lightning's meaning of the limit (continuing the pass
+        # gave short epochs, which skipped the epoch's validation and, under accumulation, lost a batch's gradients)
+        self.epoch_batches = epoch_batches
+        self._epoch, self._consumed = 0, 0
 
     def __iter__(self):
-        if self._resume is not None:
-            self._epoch, self._consumed = self._resume
-            self._resume = None
-        else:
+        complete = len(self.dataset) if self.epoch_batches is None else min(len(self.dataset), self.epoch_batches)
+        if self._consumed >= complete:  # the previous epoch was complete
             self._epoch, self._consumed = self._epoch + 1, 0
         self.dataset.set_epoch(self._epoch)
         self.dataset.skip = self._consumed
@@ -243,7 +248,7 @@ class LMStreamLoader(DataLoader):
         return {"epoch": self._epoch, "consumed": self._consumed}
 
     def load_state_dict(self, state) -> None:
-        self._resume = (int(state["epoch"]), int(state["consumed"]))
+        self._epoch, self._consumed = int(state["epoch"]), int(state["consumed"])
 
 
 LM_METRICS = ("ppl", "bpc")
@@ -307,5 +312,8 @@ class LMDataModule(SequenceDataModule):
         kwargs = dict(num_workers=self.num_workers, pin_memory=self.pin_memory, worker_init_fn=ignore_stop_signals,
                       generator=torch.Generator().manual_seed(self.seed))
         if train:  # workers are re-created each epoch so that they receive the stream's new epoch and skip
-            return LMStreamLoader(self.datasets[split], **kwargs)
+            # Lightning keeps this loader under trainer.overfit_batches too (it has no sampler to put in), so
+            # `_epoch_batches` counts that limit as well
+            stream = self.datasets[split]
+            return LMStreamLoader(stream, epoch_batches=self._epoch_batches(len(stream)), **kwargs)
         return DataLoader(self.datasets[split], batch_size=None, persistent_workers=self.persistent_workers, **kwargs)
