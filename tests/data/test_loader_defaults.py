@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,14 +131,14 @@ def _worker_survives_sigterm(worker_init_fn) -> bool:
 def test_loader_workers_leave_stop_signals_to_the_training_process():
     """A scheduler's SIGTERM reaches the workers too (scancel, timeout and Ctrl+C signal the process group): with the
     loaders' worker_init_fn they survive it and the run checkpoints; without it the next batch fails."""
-    from longmixer.data.base import ignore_stop_signals
+    from longmixer.data.base import init_worker
 
     assert not _worker_survives_sigterm(None)
-    assert _worker_survives_sigterm(ignore_stop_signals)
+    assert _worker_survives_sigterm(init_worker)
     dm = ListOps(num_workers=2)
     dm.datasets = {"train": list(range(8)), "val": list(range(4))}
-    assert dm.train_dataloader().worker_init_fn is ignore_stop_signals
-    assert dm.val_dataloader().worker_init_fn is ignore_stop_signals
+    assert dm.train_dataloader().worker_init_fn is init_worker
+    assert dm.val_dataloader().worker_init_fn is init_worker
 
 
 def test_fixed_length_batches_carry_no_key_mask():
@@ -181,3 +185,63 @@ def test_an_epoch_cut_short_by_limit_train_batches_starts_the_next_pass():
     assert _epochs(restored, [4]) == [whole[1][3:7]]
     restored.load_state_dict({"epoch": 1, "consumed": 7})
     assert _epochs(restored, [7]) == [limited[2]]
+
+
+_KILLED_PARENT = r'''
+import multiprocessing as mp, os, sys, time
+from longmixer.data.base import init_worker
+
+out = sys.argv[1]
+
+
+def orphan():  # a worker whose start-up outlasted its parent (a SIGKILL while the loader starts its workers)
+    while os.getppid() == mp.parent_process().pid:
+        time.sleep(0.01)
+    init_worker(0)
+    open(out + ".orphan", "w").write(str(os.getpid()))
+
+
+def worker():  # a worker set up while its parent lives, which then outlives it
+    init_worker(0)
+    open(out + ".worker", "w").write(str(os.getpid()))
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    for target in (orphan, worker):
+        mp.get_context("fork").Process(target=target).start()
+    while not os.path.exists(out + ".worker"):
+        time.sleep(0.01)
+    os.kill(os.getpid(), 9)
+'''
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_loader_workers_end_with_a_killed_training_process(tmp_path):
+    """A training process killed outright cannot shut its workers down. A worker set up before the kill is ended by
+    the kernel with it, and one whose start-up outlasted it exits in `init_worker`: torch's own watch, which starts
+    after it, took pid 1 for the parent, and such workers waited forever holding the run's pipes and log."""
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "killed_parent.py"
+    script.write_text(_KILLED_PARENT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root / "src"), os.environ.get("PYTHONPATH"))))}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "mark")], env=env, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    pid = int((tmp_path / "mark.worker").read_text())
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert not _running(pid), "the worker outlived its killed parent"
+        time.sleep(0.5)  # the orphan's poll of its parent
+        assert not (tmp_path / "mark.orphan").exists(), "a worker whose parent was gone went on to load data"
+    finally:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -13,13 +13,16 @@ digest, shapes, dtypes, counts, label histograms, label and token ranges); `veri
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,7 @@ from longmixer.utils.errors import UserFacingError
 
 log = logging.getLogger(__name__)
 
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 SET_ASIDE = ".previous"  # the prepared files of other settings, kept while a rebuild runs
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2
@@ -48,15 +52,30 @@ def default_num_workers(gpu: bool) -> int:
     return min(8, os.cpu_count() or 1) if gpu else 0
 
 
-def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader `worker_init_fn`: the workers leave SIGTERM and SIGINT to the training process.
+def init_worker(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: the workers leave SIGTERM and SIGINT to the training process, and end with it.
 
     SLURM's `scancel`, coreutils' `timeout` and Ctrl+C in a terminal signal the whole process group. A worker that
     died of the signal made the training process fail mid-step ("DataLoader worker ... is killed by signal:
     Terminated", seen on a GPU run) instead of checkpointing and exiting 143 / 130. The workers still end with
-    the run: the loader shuts them down, and torch ends a worker whose parent is gone."""
+    the run: the loader shuts them down.
+
+    A training process killed outright (SIGKILL: the OOM killer, a scheduler's kill after its grace period) cannot
+    shut them down. torch's workers watch for it by comparing their parent's pid with the one they saw at start-up,
+    but they read it after this function: a kill while the workers start (the LM loader starts new ones every epoch)
+    left workers that took pid 1 for their parent and waited forever, holding the run's log and the pipes of whoever
+    started the run (a test runner waiting for the output hung on them). So on Linux each worker asks the kernel to
+    kill it when its parent dies (`PR_SET_PDEATHSIG`; the signal follows the thread that forked it, the one iterating
+    the loader), and one whose parent is already gone exits here."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not a multiprocessing child (called in the main process)
+        return
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent.pid:  # the parent died before the request above
+        os._exit(0)
 
 
 def default_data_dir() -> Path:
@@ -527,7 +546,7 @@ class SequenceDataModule(pl.LightningDataModule):
         sampler = EpochSampler(len(dataset), self.seed, shuffle=train, rank=rank, world_size=world)
         kwargs = dict(batch_size=self.batch_size if train else self.eval_batch_size, collate_fn=self.collate,
                       num_workers=self.num_workers, pin_memory=self.pin_memory, drop_last=False,
-                      persistent_workers=self.persistent_workers, worker_init_fn=ignore_stop_signals,
+                      persistent_workers=self.persistent_workers, worker_init_fn=init_worker,
                       # a private generator: creating an iterator must not draw from the global RNG, or a resumed
                       # run's dropout masks would drift from the uninterrupted run's
                       generator=torch.Generator().manual_seed(self.seed))

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from longmixer.data.base import SequenceDataModule, ignore_stop_signals
+from longmixer.data.base import SequenceDataModule, init_worker
 
 IGNORE_INDEX = -100
 
@@ -309,7 +309,7 @@ class LMDataModule(SequenceDataModule):
             raise KeyError(f"{self.name} has no {split!r} split (has {sorted(self.datasets)})")
         # a private generator: creating an iterator (with workers, each epoch) must not draw from the global RNG, or a
         # resumed run's dropout masks would drift from the uninterrupted run's (data/base.py does the same)
-        kwargs = dict(num_workers=self.num_workers, pin_memory=self.pin_memory, worker_init_fn=ignore_stop_signals,
+        kwargs = dict(num_workers=self.num_workers, pin_memory=self.pin_memory, worker_init_fn=init_worker,
                       generator=torch.Generator().manual_seed(self.seed))
         if train:  # workers are re-created each epoch so that they receive the stream's new epoch and skip
             # Lightning keeps this loader under trainer.overfit_batches too (it has no sampler to put in), so
