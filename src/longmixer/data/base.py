@@ -297,6 +297,13 @@ class EpochSampler(Sampler[int]):
         return -(-self.size // self.world_size) if self.world_size > 1 else self.size
 
 
+def epoch_complete(consumed: int, pass_batches: int, epoch_batches: int | None) -> bool:
+    """Whether a resumable training loader that handed out `consumed` batches of its epoch has finished it: the
+    whole pass, or the `epoch_batches` Lightning takes under `trainer.limit_train_batches` (`ResumableLoader`,
+    `LMStreamLoader`). The next pass then starts the next epoch."""
+    return consumed >= (pass_batches if epoch_batches is None else min(pass_batches, epoch_batches))
+
+
 class ResumableLoader(DataLoader):
     """A DataLoader whose position (epoch, batches consumed) is saved in checkpoints (Lightning's `state_dict`
     protocol), so a run killed anywhere resumes on the next unseen batch.
@@ -317,8 +324,7 @@ class ResumableLoader(DataLoader):
         self._epoch, self._consumed = 0, 0
 
     def __iter__(self):
-        complete = len(self) if self.epoch_batches is None else min(len(self), self.epoch_batches)
-        if self._consumed >= complete:  # the previous epoch was complete
+        if epoch_complete(self._consumed, len(self), self.epoch_batches):
             self._epoch, self._consumed = self._epoch + 1, 0
         if isinstance(self.sampler, EpochSampler):  # not a sampler Lightning put in (trainer.overfit_batches)
             self.sampler.set_epoch(self._epoch)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from longmixer.data.base import SequenceDataModule, init_worker
+from longmixer.data.base import SequenceDataModule, epoch_complete, init_worker
 
 IGNORE_INDEX = -100
 
@@ -229,14 +229,11 @@ class LMStreamLoader(DataLoader):
             raise ValueError("LMStreamLoader needs persistent_workers=False: persistent workers keep a copy of the "
                              "stream made before the epoch changed")
         super().__init__(stream, batch_size=None, **kwargs)
-        # each epoch is that many batches of a fresh pass, as Lightning's meaning of the limit (continuing the pass
-        # gave short epochs, which skipped the epoch's validation and, under accumulation, lost a batch's gradients)
-        self.epoch_batches = epoch_batches
+        self.epoch_batches = epoch_batches  # as ResumableLoader's: each epoch that many batches of a fresh pass
         self._epoch, self._consumed = 0, 0
 
     def __iter__(self):
-        complete = len(self.dataset) if self.epoch_batches is None else min(len(self.dataset), self.epoch_batches)
-        if self._consumed >= complete:  # the previous epoch was complete
+        if epoch_complete(self._consumed, len(self.dataset), self.epoch_batches):
             self._epoch, self._consumed = self._epoch + 1, 0
         self.dataset.set_epoch(self._epoch)
         self.dataset.skip = self._consumed
