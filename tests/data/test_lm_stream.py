@@ -205,13 +205,34 @@ def test_loader_restored_at_an_epoch_end_starts_the_next_epoch(limit):
     assert all(torch.equal(x, y) for got, ref in zip(after, uninterrupted[1:]) for x, y in zip(got, ref))
 
 
-@pytest.mark.parametrize("trainer, epoch_batches", [
-    ({"limit_train_batches": None, "overfit_batches": 0}, None),
-    ({"limit_train_batches": 5, "overfit_batches": 0}, 5),
-    ({"limit_train_batches": 0.5, "overfit_batches": 0}, 8),    # of the stream's 16 batches
-    ({"limit_train_batches": 2, "overfit_batches": 2}, 2),      # Lightning keeps this loader under overfit_batches
+@pytest.mark.parametrize("limit", [None, 3], ids=["whole-pass", "overfit-3"])
+def test_repeating_loader_gives_epoch_0_s_batches_every_epoch(limit):
+    """`trainer.overfit_batches`: every epoch trains on the same first batches, as Lightning's sequential sampler
+    does for a map-style set (the LM loader once moved to a new pass, with new rolls and K order, every epoch), and
+    a resume at an epoch's end or in its middle continues that same repetition."""
+    tokens = torch.arange(600)
+    n = len(make_train(tokens)) if limit is None else limit
+    first = make_train(tokens)
+    first.set_epoch(0)
+    expected = [batch["inputs"] for _, batch in zip(range(n), first)]
+    epochs = _lightning_epochs(LMStreamLoader(make_train(tokens), epoch_batches=limit, repeat=True), n, 3)
+    assert all(torch.equal(x, y) for got in epochs for x, y in zip(got, expected, strict=True))
+    for consumed in (n, 1):  # a checkpoint at an epoch's end, and one in its middle
+        resumed = LMStreamLoader(make_train(tokens), epoch_batches=limit, repeat=True)
+        resumed.load_state_dict({"epoch": 0, "consumed": consumed})
+        rest = [batch["inputs"] for _, batch in zip(range(n - consumed), resumed)]
+        assert all(torch.equal(x, y) for x, y in zip(rest, expected[consumed:], strict=True))
+        after = _lightning_epochs(resumed, n, 1)[0]
+        assert all(torch.equal(x, y) for x, y in zip(after, expected, strict=True))
+
+
+@pytest.mark.parametrize("trainer, epoch_batches, repeat", [
+    ({"limit_train_batches": None, "overfit_batches": 0}, None, False),
+    ({"limit_train_batches": 5, "overfit_batches": 0}, 5, False),
+    ({"limit_train_batches": 0.5, "overfit_batches": 0}, 8, False),    # of the stream's 16 batches
+    ({"limit_train_batches": 2, "overfit_batches": 2}, 2, True),       # Lightning keeps this loader under overfit
 ])
-def test_datamodule_gives_the_loader_lightnings_epoch(tmp_path, trainer, epoch_batches):
+def test_datamodule_gives_the_loader_lightnings_epoch(tmp_path, trainer, epoch_batches, repeat):
     from types import SimpleNamespace
 
     from longmixer.data.synthetic_bytes import SyntheticBytes
@@ -222,4 +243,4 @@ def test_datamodule_gives_the_loader_lightnings_epoch(tmp_path, trainer, epoch_b
     dm.setup()
     dm.trainer = SimpleNamespace(**trainer)
     loader = dm.train_dataloader()
-    assert len(loader) == 16 and loader.epoch_batches == epoch_batches
+    assert len(loader) == 16 and loader.epoch_batches == epoch_batches and loader.repeat == repeat

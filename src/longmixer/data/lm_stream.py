@@ -222,19 +222,22 @@ class LMStreamLoader(DataLoader):
 
     As `ResumableLoader`, it counts its own epochs: a pass that consumed the epoch's batches (`epoch_batches` under
     `trainer.limit_train_batches`, else the whole stream) moves the next pass to the next epoch, also after a resume
-    from a checkpoint written at an epoch's end."""
+    from a checkpoint written at an epoch's end. With `repeat=True` (`trainer.overfit_batches`) every epoch is
+    epoch 0's first `epoch_batches` batches (or its whole pass) again, as Lightning's sequential sampler gives a
+    map-style set."""
 
-    def __init__(self, stream: LMTrainStream, epoch_batches: int | None = None, **kwargs):
+    def __init__(self, stream: LMTrainStream, epoch_batches: int | None = None, repeat: bool = False, **kwargs):
         if kwargs.get("persistent_workers"):
             raise ValueError("LMStreamLoader needs persistent_workers=False: persistent workers keep a copy of the "
                              "stream made before the epoch changed")
         super().__init__(stream, batch_size=None, **kwargs)
         self.epoch_batches = epoch_batches  # as ResumableLoader's: each epoch that many batches of a fresh pass
+        self.repeat = repeat
         self._epoch, self._consumed = 0, 0
 
     def __iter__(self):
         if epoch_complete(self._consumed, len(self.dataset), self.epoch_batches):
-            self._epoch, self._consumed = self._epoch + 1, 0
+            self._epoch, self._consumed = (0 if self.repeat else self._epoch + 1), 0
         self.dataset.set_epoch(self._epoch)
         self.dataset.skip = self._consumed
         for batch in super().__iter__():
@@ -310,7 +313,8 @@ class LMDataModule(SequenceDataModule):
                       generator=torch.Generator().manual_seed(self.seed))
         if train:  # workers are re-created each epoch so that they receive the stream's new epoch and skip
             # Lightning keeps this loader under trainer.overfit_batches too (it has no sampler to put in), so
-            # `_epoch_batches` counts that limit as well
+            # `_epoch_batches` counts that limit as well, and the loader repeats those batches every epoch
             stream = self.datasets[split]
-            return LMStreamLoader(stream, epoch_batches=self._epoch_batches(len(stream)), **kwargs)
+            overfit = self.trainer is not None and bool(getattr(self.trainer, "overfit_batches", 0))
+            return LMStreamLoader(stream, epoch_batches=self._epoch_batches(len(stream)), repeat=overfit, **kwargs)
         return DataLoader(self.datasets[split], batch_size=None, persistent_workers=self.persistent_workers, **kwargs)
