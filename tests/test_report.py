@@ -296,6 +296,20 @@ def test_a_repeated_override_key_counts_by_its_last_value(tmp_path):
                     "unfinished": "optim.lr=2e-3"}
 
 
+def test_seeds_of_one_run_dir_hash_are_one_group_however_the_values_are_written(tmp_path):
+    """A sweep records a swept value as Hydra prints it (`optim.lr=1e-3,2e-3` gives jobs `optim.lr=0.001`), and the
+    run-dir hash compares values by meaning, so a seed run later as `optim.lr=1e-3` shares its run-dir hash; the
+    report grouped by the text and showed two groups of one seed each."""
+    _fake_run(tmp_path, "swept", ["experiment=mega/listops", "seed=0", "optim.lr=0.001", "trainer.max_steps=50"], 0.5)
+    _fake_run(tmp_path, "single", ["experiment=mega/listops", "seed=1", "optim.lr=1e-3", "trainer.max_steps=50.0"],
+              0.7, seed=1)
+    _fake_run(tmp_path, "other", ["experiment=mega/listops", "seed=0", "optim.lr=2e-3", "trainer.max_steps=50"], 0.2)
+    groups = {g.variant: g for g in group_runs(collect_runs(tmp_path))}
+    assert sorted(groups) == ["optim.lr=0.001,trainer.max_steps=50", "optim.lr=0.002,trainer.max_steps=50"]
+    assert groups["optim.lr=0.001,trainer.max_steps=50"].seeds == [0, 1]
+    assert groups["optim.lr=0.001,trainer.max_steps=50"].stats("test/acc")[0] == pytest.approx(0.6)
+
+
 def _png(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -1,7 +1,8 @@
 """Result tables for `python -m longmixer.report`: collecting finished runs, seed statistics, and the papers' table
 layouts (LRA six tasks + average, sCIFAR, SC10, WikiText-103, enwik8, MNIST, ablations) as markdown, LaTeX and CSV.
 
-Everything here is plain Python (json, csv, yaml): the report runs wherever the run directories are, without torch.
+Everything here is plain Python (json, csv, yaml; Hydra's override parser): the report runs wherever the run
+directories are, without torch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from longmixer.utils.resolvers import _canonical
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +103,37 @@ def effective_overrides(items) -> list[str]:
     return [str(item) for i, item in enumerate(items) if last[override_key(item)] == i]
 
 
+def canonical_override(item: str) -> str:
+    """`item` with its value written as the run-dir hash compares it (utils/resolvers.py): `optim.lr=1e-3` and the
+    `optim.lr=0.001` that a sweep records for the same value are one text, and `1000.0` reads `1000`. An override
+    Hydra's grammar does not parse is kept as it is."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        override = OverridesParser.create().parse_override(str(item))
+    except Exception:  # noqa: BLE001 - a hand-edited overrides.yaml: group by its text
+        return str(item)
+    prefix = "~" if override.is_delete() else "++" if override.is_force_add() else "+" if override.is_add() else ""
+    key = override.key_or_group + (f"@{override.package}" if override.package else "")
+    if override.is_delete() and override.value() is None:
+        return f"{prefix}{key}"
+    return f"{prefix}{key}={_value_text(_canonical(override.value()))}"
+
+
+def _value_text(value) -> str:
+    """A canonical override value (`_canonical`) as override text: numbers in their shortest form."""
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
+    if isinstance(value, list):
+        return "[" + ",".join(_value_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_value_text(v)}" for k, v in sorted(value.items())) + "}"
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _split_overrides(run_dir: Path) -> tuple[str | None, str]:
-    """(ablation choice, the other result-changing overrides joined) from `<run dir>/.hydra/overrides.yaml`."""
+    """(ablation choice, the other result-changing overrides joined) from `<run dir>/.hydra/overrides.yaml`, each
+    written as the run-dir hash reads it, so that the seeds of one run-dir hash are one group."""
     path = run_dir / ".hydra" / "overrides.yaml"
     if not path.exists():
         return None, ""
@@ -111,7 +143,7 @@ def _split_overrides(run_dir: Path) -> tuple[str | None, str]:
         if key == "ablation":
             ablation = value
         elif key not in _NEUTRAL_KEYS and not key.startswith(_NEUTRAL_SUBTREES):
-            rest.append(str(item))
+            rest.append(canonical_override(str(item)))
     return ablation, ",".join(sorted(rest))
 
 
