@@ -310,6 +310,15 @@ def test_seeds_of_one_run_dir_hash_are_one_group_however_the_values_are_written(
     assert groups["optim.lr=0.001,trainer.max_steps=50"].stats("test/acc")[0] == pytest.approx(0.6)
 
 
+def test_a_time_budget_does_not_split_a_group(tmp_path):
+    """`trainer.max_time` is left out of the run-dir hash (a budget, which a rerun may raise to continue the run): a
+    seed given a budget and one without shared a run-dir hash but were two groups of one seed each."""
+    _fake_run(tmp_path, "budget", ["experiment=mega/listops", "seed=0", "+trainer.max_time=00:12:00:00"], 0.5)
+    _fake_run(tmp_path, "plain", ["experiment=mega/listops", "seed=1"], 0.7, seed=1)
+    (group,) = group_runs(collect_runs(tmp_path))
+    assert group.variant == "" and group.seeds == [0, 1]
+
+
 def _png(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

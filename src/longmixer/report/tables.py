@@ -34,9 +34,10 @@ LAYOUT_TITLES = {"lra": "Long Range Arena", "scifar": "sCIFAR", "sc10": "Speech 
 # keys: `model` (the group choice) is neutral, while `model.d_model`, `data.seq_len` or `trainer.max_steps` make a
 # separate group. Only logger, paths and hydra settings are neutral as a whole subtree.
 # `trainer.devices` is not neutral (data.batch_size is per device, so it sets the global batch), nor is the
-# `callbacks` group (callbacks=ema tests the averaged weights).
+# `callbacks` group (callbacks=ema tests the averaged weights). `trainer.max_time` is a budget, left out of the
+# run-dir hash: a run dir is continued with or without it, so it is neutral here too.
 _NEUTRAL_KEYS = frozenset(("seed", "experiment", "model", "data", "ablation", "resume", "ckpt_path", "logger",
-                           "trainer.accelerator", "hparams_search", "data.num_workers",
+                           "trainer.accelerator", "trainer.max_time", "hparams_search", "data.num_workers",
                            "train", "test", "run_tag", "tags", "callbacks.progress", "callbacks.summary",
                            "callbacks.lr_monitor", "callbacks.throughput", "callbacks.throughput.window",
                            "callbacks.params", "trainer.enable_progress_bar", "trainer.enable_model_summary",
