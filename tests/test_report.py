@@ -319,6 +319,18 @@ def test_a_time_budget_does_not_split_a_group(tmp_path):
     assert group.variant == "" and group.seeds == [0, 1]
 
 
+def test_runs_are_listed_under_a_folder_named_wandb(tmp_path):
+    """The listing left out every run whose absolute path had a folder named `wandb` (meant for the W&B folder inside a
+    run dir), so `longmixer-runs --runs /data/wandb/logs/runs` printed "(no runs)" while the report found them."""
+    from longmixer.report.runs import list_runs
+
+    root = tmp_path / "wandb" / "logs" / "runs"
+    run = _fake_run(root, "full", ["experiment=mega/listops", "seed=0"], 0.5)
+    (run / "wandb" / "offline-run-1" / "files").mkdir(parents=True)
+    (run / "wandb" / "offline-run-1" / "files" / "config_resolved.yaml").write_text("seed: 0\n")
+    assert [r["run"] for r in list_runs(root)] == ["full"]
+
+
 def _png(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -29,7 +29,8 @@ def find_run_dirs(root: Path) -> list[Path]:
     if not root.exists():
         raise FileNotFoundError(f"--runs={root} does not exist; pass the dir holding the run dirs (logs/runs)")
     dirs = {p.parent for marker in RUN_MARKERS for p in root.rglob(marker)}
-    return sorted(d for d in dirs if "wandb" not in d.parts and not inside_a_run(d, root))
+    # a W&B folder inside a run is not a run; the folders above `root` (a project dir named wandb) do not count
+    return sorted(d for d in dirs if "wandb" not in d.relative_to(root).parts and not inside_a_run(d, root))
 
 
 def run_row(run_dir: Path, root: Path, metrics: list[str] | None = None) -> dict:
