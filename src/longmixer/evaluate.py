@@ -8,8 +8,8 @@ With `run_dir`, the run's own `config_resolved.yaml` is used and the best checkp
 unless `ckpt_path` names another. Of the command line's overrides only the device keys (`trainer=<name>`,
 `trainer.accelerator` / `devices` / `strategy` / `num_nodes` / `precision`) and `paths.data_dir` or `data.data_dir`
 (the data on another machine) apply; any other key is refused, since the checkpoint is scored with the config it
-was trained with. Everything is written under
-`<run_dir>/eval/<checkpoint name>/` (results.json, csv/metrics.csv); the training run's files are never touched.
+was trained with. The metrics are written to `<run_dir>/eval/<checkpoint name>/results.json` (and this command's
+Hydra log to `<run_dir>/eval/`); the training run's files are never touched.
 Checkpoints are read with `weights_only=True`.
 """
 
