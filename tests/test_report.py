@@ -331,6 +331,23 @@ def test_runs_are_listed_under_a_folder_named_wandb(tmp_path):
     assert [r["run"] for r in list_runs(root)] == ["full"]
 
 
+def test_compare_leaves_out_the_paths_of_a_moved_run_dir(tmp_path):
+    """A run dir moved after training (another machine, `runs.carry unpack`) keeps the old place in its config:
+    `--compare` listed its checkpoint dir, output dir and logger dirs as keys that differ, beside the real ones."""
+    from longmixer.report.runs import compare_runs
+
+    def run(path: Path, trained_in: Path, seed: int) -> Path:
+        path.mkdir(parents=True)
+        (path / "config_resolved.yaml").write_text(
+            f"seed: {seed}\npaths:\n  output_dir: {trained_in}\ncallbacks:\n  checkpoint:\n"
+            f"    dirpath: {trained_in}/checkpoints\ntrainer:\n  default_root_dir: {trained_in}\n")
+        return path
+
+    here = run(tmp_path / "logs" / "runs" / "a_seed0", tmp_path / "logs" / "runs" / "a_seed0", 0)
+    moved = run(tmp_path / "moved" / "a_seed1", Path("/elsewhere/logs/runs/a_seed1"), 1)
+    assert [r["key"] for r in compare_runs([here, moved])] == ["seed"]
+
+
 def _png(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

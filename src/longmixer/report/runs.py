@@ -133,13 +133,16 @@ def compare_runs(run_dirs: list[Path]) -> list[dict]:
     only name the run dir itself are left out), then every metric any of them recorded."""
     configs = [_config(d) for d in run_dirs]
     names = [str(d) for d in run_dirs]
-    own = [str(d.resolve()) for d in run_dirs]
+    # a run dir is named by where it lies now and by where it was trained (its config's paths.output_dir: a moved
+    # run's config keeps the old place)
+    own = [str(d.resolve()) for d in run_dirs] + [str(c["paths.output_dir"]) for c in configs
+                                                   if c.get("paths.output_dir")]
     rows = []
     for key in sorted(set().union(*configs)):
         values = [c.get(key, "(absent)") for c in configs]
         if len({json.dumps(v, sort_keys=True, default=str) for v in values}) == 1:
             continue
-        if all(isinstance(v, str) and any(v.startswith(o) for o in own) for v in values):
+        if all(isinstance(v, str) and any(v == o or v.startswith(o + "/") for o in own) for v in values):
             continue
         rows.append({"key": key, **dict(zip(names, values))})
     metrics = [_metrics(d) for d in run_dirs]
