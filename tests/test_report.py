@@ -348,6 +348,21 @@ def test_compare_leaves_out_the_paths_of_a_moved_run_dir(tmp_path):
     assert [r["key"] for r in compare_runs([here, moved])] == ["seed"]
 
 
+def test_a_damaged_overrides_file_makes_a_group_of_its_own(tmp_path):
+    """A finished run whose .hydra/overrides.yaml cannot be parsed (cut short, edited) stopped `longmixer-runs` and
+    the report with a YAML traceback; it is listed and reported as a group of its own, merged with no other run."""
+    from longmixer.report.runs import list_runs
+
+    _fake_run(tmp_path, "good", ["experiment=mega/listops", "seed=0"], 0.5)
+    damaged = _fake_run(tmp_path, "damaged", ["experiment=mega/listops", "seed=1"], 0.7, seed=1)
+    (damaged / ".hydra" / "overrides.yaml").write_text("- seed=1\n- optim.lr: [\n")
+    rows = {r["run"]: r for r in list_runs(tmp_path)}
+    assert rows["damaged"]["status"] == "finished" and rows["damaged"]["test"] == "test/acc=0.7000"
+    assert rows["damaged"]["overrides"] == "(unreadable .hydra/overrides.yaml)"
+    groups = {g.variant: g.seeds for g in group_runs(collect_runs(tmp_path))}
+    assert groups == {"": [0], "(unreadable .hydra/overrides.yaml)": [1]}
+
+
 def _png(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -132,14 +132,22 @@ def _value_text(value) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
+UNREADABLE_OVERRIDES = "(unreadable .hydra/overrides.yaml)"  # the variant of a run whose overrides cannot be read
+
+
 def _split_overrides(run_dir: Path) -> tuple[str | None, str]:
     """(ablation choice, the other result-changing overrides joined) from `<run dir>/.hydra/overrides.yaml`, each
     written as the run-dir hash reads it, so that the seeds of one run-dir hash are one group."""
     path = run_dir / ".hydra" / "overrides.yaml"
     if not path.exists():
         return None, ""
+    try:
+        items = yaml.safe_load(path.read_text()) or []
+    except yaml.YAMLError as err:  # cut short or edited: the run is listed and reported, merged with no other
+        log.warning("%s cannot be read (%s): the run is a group of its own", path, " ".join(str(err).split())[:160])
+        return None, UNREADABLE_OVERRIDES
     ablation, rest = None, []
-    for item in effective_overrides(yaml.safe_load(path.read_text()) or []):
+    for item in effective_overrides(items):
         key, _, value = str(item).lstrip("+~").partition("=")
         if key == "ablation":
             ablation = value
