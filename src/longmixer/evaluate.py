@@ -181,6 +181,13 @@ def main() -> None:
     # Hydra's own output (its log, .hydra/) goes to <run_dir>/eval too, never into a training run dir
     run_dirs = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("run_dir=")]
     if run_dirs:
+        swept = "," in run_dirs[-1] or run_dirs[-1].startswith(("glob(", "choice(", "range("))
+        if swept and not Path(run_dirs[-1]).exists():
+            # its logs and summary go under the one run dir's eval/ (Hydra's sweep dir is one folder)
+            print(f"error: run_dir={run_dirs[-1]}: evaluate sweeps (-m) the checkpoints or devices of one run dir "
+                  "(ckpt_path=<a>,<b>, trainer.devices=0,1); score several runs with one command per run dir "
+                  "(for d in <run dir> <run dir>; do longmixer-evaluate run_dir=$d; done)", file=sys.stderr)
+            sys.exit(2)
         if not (Path(run_dirs[-1]) / "config_resolved.yaml").is_file():  # before Hydra makes <run_dir>/eval
             print(f"error: run_dir={run_dirs[-1]} is not a training run dir (no config_resolved.yaml there); "
                   "pass one made by train (logs/runs/<run name>/<hash>_seed<seed>)", file=sys.stderr)

@@ -483,6 +483,24 @@ def test_evaluate_refuses_what_it_cannot_use_in_one_line(compose, tmp_path):
     assert issubclass(EvaluateError, UserFacingError) and issubclass(CheckpointError, UserFacingError)
 
 
+def test_evaluate_refuses_a_sweep_over_run_dirs_in_one_line(tmp_path, monkeypatch, capsys):
+    """`evaluate -m run_dir=<a>,<b>` (the seeds of one configuration) was told that the comma-joined list "is not a
+    training run dir"; a sweep's logs and summary go under one run dir's eval/, so it says to run one command per run
+    dir."""
+    import longmixer.evaluate
+
+    runs = [tmp_path / f"run_seed{seed}" for seed in (0, 1)]
+    for run in runs:
+        run.mkdir()
+        (run / "config_resolved.yaml").write_text("seed: 0\n")
+    monkeypatch.setattr("sys.argv", ["evaluate", "-m", f"run_dir={runs[0]},{runs[1]}"])
+    with pytest.raises(SystemExit) as stop:
+        longmixer.evaluate.main()
+    assert stop.value.code == 2
+    assert "one command per run dir" in capsys.readouterr().err
+    assert not any((run / "eval").exists() for run in runs)
+
+
 def test_evaluate_takes_the_invocations_device_keys(tmp_path):
     """`evaluate run_dir=<a GPU run> trainer=cpu` re-scores it on a CPU: a trainer group chosen on the command line
     replaces the stored device keys, and single `trainer.<key>=` overrides replace theirs; the rest stays."""
