@@ -179,3 +179,22 @@ def test_a_failed_jobs_error_stays_in_its_table_row():
     (row,) = markdown.splitlines()[2:]
     assert row.startswith("| 0 | FAILED (InstantiationException: Error in call to target 'M': RuntimeError('a \\| b')")
     assert row.endswith("…) | – | r |")
+
+
+def test_a_failed_job_has_no_value_even_where_its_run_dir_holds_results(tmp_path):
+    """A job refused for config drift (a yaml edited, the same sweep run again) finds the run that the old config
+    finished: the summary showed that run's value beside FAILED, and starred it as the best job."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from longmixer.report.sweep import job_record
+    from longmixer.runs.resume import ConfigDriftError
+
+    (tmp_path / "results.json").write_text(json.dumps({"metrics": {"val/acc_best": 0.9}}))
+    config = OmegaConf.create({"hydra": {"runtime": {"output_dir": str(tmp_path)}, "job": {"num": 0},
+                                         "overrides": {"task": ["seed=0"]}, "sweeper": {}},
+                               "task": {"monitor": "val/acc", "mode": "max"}})
+    failed = JobReturn(status=JobStatus.FAILED, _return_value=ConfigDriftError("the config differs"))
+    record = job_record(config, failed)
+    assert (record["status"], record["value"]) == ("FAILED", None)
+    assert job_record(config, JobReturn(status=JobStatus.COMPLETED, _return_value=None))["value"] == 0.9

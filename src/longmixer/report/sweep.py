@@ -58,11 +58,15 @@ def job_record(config: DictConfig, job_return: Any) -> dict:
     """What one job leaves for the summary: its number, overrides, status, metric value and run dir."""
     run_dir = Path(config.hydra.runtime.output_dir)
     metric = _metric_name(config)
-    results_path = run_dir / "results.json"
-    results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    value = _number((results.get("metrics") or {}).get(metric))
     status = getattr(getattr(job_return, "status", None), "name", "UNKNOWN")
     returned = _returned(job_return)
+    value = None
+    if status == "COMPLETED":
+        # a failed job scored nothing: a results.json in its run dir is an earlier attempt's (a job refused for
+        # config drift finds the run that the old config finished)
+        results_path = run_dir / "results.json"
+        results = json.loads(results_path.read_text()) if results_path.exists() else {}
+        value = _number((results.get("metrics") or {}).get(metric))
     if value is None and status == "COMPLETED":  # train returns the objective, evaluate its metrics
         value = _number(returned.get(metric) if isinstance(returned, dict) else returned)
     return {"job": int(config.hydra.job.num), "status": status, "metric": metric, "value": value,
