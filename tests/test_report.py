@@ -363,6 +363,19 @@ def test_a_damaged_overrides_file_makes_a_group_of_its_own(tmp_path):
     assert groups == {"": [0], "(unreadable .hydra/overrides.yaml)": [1]}
 
 
+def test_a_damaged_wandb_summary_does_not_drop_the_run(tmp_path):
+    """A wandb-summary.json cut short (a W&B run killed while writing it) made the report skip the finished run it
+    lies in, and the listing call its results.json unreadable."""
+    from longmixer.report.runs import list_runs
+
+    run = _fake_run(tmp_path, "full", ["experiment=mega/listops", "seed=0"], 0.5)
+    (run / "wandb" / "run-1" / "files").mkdir(parents=True)
+    (run / "wandb" / "run-1" / "files" / "wandb-summary.json").write_text('{"test/loss": 1.5, "_st')
+    (loaded,) = collect_runs(tmp_path)
+    assert loaded.metrics == {"test/acc": 0.5}
+    assert [r["status"] for r in list_runs(tmp_path)] == ["finished"]
+
+
 def _png(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -167,7 +167,12 @@ def load_run(results_path: Path) -> Run:
     unpaired = (lambda key: key.startswith("val/") and not key.endswith("_best")) if results.get("val_left_out") \
         else (lambda key: False)
     for summary in sorted(run_dir.glob("wandb/*/files/wandb-summary.json")):
-        for key, value in _numbers(json.loads(summary.read_text()).items()).items():
+        try:
+            values = json.loads(summary.read_text())
+        except (OSError, ValueError) as err:  # a W&B run killed while writing it: the run's own files still count
+            log.warning("skipping %s: %s", summary, err)
+            continue
+        for key, value in _numbers(values.items()).items():
             if key.startswith(("val/", "test/")) and not unpaired(key):
                 metrics.setdefault(key, value)
     if (run_dir / "csv" / "metrics.csv").exists():
