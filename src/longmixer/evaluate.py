@@ -122,11 +122,17 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
             raise EvaluateError(f"ckpt_path={cfg.ckpt_path} does not exist; the run's checkpoints are in {ckpt_dir}")
     else:
         results = run_dir / "results.json"
-        best = read_run_file(results, f"pass ckpt_path=<file.ckpt> (the run's checkpoints are in {ckpt_dir})").get(
-            "best_ckpt") if results.is_file() else None
+        recorded = read_run_file(results, f"pass ckpt_path=<file.ckpt> (the run's checkpoints are in {ckpt_dir})"
+                                 ) if results.is_file() else {}
+        best = recorded.get("best_ckpt")
         if not best:
-            raise EvaluateError(f"{results} records no best checkpoint (the run has not finished); pass "
-                                f"ckpt_path=<file.ckpt>, e.g. {ckpt_dir / 'last.ckpt'}")
+            # a run killed before its test, or trained with test=false: its best validation checkpoint so far is
+            # the one to score (the reporting rule), not last.ckpt
+            why = f"its status: {recorded['status']}" if recorded.get("status") else "the run has not finished"
+            kept = sorted(ckpt_dir.glob("best-*.ckpt"))
+            example = f"{kept[-1]} (its best validation checkpoint so far)" if kept else ckpt_dir / "last.ckpt"
+            raise EvaluateError(f"{results} records no best checkpoint ({why}); pass ckpt_path=<file.ckpt>, e.g. "
+                                f"{example}")
         moved = ckpt_dir / Path(best).name
         if Path(best).resolve().parent != ckpt_dir.resolve() and moved.is_file():
             best = str(moved)  # the run dir was moved (another machine or root) after results.json was written

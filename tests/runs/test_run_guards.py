@@ -5,6 +5,7 @@ import csv
 import json
 import os
 import pickle
+import re
 import time
 from pathlib import Path
 
@@ -499,6 +500,19 @@ def test_evaluate_refuses_a_sweep_over_run_dirs_in_one_line(tmp_path, monkeypatc
     assert stop.value.code == 2
     assert "one command per run dir" in capsys.readouterr().err
     assert not any((run / "eval").exists() for run in runs)
+
+
+def test_evaluate_without_a_recorded_best_names_the_best_checkpoint(compose, tmp_path):
+    """A run trained with test=false records no best checkpoint in results.json: evaluate said "the run has not
+    finished" and offered last.ckpt, not the best validation checkpoint that the reporting rule scores."""
+    from longmixer.evaluate import EvaluateError, evaluate
+
+    train(compose([*BASE, "test=false"]))
+    run = tmp_path / "run"
+    (best,) = (run / "checkpoints").glob("best-*.ckpt")
+    with pytest.raises(EvaluateError, match=r"its status: trained, not tested \(test=false\).*e\.g\. "
+                       + re.escape(str(best))):
+        evaluate(compose([f"run_dir={run}"]))
 
 
 def test_evaluate_takes_the_invocations_device_keys(tmp_path):
