@@ -34,6 +34,7 @@ from longmixer.runs.resume import (
     RunLock,
     check_config_drift,
     finished_results,
+    keep_finished_results,
     keep_replaced_config,
     refuse_unusable_folders,
     select_resume_checkpoint,
@@ -179,6 +180,8 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
         if drift or not (run_dir / STORED_CONFIG).exists():
             keep_replaced_config(run_dir)
             write_atomically(run_dir / STORED_CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
+        if finished is not None:
+            keep_finished_results(run_dir)
     if ckpt_path is not None:
         _rewind_loggers(trainer, ckpt_path)
     elif cfg.train:

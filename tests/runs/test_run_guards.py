@@ -73,6 +73,33 @@ def test_config_drift_is_refused_and_force_continues(compose, tmp_path):
     train(compose([*BASE, "optim.lr=0.5", "resume=force", "trainer.max_steps=4", "trainer.val_check_interval=2"]))
 
 
+def test_a_killed_forced_continuation_is_resumed_not_reported(compose, tmp_path, monkeypatch):
+    """`resume=force` on a finished run left its results.json saying "finished" while the continuation trained; when
+    that attempt was killed, the same command (its config now the stored one) reported the old results and never
+    resumed, and the report took them for the run's. The finished results are kept in history/ instead."""
+    import longmixer.train as entry
+
+    train(compose(BASE))
+    run = tmp_path / "run"
+    old = json.loads((run / "results.json").read_text())
+    forced = [*BASE, "optim.lr=0.5", "resume=force", "trainer.max_steps=4", "trainer.val_check_interval=2"]
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # the continuation stops after training, before it is tested
+
+    with monkeypatch.context() as patch:
+        patch.setattr(entry, "_test_until_signal", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train(compose(forced))
+    assert not (run / "results.json").exists()
+    (kept,) = (run / "history").glob("results.*.json")
+    assert json.loads(kept.read_text()) == old
+    again = train(compose(forced))  # resumes the continuation and tests it
+    attempts = json.loads((run / "run_info.json").read_text())["attempts"]
+    assert [a["ended"] for a in attempts] == ["finished", "interrupted", "finished"] and attempts[2]["resumed_from"]
+    assert json.loads((run / "results.json").read_text())["metrics"] == again["metrics"]
+
+
 def _hydra_writes(run_dir, overrides):
     """What Hydra does before `train` starts: this command's record written into the run dir's .hydra/."""
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
