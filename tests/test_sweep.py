@@ -198,3 +198,19 @@ def test_a_failed_job_has_no_value_even_where_its_run_dir_holds_results(tmp_path
     record = job_record(config, failed)
     assert (record["status"], record["value"]) == ("FAILED", None)
     assert job_record(config, JobReturn(status=JobStatus.COMPLETED, _return_value=None))["value"] == 0.9
+
+
+def test_sweeps_started_in_one_second_get_their_own_dirs():
+    """Two sweeps started together (one per GPU from a script) fell in the same second and shared one sweep dir:
+    each overwrote the other's job records, multirun.yaml and summary, and printed a summary mixing both."""
+    import datetime
+    import re
+
+    from longmixer.utils.compose import CONFIG_DIR
+
+    sweep_dir = yaml.safe_load((Path(CONFIG_DIR) / "hydra" / "default.yaml").read_text())["sweep"]["dir"]
+    evaluate_dir = re.search(r"hydra\.sweep\.dir=.*now:.*", (ROOT / "src" / "longmixer" / "evaluate.py").read_text())[0]
+    first = datetime.datetime(2026, 11, 28, 10, 57, 52, 120000)
+    for configured in (sweep_dir, evaluate_dir):
+        (pattern,) = re.findall(r"\$\{+now:([^}]+)\}", configured)
+        assert first.strftime(pattern) != first.replace(microsecond=870000).strftime(pattern)

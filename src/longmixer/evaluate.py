@@ -202,7 +202,7 @@ def main() -> None:
         sys.argv += [f"hydra.run.dir={eval_dir}"]
         # a sweep's jobs (`-m`) keep their Hydra output there too, not in new dirs under logs/runs
         if not any(a.startswith("hydra.sweep.dir=") for a in sys.argv[1:]):
-            sys.argv += [f"hydra.sweep.dir={eval_dir / 'sweeps'}/${{now:%Y-%m-%d_%H-%M-%S}}"]
+            sys.argv += [f"hydra.sweep.dir={eval_dir / 'sweeps'}/${{now:%Y-%m-%d_%H-%M-%S-%f}}"]
         if not any(a.startswith("hydra.sweep.subdir=") for a in sys.argv[1:]):
             sys.argv += ["hydra.sweep.subdir=${hydra.job.num}"]
     run_explaining_refusals(_main, sys.argv[1:])
