@@ -99,6 +99,32 @@ def test_edited_manifest_is_refused(prepared):
         fresh(prepared).setup()
 
 
+def test_a_prepared_file_that_is_gone_is_rebuilt_by_the_command_setup_names(prepared, capsys, caplog):
+    """Regression: a manifest whose settings matched was taken as prepared even when a file it lists was gone, so
+    `setup()`'s "incomplete ... re-run `python scripts/prepare_data.py ...`" sent the user round in a loop: the
+    command skipped preparing and stopped with the same line. An edited manifest was skipped the same way."""
+    from scripts import prepare_data
+
+    (prepared.root / "val.tokens.npy").unlink()
+    with pytest.raises(DatasetNotPreparedError, match=r"incomplete \(missing \['val\.tokens\.npy'\]\); re-run"):
+        fresh(prepared).setup()
+    args = ["listops", f"paths.data_dir={prepared.data_dir}", f"data.source_dir={prepared.source_dir}"]
+    with caplog.at_level(logging.WARNING):
+        assert prepare_data.main(args) == 0, capsys.readouterr().err
+    assert "is not usable as it is" in caplog.text and "rebuilding" in caplog.text
+    dm = fresh(prepared)
+    dm.setup()
+    assert dm.verify() == len(dm.manifest["files"]) and len(dm.datasets["val"]) == 2
+    path = prepared.root / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["splits"]["test"]["labels"] = {"0": 3}
+    path.write_text(json.dumps(manifest))
+    again = fresh(prepared)
+    again.prepare_data()
+    again.setup()
+    assert again.manifest["splits"]["test"]["labels"] == {"2": 1, "4": 1, "5": 1}
+
+
 def test_non_utf8_byte_names_file_line_and_column(tmp_path):
     folder = write_listops(tmp_path / "src")
     path = folder / "basic_val.tsv"

@@ -417,14 +417,16 @@ class SequenceDataModule(pl.LightningDataModule):
 
     def _manifest_staleness(self) -> dict[str, tuple] | None:
         """None where no manifest exists; else what differs between it and the requested settings (empty: it is
-        current)."""
-        manifest_path = self.root / MANIFEST
-        if not manifest_path.exists():
+        current). A manifest that `setup()` would refuse (unreadable, of another version, edited, or listing a file
+        that is gone) counts as stale under the key `manifest.json`: taken as current, it was never rebuilt, and
+        the command that `setup()` names to fix it did nothing."""
+        if not (self.root / MANIFEST).exists():
             return None
         try:
-            return self._stale(json.loads(manifest_path.read_text()).get("meta", {}))
-        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-            return {"manifest.json": ("unreadable", "rebuild")}
+            manifest = read_manifest(self.root, self.prepare_hint)
+        except DatasetNotPreparedError as err:
+            return {MANIFEST: (str(err).split("; ")[0], "complete")}
+        return self._stale(manifest.get("meta", {}))
 
     def prepare_data(self) -> None:
         # data that is already prepared needs no lock: a shared, read-only copy can be trained on
@@ -462,8 +464,9 @@ class SequenceDataModule(pl.LightningDataModule):
                 return
             aside = self.root / SET_ASIDE
             if stale is not None:
-                log.warning("prepared data at %s was made with other settings (key: (prepared, requested) = %s); "
-                            "rebuilding it (the old files are kept until the new ones are complete)", self.root, stale)
+                what = ("is not usable as it is" if MANIFEST in stale else "was made with other settings")
+                log.warning("prepared data at %s %s (key: (prepared, requested) = %s); rebuilding it (the old files "
+                            "are kept until the new ones are complete)", self.root, what, stale)
                 _set_prepared_aside(self.root, aside)
             try:
                 splits = self._prepare_and_check()
