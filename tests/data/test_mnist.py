@@ -83,3 +83,11 @@ def test_train_and_test_images_of_other_sizes_are_refused(tmp_path):
     (tmp_path / "raw" / "t10k-images-idx3-ubyte").write_bytes(header + small.tobytes())
     with pytest.raises(ValueError, match="the test images are 14x14, the training images 28x28"):
         MNIST(data_dir=tmp_path / "data", **overrides).prepare_data()
+
+
+def test_the_prepare_command_keeps_the_source_folder(tmp_path):
+    """Regression: MNIST's command in the data errors dropped `data.source_dir`, so following it downloaded MNIST
+    (or failed without a network) instead of preparing from the user's idx files."""
+    dm = make(tmp_path, permutation="random")
+    assert dm.prepare_hint == (f"python scripts/prepare_data.py pmnist paths.data_dir={tmp_path / 'data'} "
+                               f"data.source_dir={tmp_path / 'raw'}")

@@ -181,3 +181,30 @@ def test_generated_data_is_keyed_by_every_generator_setting(tmp_path, caplog):
     raw = sorted(p.name for p in (dm.root / "raw").iterdir())
     assert raw == [f"v{GENERATOR_VERSION}_per_batch4", f"v{GENERATOR_VERSION}_per_batch5"]
     other.setup()
+
+
+def test_the_command_an_error_names_prepares_this_difficulty(tmp_path):
+    """Regression: the command in the data errors (`delete ... and re-run `python scripts/prepare_data.py ...``,
+    and the one a read-only folder's owner is asked to run) named only the task and folders, so for
+    `data.difficulty=9` it prepared difficulty 14 (here: failed, the source has no such folder) and left this data
+    broken. It now carries the settings that determine the prepared files."""
+    import shlex
+    import shutil
+
+    from longmixer.data.integrity import DataIntegrityError
+    from scripts import prepare_data
+
+    fixture = write_pathfinder_fixture(tmp_path / "raw", difficulty="curv_contour_length_9")
+    dm = Pathfinder(data_dir=tmp_path / "data", difficulty="9", split_seed=42, **fixture)
+    dm.prepare_data()
+    path = dm.root / "val.labels.npy"
+    path.write_bytes(path.read_bytes()[:90])
+    with pytest.raises(DataIntegrityError, match="re-run `") as caught:
+        Pathfinder(data_dir=tmp_path / "data", difficulty="9", split_seed=42, **fixture).setup()
+    command = shlex.split(str(caught.value).split("re-run `")[1].split("`")[0])
+    assert command[:2] == ["python", "scripts/prepare_data.py"]
+    shutil.rmtree(dm.root)
+    assert prepare_data.main(command[2:]) == 0
+    again = Pathfinder(data_dir=tmp_path / "data", difficulty="9", split_seed=42, **fixture)
+    again.setup()
+    assert again.verify() > 0

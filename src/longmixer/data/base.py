@@ -396,9 +396,16 @@ class SequenceDataModule(pl.LightningDataModule):
 
     @property
     def prepare_hint(self) -> str:
+        return self._prepare_command(self.name)
+
+    def _prepare_command(self, task: str) -> str:
+        """The `prepare_data.py` command for this data: the settings that determine the prepared files
+        (`prepare_fingerprint`, whose keys are the config's) and `source_dir` with it, or the command would prepare
+        the defaults (another Pathfinder difficulty, other document lengths) and leave this data as it was."""
+        settings = "".join(f" data.{key}={value}" for key, value in self.prepare_fingerprint().items())
         source = getattr(self, "source_dir", None)
         extra = "" if source is None else f" data.source_dir={source}"
-        return f"python scripts/prepare_data.py {self.name} paths.data_dir={self.data_dir}{extra}"
+        return f"python scripts/prepare_data.py {task} paths.data_dir={self.data_dir}{settings}{extra}"
 
     def prepare_fingerprint(self) -> dict[str, Any]:
         """The config values that determine the prepared files; a manifest made with others is rebuilt."""

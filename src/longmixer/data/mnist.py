@@ -125,8 +125,7 @@ class MNIST(SequenceDataModule):
 
     @property
     def prepare_hint(self) -> str:
-        task = "smnist" if self.permutation == "none" else "pmnist"
-        return f"python scripts/prepare_data.py {task} paths.data_dir={self.data_dir}"
+        return self._prepare_command("smnist" if self.permutation == "none" else "pmnist")
 
     def _prepare(self, root: Path) -> tuple[dict, dict]:
         raw = self.source_dir or root / "raw"
