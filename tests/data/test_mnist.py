@@ -91,3 +91,16 @@ def test_the_prepare_command_keeps_the_source_folder(tmp_path):
     dm = make(tmp_path, permutation="random")
     assert dm.prepare_hint == (f"python scripts/prepare_data.py pmnist paths.data_dir={tmp_path / 'data'} "
                                f"data.source_dir={tmp_path / 'raw'}")
+
+
+def test_a_source_dir_that_is_a_file_or_absent_is_one_line_and_nothing_is_made(tmp_path):
+    """Regression: preparing made the folder `data.source_dir` names: a file there (the `.gz` itself) stopped with
+    a FileExistsError traceback, and a mistyped path was created empty before the error."""
+    from scripts import prepare_data
+
+    write_mnist_fixture(tmp_path / "raw")
+    for source in (tmp_path / "raw" / "train-images-idx3-ubyte.gz", tmp_path / "typo" / "mnist"):
+        with pytest.raises(FileNotFoundError, match=f"data.source_dir={source} has neither train-images-idx3"):
+            MNIST(data_dir=tmp_path / "data", source_dir=source).prepare_data()
+        assert prepare_data.main(["smnist", f"paths.data_dir={tmp_path / 'data'}", f"data.source_dir={source}"]) == 2
+    assert not (tmp_path / "typo").exists()

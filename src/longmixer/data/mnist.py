@@ -128,8 +128,7 @@ class MNIST(SequenceDataModule):
         return self._prepare_command("smnist" if self.permutation == "none" else "pmnist")
 
     def _prepare(self, root: Path) -> tuple[dict, dict]:
-        raw = self.source_dir or root / "raw"
-        raw.mkdir(parents=True, exist_ok=True)
+        raw = self.source_dir or root / "raw"  # `download` makes the folder it downloads into
         splits, side = {}, None
         for split, (images_stem, labels_stem) in MNIST_FILES.items():
             images = read_idx(_find(raw, images_stem, self.source_dir is None))
