@@ -104,3 +104,21 @@ def test_a_source_dir_that_is_a_file_or_absent_is_one_line_and_nothing_is_made(t
             MNIST(data_dir=tmp_path / "data", source_dir=source).prepare_data()
         assert prepare_data.main(["smnist", f"paths.data_dir={tmp_path / 'data'}", f"data.source_dir={source}"]) == 2
     assert not (tmp_path / "typo").exists()
+
+
+def test_a_gz_in_the_download_folder_is_checked_against_its_md5(tmp_path):
+    """Regression: a `.gz` already in `<data>/mnist/raw` (put there by hand, as the download error suggests, or a
+    Fashion-MNIST file of the same name) was read without its pinned md5, and the data was recorded as the
+    download's. It is checked as `download` checks every file it reuses."""
+    import gzip
+
+    from longmixer.data.download import DataDownloadError
+
+    raw = tmp_path / "data" / "mnist" / "raw"
+    write_mnist_fixture(raw)
+    for path in [p for p in raw.iterdir() if p.suffix != ".gz"]:
+        path.with_name(path.name + ".gz").write_bytes(gzip.compress(path.read_bytes()))
+        path.unlink()
+    with pytest.raises(DataDownloadError, match=r"train-images-idx3-ubyte\.gz has md5 \w+, expected f68b3c2d"):
+        MNIST(data_dir=tmp_path / "data").prepare_data()
+    assert not (tmp_path / "data" / "mnist" / "manifest.json").exists()

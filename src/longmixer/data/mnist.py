@@ -84,12 +84,15 @@ def pixel_permutation(kind: str, n: int, seed: int) -> np.ndarray | None:
 
 
 def _find(raw: Path, stem: str, may_download: bool) -> Path:
+    if may_download and ((raw / (stem + ".gz")).exists() or not (raw / stem).exists()):
+        # the download folder: `download` checks a `.gz` already there (an earlier download, or one put there by
+        # hand, e.g. a Fashion-MNIST file of the same name) against its md5 before it is reused, or fetches it. An
+        # unpacked file alone has no published digest and is read as it is, as from data.source_dir.
+        return download(MNIST_URL + stem + ".gz", raw / (stem + ".gz"), Pin(md5=MNIST_MD5.get(stem)))
     for name in (stem, stem + ".gz"):
         if (raw / name).exists():
             return raw / name
-    if not may_download:
-        raise FileNotFoundError(f"data.source_dir={raw} has neither {stem} nor {stem}.gz")
-    return download(MNIST_URL + stem + ".gz", raw / (stem + ".gz"), Pin(md5=MNIST_MD5.get(stem)))
+    raise FileNotFoundError(f"data.source_dir={raw} has neither {stem} nor {stem}.gz")
 
 
 class MNIST(SequenceDataModule):
