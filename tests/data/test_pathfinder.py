@@ -208,3 +208,26 @@ def test_the_command_an_error_names_prepares_this_difficulty(tmp_path):
     again = Pathfinder(data_dir=tmp_path / "data", difficulty="9", split_seed=42, **fixture)
     again.setup()
     assert again.verify() > 0
+
+
+def test_damaged_prepared_data_is_mended_without_deleting_the_generated_images(tmp_path):
+    """Regression: a damaged prepared file was reported with "delete <the task's folder> and re-run ...", and that
+    folder holds the generated images (core-hours at the LRA size; for the downloaded tasks, the downloads). The fix
+    named is now to delete the manifest: the data is packed again from the images already there."""
+    from longmixer.data.integrity import DataIntegrityError
+    from longmixer.data.pathfinder import GeneratedPathfinder
+
+    common = dict(data_dir=tmp_path, difficulty="baseline", num_images=10, images_per_batch=5, batch_size=2)
+    dm = GeneratedPathfinder(**common)
+    dm.prepare_data()
+    images = {p: p.stat().st_mtime_ns for p in (dm.root / "raw").rglob("*.png")}
+    path = dm.root / "test.images.npy"
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(DataIntegrityError, match=f"; delete {dm.root / 'manifest.json'} and re-run `"):
+        GeneratedPathfinder(**common).setup()
+    (dm.root / "manifest.json").unlink()
+    again = GeneratedPathfinder(**common)
+    again.prepare_data()
+    again.setup()
+    assert again.verify() > 0
+    assert {p: p.stat().st_mtime_ns for p in (dm.root / "raw").rglob("*.png")} == images and len(images) == 10

@@ -170,15 +170,15 @@ def read_manifest(root: Path, prepare_hint: str) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise DataIntegrityError(f"{path} is not valid JSON ({err}); delete {root} and re-run "
+        raise DataIntegrityError(f"{path} is not valid JSON ({err}); re-run "
                                  f"`{prepare_hint}`") from None
     version = manifest.get("version") if isinstance(manifest, dict) else None
     if version != MANIFEST_VERSION:
         raise DataIntegrityError(f"{path} has manifest version {version}, this code reads version {MANIFEST_VERSION}; "
-                                 f"delete {root} and re-run `{prepare_hint}`")
+                                 f"re-run `{prepare_hint}`, which prepares the data again")
     if manifest.get("digest") != manifest_digest(manifest):
         raise DataIntegrityError(f"{path} was edited after it was written (its digest no longer matches its "
-                                 f"content); delete {root} and re-run `{prepare_hint}`")
+                                 f"content); re-run `{prepare_hint}`, which prepares the data again")
     missing = [name for name in manifest["files"] if not (root / name).exists()]
     if missing:
         raise DatasetNotPreparedError(f"prepared data at {root} is incomplete (missing {missing[:3]}); re-run "
