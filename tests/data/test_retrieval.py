@@ -79,9 +79,9 @@ def test_missing_file_names_the_fix(tmp_path):
 
 def test_another_seq_len_needs_a_new_prepare(aan):
     other = AAN(data_dir=aan.data_dir, seq_len=16, source_dir=str(aan.source_dir))
-    with pytest.raises(Exception, match="other settings"):
+    with pytest.raises(Exception, match="no prepared data.*data.seq_len=16"):
         other.setup("fit")
-    other.prepare_data()  # rebuilds at the new length
+    other.prepare_data()  # prepares the new length beside the old
     other.setup("fit")
     assert max(len(other.datasets["train"][i]["inputs"]) for i in range(4)) == 16
 
@@ -92,3 +92,23 @@ def test_blank_lines_are_not_examples(tmp_path):
     path = tmp_path / "padded.tsv"
     path.write_bytes(open(f"{folder}/new_aan_pairs.train.tsv", "rb").read() + b"\n\r\n")
     assert read_aan_tsv(path, max_len=100)[2] == [1, 0, 1, 0, 0, 1, 0, 1]
+
+
+def test_runs_at_two_lengths_keep_their_own_data(tmp_path, caplog):
+    """Regression: every seq_len shared one folder, so runs at two lengths (a sweep) rebuilt it in turn, and a run
+    reading it while another rebuilt it stopped with "the file was changed" or a missing file. Each length now has
+    its own folder: a run finds its data as it left it."""
+    import logging
+
+    source = write_retrieval_fixture(tmp_path / "raw")["source_dir"]
+    first = AAN(data_dir=tmp_path / "data", source_dir=source, seq_len=40)
+    first.prepare_data()
+    manifest = (first.root / "manifest.json").read_text()
+    AAN(data_dir=tmp_path / "data", source_dir=source, seq_len=50).prepare_data()
+    again = AAN(data_dir=tmp_path / "data", source_dir=source, seq_len=40)
+    with caplog.at_level(logging.WARNING):
+        again.setup("fit")  # no prepare_data: a run that reads what it prepared before
+        again.prepare_data()
+    assert "rebuilding" not in caplog.text
+    assert (again.root / "manifest.json").read_text() == manifest
+    assert max(len(again.datasets["train"][i]["inputs"]) for i in range(8)) == 40

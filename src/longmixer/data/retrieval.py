@@ -101,6 +101,12 @@ class AAN(SequenceDataModule):
         self.seq_len, self.vocab_size, self.num_classes = seq_len, vocab_size, num_classes
         self.source_dir = None if source_dir is None else Path(source_dir)
 
+    @property
+    def root(self) -> Path:
+        # the documents are cut to seq_len when prepared, so each length has its own folder: runs at several lengths
+        # (a sweep) neither rebuild each other's data in turn nor read it while another run rebuilds it
+        return self.data_dir / self.name / f"len{self.seq_len}"
+
     def prepare_fingerprint(self) -> dict:
         return {"seq_len": self.seq_len}
 
