@@ -163,3 +163,29 @@ def test_a_cut_archive_stops_with_one_line_and_leaves_nothing(tmp_path):
     with pytest.raises(DataDownloadError, match=r"could not be unpacked .*delete .*data.tar.gz and run the same"):
         dl.extract(cut, dest)
     assert not dl.extracted(dest, "data.tar.gz") and list(dest.iterdir()) == []
+
+
+def test_a_full_disk_is_not_reported_as_a_network_fault_and_unpacks_nothing(tmp_path, server, monkeypatch):
+    """Regression: a disk that filled during a download was reported as "could not download ...: check the network
+    (or a proxy)", and one that filled during an extraction left the part unpacked so far in the scratch folder,
+    holding the room the user had to free. The error goes up as the OSError it is (the datamodule turns it into one
+    line naming the folder and the fix), and the scratch folder is removed."""
+    import errno
+    import zipfile
+
+    (tmp_path / "file.bin.part").symlink_to("/dev/full")  # every write there fails with ENOSPC
+    with pytest.raises(OSError) as caught:
+        dl.download(server, tmp_path / "file.bin", Pin(size=len(PAYLOAD)))
+    assert caught.value.errno == errno.ENOSPC and not isinstance(caught.value, DataDownloadError)
+
+    archive = _zip(tmp_path / "corpus.zip", {"corpus/train.txt": b"x" * 1000})
+
+    def fills_the_disk(self, path, *args, **kwargs):
+        (tmp_path / "raw" / ".extracting-corpus.zip" / "corpus").mkdir(parents=True)
+        (tmp_path / "raw" / ".extracting-corpus.zip" / "corpus" / "train.txt").write_bytes(b"x" * 300)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(zipfile.ZipFile, "extractall", fills_the_disk)
+    with pytest.raises(OSError, match="No space left"):
+        dl.extract(archive, tmp_path / "raw")
+    assert list((tmp_path / "raw").iterdir()) == []

@@ -341,3 +341,26 @@ def test_a_read_only_data_folder_that_needs_preparing_is_one_line(tmp_path, monk
     message = str(caught.value)
     assert "\n" not in message and f"{dm.root / '.lock'} gives Permission denied" in message
     assert "paths.data_dir=<writable folder>" in message
+
+
+def test_a_full_disk_is_one_line_naming_the_folder_and_the_fix(tmp_path, monkeypatch, capsys):
+    """Regression: a disk that filled while the data was prepared (the LRA release needs about 27 GB) stopped
+    `prepare_data.py` and training with an OSError traceback; it is one line naming the folder and the ways out."""
+    import errno
+
+    from longmixer.data import listops
+    from scripts import prepare_data
+
+    def full(root, split, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(root / f"{split}.tokens.npy"))
+
+    monkeypatch.setattr(listops, "save_ragged", full)
+    source = write_listops(tmp_path / "src")
+    with pytest.raises(DatasetNotPreparedError) as caught:
+        ListOps(data_dir=tmp_path / "data", source_dir=source).prepare_data()
+    message = str(caught.value)
+    assert "\n" not in message and "stopped: No space left on device" in message
+    assert str(tmp_path / "data" / "listops" / "train.tokens.npy") in message
+    assert "paths.data_dir=<folder with room>" in message and f"data.source_dir={source}" in message
+    assert prepare_data.main(["listops", f"paths.data_dir={tmp_path / 'data'}", f"data.source_dir={source}"]) == 2
+    assert capsys.readouterr().err.startswith("error: preparing the listops data at")

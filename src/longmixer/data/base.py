@@ -44,6 +44,7 @@ SET_ASIDE = ".previous"  # the prepared files of other settings, kept while a re
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # what writing into a read-only data folder raises
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or the user's quota on it
 
 
 def default_num_workers(gpu: bool) -> int:
@@ -442,9 +443,23 @@ class SequenceDataModule(pl.LightningDataModule):
         try:
             self._prepare_locked()
         except OSError as err:
-            if err.errno not in NOT_WRITABLE or isinstance(err, UserFacingError):
+            if isinstance(err, UserFacingError):
+                raise
+            if err.errno in NO_SPACE:
+                raise self._no_space(err) from None
+            if err.errno not in NOT_WRITABLE:
                 raise
             raise self._not_writable(err) from None
+
+    def _no_space(self, err: OSError) -> DatasetNotPreparedError:
+        """The one-line error for a disk that filled up while the data was prepared (the LRA release takes about
+        27 GB with every part unpacked, archive included; Speech Commands about 6 GB). What was written is redone or
+        resumed by the next run."""
+        where = f" ({err.filename})" if err.filename else ""
+        command = self.prepare_hint.replace(f"paths.data_dir={self.data_dir}", "paths.data_dir=<folder with room>")
+        return DatasetNotPreparedError(
+            f"preparing the {self.name} data at {self.root} stopped: {err.strerror}{where}; free space on that disk "
+            f"and run the same command again (downloads resume), or prepare the data on a disk with room: `{command}`")
 
     def _not_writable(self, err: OSError) -> DatasetNotPreparedError:
         """The one-line error for data that must be prepared in a folder this process may not write (a shared,

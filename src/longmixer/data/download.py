@@ -8,6 +8,7 @@ servers that send no Content-Length against the pinned size, and pooch restarts 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -136,7 +137,8 @@ def download(url: str, dest: Path, pin: Pin = Pin(), chunk: int = 1 << 20) -> Pa
     try:
         _fetch(url, part, pin.size, chunk)
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
-        if isinstance(err, DataDownloadError):
+        # a full disk is no network fault: its error goes up as it is (the datamodule names the fix)
+        if isinstance(err, DataDownloadError) or getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise DataDownloadError(download_hint(url, err, dest)) from None
     check_file(part, pin)
@@ -232,6 +234,9 @@ def extract(archive: Path, dest: Path) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
         raise damaged_archive(archive, err, "or pass data.source_dir=<folder> with the files extracted by hand") \
             from None
+    except OSError:
+        shutil.rmtree(scratch, ignore_errors=True)  # a full disk: what was unpacked so far would only hold its room
+        raise
     for entry in scratch.iterdir():
         target = dest / entry.name
         if target.is_dir() and not target.is_symlink():
