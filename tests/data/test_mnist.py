@@ -122,3 +122,22 @@ def test_a_gz_in_the_download_folder_is_checked_against_its_md5(tmp_path):
     with pytest.raises(DataDownloadError, match=r"train-images-idx3-ubyte\.gz has md5 \w+, expected f68b3c2d"):
         MNIST(data_dir=tmp_path / "data").prepare_data()
     assert not (tmp_path / "data" / "mnist" / "manifest.json").exists()
+
+
+def test_a_read_only_data_folder_names_a_command_that_runs(tmp_path, monkeypatch):
+    """Regression: the read-only data folder's message named `prepare_data.py mnist`, the folder's name, which is no
+    data config (smnist and pmnist are), so the command it gave stopped with "no data config 'mnist'"."""
+    import errno
+
+    from longmixer.data import base
+    from longmixer.data.integrity import DatasetNotPreparedError
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(base, "FileLock", refused)
+    source = write_mnist_fixture(tmp_path / "raw")["source_dir"]
+    with pytest.raises(DatasetNotPreparedError) as caught:
+        MNIST(data_dir=tmp_path / "data", source_dir=source).prepare_data()
+    assert (f"`python scripts/prepare_data.py smnist paths.data_dir=<writable folder> data.source_dir={source}`"
+            in str(caught.value))

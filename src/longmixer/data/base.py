@@ -466,12 +466,12 @@ class SequenceDataModule(pl.LightningDataModule):
         read-only copy without this setting's data), or from a file it may not read."""
         path = Path(err.filename) if err.filename else self.root
         if path.resolve().is_relative_to(self.data_dir.resolve()):
+            # the task's command, not its folder's name (`mnist` is the folder of the smnist and pmnist configs)
+            command = self.prepare_hint.replace(f"paths.data_dir={self.data_dir}", "paths.data_dir=<writable folder>")
             return DatasetNotPreparedError(
                 f"the {self.name} data at {self.root} is not prepared, and it cannot be prepared there: {path} "
-                f"gives {err.strerror}; prepare it in a folder you can write, with "
-                f"`python scripts/prepare_data.py {self.name} paths.data_dir=<writable folder>` and the same data.* "
-                "settings (or the training run with paths.data_dir=<writable folder>), or ask the folder's owner to "
-                f"run `{self.prepare_hint}`")
+                f"gives {err.strerror}; prepare it in a folder you can write, with `{command}` (or the training run "
+                f"with paths.data_dir=<writable folder>), or ask the folder's owner to run `{self.prepare_hint}`")
         return DatasetNotPreparedError(f"preparing the {self.name} data at {self.root} needs {path}, which gives "
                                        f"{err.strerror}; make it readable, or point data.source_dir at a copy "
                                        "you can read")
