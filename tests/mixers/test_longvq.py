@@ -24,8 +24,9 @@ def factory(d_model, causal):
     return LongVQ(d_model, causal=causal, zdim=8, hdim=24, n_codes=16, chunk_size=16, backend="torch")
 
 
-MODES = [pytest.param(c, a, id=f"{'causal' if c else 'bidir'}-{a}") for c in (False, True)
-         for a in ("softmax", "laplace")]
+# each attention and each direction once (the op's own parity, every combination, is tests/ops/test_vq_attention.py;
+# here the mixer's wiring: about 25-45 s a case in the interpreter)
+MODES = [pytest.param(False, "softmax", id="bidir-softmax"), pytest.param(True, "laplace", id="causal-laplace")]
 
 
 @pytest.mark.slow  # the Triton interpreter

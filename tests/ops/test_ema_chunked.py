@@ -125,7 +125,7 @@ def test_layer_on_triton_equals_torch_backend(bidirectional):
         assert rel_error(a, b) < 1e-5, name
 
 
-@pytest.mark.parametrize("splits", [2, 3], ids=["S2", "S3"])
+@pytest.mark.parametrize("splits", [3], ids=["S3"])  # 3 splits of 5 rows: uneven, the harder case of the same path
 def test_backward_batch_splits_agree(splits):
     """The backward split over the batch (each split's rows in its own programs, coefficient gradients summed
     from per-split partials; 3 splits of 5 rows leave them uneven) gives the one-program-per-channel result."""
