@@ -27,7 +27,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from longmixer.runs.checkpoints import CheckpointError, check_weights_fit, load_checkpoint, trusted_best_path
 from longmixer.runs.fault_injection import fault_callbacks
-from longmixer.runs.loggers import ResumableCSVLogger
+from longmixer.runs.loggers import ResumableCSVLogger, end_wandb_run
 from longmixer.runs.resume import (
     STORED_CONFIG,
     HydraRecord,
@@ -82,7 +82,8 @@ def train(cfg: DictConfig) -> dict:
         record.restore()  # an attempt refused before it ran leaves the run's .hydra record as it was
         if record.accepted and owner:  # an attempt that ran: run_info.json says how it ended
             record_attempt_end(run_dir, _outcome(err))
-        _end_wandb_run(run_dir, err)
+        # a sweep's next job would otherwise log into this attempt's W&B run (runs/loggers.py)
+        end_wandb_run(run_dir, err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1)
         raise
     finally:
         release_cuda_graphs()  # before Lightning's exit handler destroys the process group
@@ -98,22 +99,6 @@ def _outcome(err: BaseException) -> str:
     if isinstance(err, KeyboardInterrupt):
         return "interrupted"
     return "failed: " + " ".join(f"{type(err).__name__}: {err}".split())[:300]
-
-
-def _end_wandb_run(run_dir: Path, err: BaseException) -> None:
-    """End this run's W&B run (the id in `<run dir>/wandb_id.txt`) if the failed attempt left it open, with the
-    attempt's exit status. A sweep runs its jobs in one process, and Lightning's WandbLogger takes over a W&B run that
-    is still open instead of starting its own: the next job would log its config and metrics into this one."""
-    wandb = sys.modules.get("wandb")
-    run = getattr(wandb, "run", None)
-    path = run_dir / "wandb_id.txt"
-    if run is None or not path.is_file() or run.id != path.read_text().strip():
-        return
-    code = err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1
-    try:
-        run.finish(exit_code=code)
-    except Exception as finish_err:  # noqa: BLE001 - the error that ended the attempt stays the one reported
-        log.warning("could not end the W&B run %s: %s", run.id, finish_err)
 
 
 def check_not_launching_ranks_in_a_sweep(trainer: pl.Trainer) -> None:

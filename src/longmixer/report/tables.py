@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from longmixer.utils.resolvers import _canonical
+from longmixer.utils.resolvers import parse_override
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +108,13 @@ def canonical_override(item: str) -> str:
     """`item` with its value written as the run-dir hash compares it (utils/resolvers.py): `optim.lr=1e-3` and the
     `optim.lr=0.001` that a sweep records for the same value are one text, and `1000.0` reads `1000`. An override
     Hydra's grammar does not parse is kept as it is."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     try:
-        override = OverridesParser.create().parse_override(str(item))
+        _, slot, prefix, value = parse_override(str(item))
     except Exception:  # noqa: BLE001 - a hand-edited overrides.yaml: group by its text
         return str(item)
-    prefix = "~" if override.is_delete() else "++" if override.is_force_add() else "+" if override.is_add() else ""
-    key = override.key_or_group + (f"@{override.package}" if override.package else "")
-    if override.is_delete() and override.value() is None:
-        return f"{prefix}{key}"
-    return f"{prefix}{key}={_value_text(_canonical(override.value()))}"
+    if prefix == "~" and value is None:
+        return f"~{slot}"
+    return f"{prefix}{slot}={_value_text(value)}"
 
 
 def _value_text(value) -> str:

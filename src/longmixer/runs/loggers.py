@@ -4,7 +4,9 @@ under the same run id."""
 from __future__ import annotations
 
 import csv
+import logging
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -12,6 +14,8 @@ from lightning_fabric.loggers.csv_logs import _ExperimentWriter
 from lightning_fabric.loggers.logger import rank_zero_experiment
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+
+log = logging.getLogger(__name__)
 
 
 class _AppendingWriter(ExperimentWriter):
@@ -126,16 +130,34 @@ def _write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
     tmp.replace(path)
 
 
+WANDB_ID = "wandb_id.txt"  # the run dir's W&B run id (`wandb_run_id`)
+
+
 def wandb_run_id(save_dir: str | Path) -> str:
     """The run dir's W&B id: read from `<save_dir>/wandb_id.txt`, or made and stored there, so a resumed run
     (same run dir) continues the same W&B run."""
-    path = Path(save_dir) / "wandb_id.txt"
+    path = Path(save_dir) / WANDB_ID
     if path.exists():
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True)
     run_id = uuid.uuid4().hex[:12]
     path.write_text(run_id)
     return run_id
+
+
+def end_wandb_run(run_dir: str | Path, exit_code: int) -> None:
+    """End the run dir's W&B run (the id in `<run dir>/wandb_id.txt`) if a failed attempt left it open, with the
+    attempt's exit status. A sweep runs its jobs in one process, and Lightning's WandbLogger takes over a W&B run that
+    is still open instead of starting its own: the next job would log its config and metrics into this one."""
+    wandb = sys.modules.get("wandb")  # not imported: no W&B run was started
+    run = getattr(wandb, "run", None)
+    path = Path(run_dir) / WANDB_ID
+    if run is None or not path.is_file() or run.id != path.read_text().strip():
+        return
+    try:
+        run.finish(exit_code=exit_code)
+    except Exception as err:  # noqa: BLE001 - the error that ended the attempt stays the one reported
+        log.warning("could not end the W&B run %s: %s", run.id, err)
 
 
 def wandb_logger(project: str, save_dir: str, run_name: str, seed: int, tags=(), group: str | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -22,6 +23,19 @@ def _canonical(value):
     return str(value)
 
 
+def parse_override(text: str, parser=None) -> tuple[str, str, str, Any]:
+    """One command-line override read as the run-dir hash reads it: (key or group, its slot `key[@package]`, its
+    prefix "~" | "++" | "+" | "", its value normalized by `_canonical`, None for a bare deletion). Hydra's grammar
+    parses it (`parser`: an `OverridesParser` to reuse); an override it cannot parse raises its error."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    override = (parser or OverridesParser.create()).parse_override(str(text))
+    key = override.key_or_group
+    prefix = "~" if override.is_delete() else "++" if override.is_force_add() else "+" if override.is_add() else ""
+    value = None if override.is_delete() and override.value() is None else _canonical(override.value())
+    return key, f"{key}@{override.package}" if override.package else key, prefix, value
+
+
 def _run_hash(overrides, exclude_keys) -> str:
     """A short stable hash of the command-line overrides that change results: the same command maps to the same
     run dir. Each override is parsed (Hydra's grammar) and its value normalized before hashing, so `optim.lr=2e-3`
@@ -35,14 +49,10 @@ def _run_hash(overrides, exclude_keys) -> str:
     parser = OverridesParser.create()
     items: dict[str, str] = {}
     for text in overrides or []:
-        override = parser.parse_override(str(text))
-        key = override.key_or_group
+        key, slot, prefix, value = parse_override(text, parser)
         if any(key == k or key.startswith(k + ".") for k in excluded):
             continue
-        prefix = "~" if override.is_delete() else "++" if override.is_force_add() else "+" if override.is_add() else ""
-        value = None if override.is_delete() and override.value() is None else _canonical(override.value())
-        items[f"{key}@{override.package}" if override.package else key] = \
-            f"{prefix}{key}={json.dumps(value, sort_keys=True)}"
+        items[slot] = f"{prefix}{key}={json.dumps(value, sort_keys=True)}"
     return "default" if not items else hashlib.sha1("\n".join(sorted(items.values())).encode()).hexdigest()[:10]
 
 
