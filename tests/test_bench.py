@@ -302,28 +302,3 @@ def test_default_compile_modes_are_eager_and_what_training_picks(monkeypatch, tm
         bench.main(["--out", str(tmp_path / "b.json")])
     assert seen["compile"] == modes
 
-
-
-def test_compiled_autograd_mode_compiles_each_backward_whole(monkeypatch):
-    """`--compile reduce-overhead+ca` times what `task.compiled_autograd=true` trains: the blocks as
-    reduce-overhead, and every training backward entered through compiled autograd with a reduce-overhead
-    compiler (eager stand-ins here: no Inductor on the CPU)."""
-    from functools import partial
-
-    from longmixer import bench
-    from longmixer.utils.compile import backward_compiler
-
-    blocks, compilers = [], []
-    monkeypatch.setattr(bench, "compile_blocks", lambda model, mode: blocks.append(mode) or model)
-    monkeypatch.setattr(bench, "backward_compiler", lambda mode: compilers.append(mode) or partial(
-        backward_compiler, backend="aot_eager")(mode))
-    entered = []
-    inner = bench.compiled_backward
-    monkeypatch.setattr(bench, "compiled_backward", lambda c: entered.append(c is not None) or inner(c))
-    name, overrides = model_specs("text", quick=True)[1]
-    cfg = compose_model_config([*overrides, "data.seq_len=16"])
-    row = measure(cfg, batch=2, length=16, device=torch.device("cpu"), warmup=1, iters=2,
-                  compile_mode=bench.COMPILED_AUTOGRAD)
-    assert blocks == ["reduce-overhead"] and compilers == ["reduce-overhead"]
-    assert row["compile"] == "reduce-overhead+ca" and entered == [True] * (bench.COMPILED_WARMUP + 2 + 1)
-    torch._dynamo.reset()

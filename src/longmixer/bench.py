@@ -7,9 +7,7 @@ evaluation throughput, against a Transformer with materialized attention (the pa
 Each model is measured eager and compiled (`--compile`), and on CUDA one profiled pass gives the GPU-kernel time
 and kernel launches per step: GPU busy = kernel time / wall-clock step time. `--compile step-graph` compiles the
 blocks as `default` does and captures the whole training step (forward, loss, backward, optimizer step) in one CUDA
-graph, replayed per step by training's own `TrainStepGraph` (utils/compile.py); it needs a CUDA GPU.
-`--compile reduce-overhead+ca` is `reduce-overhead` with each backward compiled whole by compiled autograd, as
-training's `task.compiled_autograd=true` runs it. Without a GPU
+graph, replayed per step by training's own `TrainStepGraph` (utils/compile.py); it needs a CUDA GPU. Without a GPU
 the benchmark runs `--quick` toy models (labelled as such in the table) so the command still finishes within its
 budget, and records step-graph rows as skipped.
 
@@ -39,14 +37,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from longmixer.utils.compile import (
-    COMPILE_MODES,
-    STEP_GRAPH,
-    TrainStepGraph,
-    backward_compiler,
-    compile_blocks,
-    compiled_backward,
-)
+from longmixer.utils.compile import COMPILE_MODES, STEP_GRAPH, TrainStepGraph, compile_blocks
 from longmixer.utils.compose import CONFIG_DIR, compose, family_of
 
 log = logging.getLogger(__name__)
@@ -56,9 +47,7 @@ TEXT_LENGTH = 4096  # the papers' efficiency setting; the length sweep's 4K poin
 TOKENS_PER_STEP = 32768
 # "auto" is a training default, not a measurement; step-graph: blocks compiled as "default", the whole step in one
 # CUDA graph (training's `task.compile=step-graph` replays the same step, `TrainStepGraph`)
-# "reduce-overhead+ca": reduce-overhead with `task.compiled_autograd=true` (each backward compiled whole)
-COMPILED_AUTOGRAD = "reduce-overhead+ca"
-BENCH_COMPILE_MODES = (*COMPILE_MODES[1:], COMPILED_AUTOGRAD)
+BENCH_COMPILE_MODES = COMPILE_MODES[1:]
 STEP_GRAPH_WARMUP = 3  # eager steps before capture, at least (PyTorch's whole-network capture example uses 3)
 # Untimed steps of a compiled model, at least: a model that recompiles once after its first training step (LongVQ,
 # when its codebook's data init has run) compiles again and records new CUDA graphs (reduce-overhead) on the next
@@ -146,7 +135,7 @@ def compile_model(model, mode: str):
     "step-graph" compiles them as "default" (`measure` then captures the whole step)."""
     if mode not in BENCH_COMPILE_MODES:
         raise ValueError(f"--compile {mode!r} is not one of {BENCH_COMPILE_MODES}")
-    return compile_blocks(model, "reduce-overhead" if mode == COMPILED_AUTOGRAD else mode)
+    return compile_blocks(model, mode)
 
 
 def gpu_profile(step, steps: int, top: int = 0) -> dict:
@@ -215,15 +204,13 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
     x, mask, y = make_batch(cfg, batch, length, device, key_mask)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     net = compile_model(model, compile_mode)
-    bw_compiler = backward_compiler("reduce-overhead") if compile_mode == COMPILED_AUTOGRAD else None
 
     def update(batch: dict) -> dict:  # forward, loss, backward, optimizer step; the gradients stay
         with amp:
             out, aux = _forward(net, cfg, batch["x"], batch["mask"])  # with the model's after_forward hook
             loss = F.cross_entropy(out.float(), batch["y"])
             loss = loss + sum(v for k, v in aux.items() if k.startswith("loss/"))
-        with compiled_backward(bw_compiler):
-            loss.backward()
+        loss.backward()
         opt.step()
         return {"loss": loss.detach(), **{k: v.detach() for k, v in aux.items() if k.startswith("stats/")}}
 
@@ -263,8 +250,7 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
     # CUDA graphs allocate their memory pool during warm-up or capture, before the reset: the peak after it is not
     # the step's
     peak = (torch.cuda.max_memory_allocated() / 2**20
-            if device.type == "cuda" and compile_mode not in ("reduce-overhead", COMPILED_AUTOGRAD, STEP_GRAPH)
-            else float("nan"))
+            if device.type == "cuda" and compile_mode not in ("reduce-overhead", STEP_GRAPH) else float("nan"))
     row = {"params": params, "compile": compile_mode, "seed": seed, "warmup_ms": first_ms, "train_ms": train_ms,
            "train_tokens_per_s": batch * length / train_ms * 1e3, "peak_mem_mib": peak}
     if device.type == "cuda" and profile_steps:
@@ -532,9 +518,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", nargs="+", default=None, choices=BENCH_COMPILE_MODES,
                         help="compile modes to measure each model in (default: none and reduce-overhead on a GPU, "
                              "the mode task.compile=auto trains fixed-shape data with; none on CPU); step-graph: "
-                             "blocks compiled as default, the whole step captured in one CUDA graph (CUDA only); "
-                             f"{COMPILED_AUTOGRAD}: reduce-overhead with each backward compiled whole "
-                             "(task.compiled_autograd=true)")
+                             "blocks compiled as default, the whole step captured in one CUDA graph (CUDA only)")
     parser.add_argument("--profile-steps", type=int, default=3,
                         help="steps traced by torch.profiler for GPU-busy %% and kernels per step (CUDA only; 0: off)")
     parser.add_argument("--warmup", type=int, default=2)

@@ -16,15 +16,7 @@ from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
-from longmixer.utils.compile import (
-    COMPILE_MODES,
-    STEP_GRAPH,
-    TrainStepGraph,
-    backward_compiler,
-    compile_blocks,
-    compiled_backward,
-    resolve_compile_mode,
-)
+from longmixer.utils.compile import COMPILE_MODES, STEP_GRAPH, TrainStepGraph, compile_blocks, resolve_compile_mode
 from longmixer.utils.config import ConfigError
 from longmixer.utils.errors import TrainingDivergedError
 from longmixer.utils.optim import build_optimizer, clip_grad_norm, configured_settings, reapply_settings
@@ -57,12 +49,6 @@ class SequenceTask(pl.LightningModule):
             from one CUDA graph: `TrainStepGraph`, single-GPU runs), or "auto": on CUDA "reduce-overhead" where the
             batches come in few shapes and "default" otherwise, "none" elsewhere (decided in `configure_model` from
             the trainer's device).
-        compiled_autograd: also compile each training backward whole, the gradients' accumulation into `.grad`
-            included (torch's compiled autograd), in the blocks' mode: under "reduce-overhead" the whole backward
-            replays from one CUDA graph instead of the autograd engine running the eager parts and one
-            AccumulateGrad per parameter from Python (`utils.compile.backward_compiler`). Off by default; for one
-            device without gradient accumulation; no effect where the model stays eager (`task.compile` resolving
-            to "none").
 
     Subclasses define `forward_loss` (the model's call and the task loss, no logging) and `log_step` (the metrics
     of one step); `training_step`, `validation_step` and `test_step` are built from the two.
@@ -70,20 +56,13 @@ class SequenceTask(pl.LightningModule):
 
     def __init__(self, model: nn.Module, optim: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler], monitor: str = "val/acc",
-                 mode: str = "max", compile: str = "auto", compiled_autograd: bool = False):
+                 mode: str = "max", compile: str = "auto"):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"task.mode={mode!r} is not one of {MODES}")
         if compile not in COMPILE_MODES:
             raise ValueError(f"task.compile={compile!r} is not one of {COMPILE_MODES}; use task.compile=auto")
-        if not isinstance(compiled_autograd, bool):
-            raise ValueError(f"task.compiled_autograd={compiled_autograd!r} must be true or false")
-        if compiled_autograd and compile == STEP_GRAPH:
-            raise ValueError(f"task.compiled_autograd=true and task.compile={STEP_GRAPH} exclude each other (a "
-                             f"{STEP_GRAPH} step captures its backward already): set task.compiled_autograd=false, or "
-                             "task.compile=reduce-overhead")
-        self.compile_mode, self.compiled_autograd = compile, compiled_autograd
-        self.backward_compiler: Callable | None = None  # task.compiled_autograd, once the compile mode is known
+        self.compile_mode = compile
         self.compiled_as: str | None = None  # the mode `configure_model` applied, once
         if not monitor.startswith("val/"):
             raise ValueError(f"task.monitor={monitor!r} must be a validation metric (val/...)")
@@ -147,16 +126,8 @@ class SequenceTask(pl.LightningModule):
             log.info("task.compile=auto -> %s on %s (batches of %s)", self.compiled_as, device,
                      "few shapes" if few_shapes else "any length")
         compile_blocks(self.model, self.compiled_as, entry=self.compile_entry)
-        if self.compiled_autograd:
-            if self.compiled_as == "none":
-                log.info("task.compiled_autograd=true: off, as the model is eager (task.compile=%s -> none on %s)",
-                         self.compile_mode, device)
-            else:
-                self.backward_compiler = backward_compiler(self.compiled_as)
 
     def on_fit_start(self) -> None:
-        if self.backward_compiler is not None:
-            self._check_compiled_autograd()
         if self.compiled_as == STEP_GRAPH:
             self._check_step_graph()
             optimizer = self.trainer.optimizers[0]
@@ -177,20 +148,6 @@ class SequenceTask(pl.LightningModule):
 
     def on_fit_end(self) -> None:
         self.step_graph = None  # the graph and its memory pool
-
-    def _check_compiled_autograd(self) -> None:
-        """What `task.compiled_autograd=true` needs. DDP's gradient hooks are not traced by compiled autograd, and
-        under accumulation `.grad` would carry a CUDA graph's output into the next step's replays."""
-        problems = []
-        if type(self.trainer.strategy) is not SingleDeviceStrategy:
-            problems.append(f"one device (the strategy is {type(self.trainer.strategy).__name__}): set "
-                            "trainer.devices=1")
-        if self.trainer.accumulate_grad_batches != 1:
-            problems.append(f"one batch per optimizer step (trainer.accumulate_grad_batches="
-                            f"{self.trainer.accumulate_grad_batches}): set trainer.accumulate_grad_batches=1")
-        if problems:
-            raise ConfigError("task.compiled_autograd=true needs " + "; ".join(problems) +
-                              "; or set task.compiled_autograd=false")
 
     def _check_step_graph(self) -> None:
         """What `task.compile=step-graph` needs, each with the override that provides it."""
@@ -247,8 +204,7 @@ class SequenceTask(pl.LightningModule):
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         if self.step_graph is None:
-            with compiled_backward(self.backward_compiler):
-                super().backward(loss, *args, **kwargs)
+            super().backward(loss, *args, **kwargs)
 
     # --- optimization ------------------------------------------------------------------------------------------
     def configure_optimizers(self):

@@ -27,10 +27,8 @@ class Classification(SequenceTask):
 
     def __init__(self, model: nn.Module, optim: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler], num_classes: int,
-                 monitor: str = "val/acc", mode: str = "max", compile: str = "auto",
-                 compiled_autograd: bool = False):
-        super().__init__(model, optim, scheduler, monitor=monitor, mode=mode, compile=compile,
-                         compiled_autograd=compiled_autograd)
+                 monitor: str = "val/acc", mode: str = "max", compile: str = "auto"):
+        super().__init__(model, optim, scheduler, monitor=monitor, mode=mode, compile=compile)
         if not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"task.num_classes={num_classes!r} must be an integer >= 2 (set data.num_classes)")
         # accuracy over every sample of the epoch (micro average), summed across ranks by torchmetrics; keyed

@@ -42,10 +42,8 @@ class LanguageModel(SequenceTask):
 
     def __init__(self, model: nn.Module, optim: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler], monitor: str = "val/loss",
-                 mode: str = "min", metric: str = "ppl", compile: str = "auto",
-                 compiled_autograd: bool = False):
-        super().__init__(model, optim, scheduler, monitor=monitor, mode=mode, compile=compile,
-                         compiled_autograd=compiled_autograd)
+                 mode: str = "min", metric: str = "ppl", compile: str = "auto"):
+        super().__init__(model, optim, scheduler, monitor=monitor, mode=mode, compile=compile)
         if getattr(model, "causal", None) is not True:
             raise ValueError("task=language_model needs a causal model: set model.causal=true (a bidirectional mixer "
                              "would see the tokens it predicts)")

@@ -1,16 +1,15 @@
 """The `task.compile` switch: which torch.compile mode a run uses, and compiling a model's blocks in place; and
 capturing a whole training step in one CUDA graph: `TrainStepGraph` (training's `task.compile=step-graph`, and the
-benchmark's `step-graph` mode); and compiling each training backward whole (`task.compiled_autograd`).
+benchmark's `step-graph` mode).
 
 Shared by the tasks (training and evaluation) and the benchmark, so both measure the same compiled model.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -94,33 +93,6 @@ def compile_blocks(model: nn.Module, mode: str, backend: str = "inductor", entry
     for module in blocks if isinstance(blocks, nn.ModuleList) else [model]:
         module.compile(**options)
     return model
-
-
-def backward_compiler(mode: str, backend: str = "inductor") -> Callable:
-    """The compiler that compiled autograd hands each training backward to (`task.compiled_autograd=true`), in the
-    blocks' compile `mode`: with "reduce-overhead" the whole backward, the gradients' accumulation into `.grad`
-    included, replays from a CUDA graph.
-
-    Without it, `reduce-overhead` replays the compiled region's backward from a CUDA graph, and the autograd engine
-    then runs, one Python-visible node at a time, the eager parts' backward and one AccumulateGrad per parameter
-    tensor. On a step with little GPU work that host time is what the GPU waits for: LaS-chunk's Text-4K step on an
-    H200 took 2.89 ms at 70% busy, and 2.23 ms at 93% with the backward compiled whole (docs/benchmarks.md)."""
-    options = {"mode": mode} if backend == "inductor" and mode in ("reduce-overhead", "max-autotune") else {}
-    return torch.compile(backend=backend, **options)
-
-
-@contextlib.contextmanager
-def compiled_backward(compiler: Callable | None) -> Iterator[None]:
-    """Run the `backward()` calls inside through compiled autograd with `compiler` (`backward_compiler`); a no-op
-    for None. Compiled autograd traces the autograd graph each call and reuses the compiled graph while its
-    structure and shapes repeat."""
-    if compiler is None:
-        yield
-        return
-    from torch._dynamo import compiled_autograd
-
-    with compiled_autograd._enable(compiler):
-        yield
 
 
 def _batch_key(batch: Mapping[str, Any]) -> tuple:
