@@ -9,7 +9,7 @@ import pytest
 
 from longmixer.data.enwik8 import Enwik8
 from longmixer.data.integrity import SourceFileMissingError
-from tests.data.fixtures_extra import ENWIK8_BYTES, ENWIK8_EVAL, enwik8_bytes, write_enwik8_fixture
+from tests.data.fixtures_extra import ENWIK8_BYTES, ENWIK8_EVAL, LM_SEQ_LEN, enwik8_bytes, write_enwik8_fixture
 
 
 def make(tmp_path, **kw):
@@ -41,10 +41,10 @@ def test_batches_are_byte_ids_in_range(tmp_path):
     assert sum(int((b["targets"] != -100).sum()) for b in windows) == ENWIK8_EVAL - 1
 
 
-def test_changing_the_split_size_rebuilds(tmp_path):
-    make(tmp_path)
+def test_another_split_size_is_prepared_in_its_own_folder(tmp_path):
+    first = make(tmp_path)
     dm = make(tmp_path, eval_bytes=1000)
-    assert np.load(dm.root / "test.npy").size == 1000
+    assert dm.root != first.root and np.load(dm.root / "test.npy").size == 1000
 
 
 def test_too_small_file_raises(tmp_path):
@@ -57,3 +57,33 @@ def test_a_missing_byte_file_names_it(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SourceFileMissingError, match=f"{tmp_path / 'empty' / 'enwik8'} is missing"):
         Enwik8(data_dir=tmp_path / "data", source_dir=tmp_path / "empty").prepare_data()
+
+
+def test_runs_at_two_split_sizes_keep_their_own_data_and_share_the_download(tmp_path, caplog):
+    """Regression: every data.eval_bytes shared one folder although the splits are cut at prepare time, so runs at
+    two values rebuilt it in turn, and a run reading it while another rebuilt it stopped with "made with other
+    settings" or "the file was changed". Each value now has its own folder beside the one download."""
+    import logging
+    import zipfile
+
+    raw = tmp_path / "data" / "enwik8" / "raw"
+    raw.mkdir(parents=True)
+    with zipfile.ZipFile(raw / "enwik8.zip", "w") as z:  # a download already there: nothing is fetched
+        z.writestr("enwik8", enwik8_bytes())
+    (raw.parent / "manifest.json").write_text("{}")  # data prepared in the old place, <data>/enwik8/ itself
+    common = dict(data_dir=tmp_path / "data", seq_len=LM_SEQ_LEN)
+    first = Enwik8(eval_bytes=600, **common)
+    with caplog.at_level(logging.WARNING):
+        first.prepare_data()
+    assert "is no longer read" in caplog.text and str(first.root) in caplog.text
+    manifest = (first.root / "manifest.json").read_text()
+    other = Enwik8(eval_bytes=1000, **common)
+    other.prepare_data()
+    assert other.root != first.root and np.load(other.root / "test.npy").size == 1000
+    caplog.clear()
+    again = Enwik8(eval_bytes=600, **common)
+    with caplog.at_level(logging.WARNING):
+        again.setup()  # no prepare_data: a run that reads what it prepared before
+        again.prepare_data()
+    assert "rebuilding" not in caplog.text and (again.root / "manifest.json").read_text() == manifest
+    assert sorted(p.name for p in raw.parent.iterdir()) == ["eval1000", "eval600", "manifest.json", "raw"]

@@ -112,7 +112,7 @@ def test_path_x_reads_128(tmp_path):
     dm = _module(tmp_path, cls=PathX, resolution=128)
     item = dm.datasets["train"][0]
     assert item["inputs"].shape == (16384, 1)
-    assert dm.root.parts[-2] == "pathx"
+    assert dm.root.parts[-3:] == ("pathx", "curv_contour_length_14_split0", "res128")
 
 
 def test_corrupt_png_names_the_file(tmp_path):
@@ -178,7 +178,7 @@ def test_generated_data_is_keyed_by_every_generator_setting(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         other.prepare_data()
     assert "rebuilding" in caplog.text
-    raw = sorted(p.name for p in (dm.root / "raw").iterdir())
+    raw = sorted(p.name for p in (dm.setting_dir / "raw").iterdir())
     assert raw == [f"v{GENERATOR_VERSION}_per_batch4", f"v{GENERATOR_VERSION}_per_batch5"]
     other.setup()
 
@@ -220,7 +220,7 @@ def test_damaged_prepared_data_is_mended_without_deleting_the_generated_images(t
     common = dict(data_dir=tmp_path, difficulty="baseline", num_images=10, images_per_batch=5, batch_size=2)
     dm = GeneratedPathfinder(**common)
     dm.prepare_data()
-    images = {p: p.stat().st_mtime_ns for p in (dm.root / "raw").rglob("*.png")}
+    images = {p: p.stat().st_mtime_ns for p in (dm.setting_dir / "raw").rglob("*.png")}
     path = dm.root / "test.images.npy"
     path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(DataIntegrityError, match=f"; delete {dm.root / 'manifest.json'} and re-run `"):
@@ -230,4 +230,31 @@ def test_damaged_prepared_data_is_mended_without_deleting_the_generated_images(t
     again.prepare_data()
     again.setup()
     assert again.verify() > 0
-    assert {p: p.stat().st_mtime_ns for p in (dm.root / "raw").rglob("*.png")} == images and len(images) == 10
+    assert {p: p.stat().st_mtime_ns for p in (dm.setting_dir / "raw").rglob("*.png")} == images and len(images) == 10
+
+
+def test_runs_at_two_resolutions_keep_their_own_data(tmp_path, caplog):
+    """Regression: every data.resolution shared one folder although the images are packed at prepare time, so runs
+    at two resolutions of one LRA release rebuilt it in turn, and a run reading it while another rebuilt it stopped
+    with "made with other settings" or "the file was changed". Each resolution now packs into its own `res<R>/`."""
+    import logging
+
+    for resolution in (32, 64):  # the release, unpacked by hand: read where it is
+        write_pathfinder_fixture(tmp_path / "data" / "lra_release", resolution)
+    first = Pathfinder(data_dir=tmp_path / "data", batch_size=4)
+    first.setting_dir.mkdir(parents=True)
+    (first.setting_dir / "manifest.json").write_text("{}")  # data prepared in the old place, the folder itself
+    with caplog.at_level(logging.WARNING):
+        first.prepare_data()
+    assert "is no longer read" in caplog.text and str(first.root) in caplog.text
+    manifest = (first.root / "manifest.json").read_text()
+    other = Pathfinder(data_dir=tmp_path / "data", resolution=64, seq_len=4096, batch_size=4)
+    other.prepare_data()
+    assert other.root == first.setting_dir / "res64"
+    caplog.clear()
+    again = Pathfinder(data_dir=tmp_path / "data", batch_size=4)
+    with caplog.at_level(logging.WARNING):
+        again.setup()  # no prepare_data: a run that reads what it prepared before
+        again.prepare_data()
+    assert "rebuilding" not in caplog.text and (again.root / "manifest.json").read_text() == manifest
+    assert again.datasets["train"][0]["inputs"].shape == (1024, 1)

@@ -412,6 +412,14 @@ class SequenceDataModule(pl.LightningDataModule):
         """The config values that determine the prepared files; a manifest made with others is rebuilt."""
         return {}
 
+    def note_old_layout(self, old: Path, key: str) -> None:
+        """Warn, while preparing, that data prepared in `old` itself (before each `key` had its own folder under it)
+        is no longer read: it is prepared again in `root`, from the downloads or images already there."""
+        if (old / MANIFEST).exists():
+            log.warning("%s holds %s data prepared before each %s had its own folder; it is no longer read, and the "
+                        "data is prepared again in %s (what it is made from is reused); the old %s and .npy files "
+                        "directly in %s may be deleted", old, self.name, key, self.root, MANIFEST, old)
+
     def fingerprint(self) -> dict[str, Any]:
         """`prepare_fingerprint()` plus the resolved `source_dir` (None: the task's download or generator)."""
         source = getattr(self, "source_dir", None)

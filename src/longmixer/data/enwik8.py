@@ -7,18 +7,23 @@ Transformer-XL's loader drops them - we follow MEGA, whose data split CHELA and 
 Token id = byte value + 1, so id 0 stays the framework's padding id and never occurs; vocab_size = 257. The loss
 per token is the loss per byte, and the task reports it in bits (`metric: bpc`).
 
-Source: `enwik8.zip` (the file `enwik8`). Prepared: `{train,val,test}.npy` uint8 byte streams + 1, stored as int16.
+Source: `enwik8.zip` (the file `enwik8`), downloaded once into `<data_dir>/enwik8/raw/`. Prepared:
+`<data_dir>/enwik8/eval<eval_bytes>/{train,val,test}.npy`, uint8 byte streams + 1 stored as int16.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock
 
 from longmixer.data.lm_stream import LMDataModule
 from longmixer.data.download import download, extract, extracted
 from longmixer.data.integrity import SourceFileError, SourceFileMissingError
+
+log = logging.getLogger(__name__)
 
 ENWIK8_URL = "https://mattmahoney.net/dc/enwik8.zip"  # no checksum published: recorded at first download
 ENWIK8_BYTES = 100_000_000
@@ -61,13 +66,30 @@ class Enwik8(LMDataModule):
         self.eval_bytes = eval_bytes
         self.source_dir = None if source_dir is None else Path(source_dir)
 
+    @property
+    def root(self) -> Path:
+        # the splits are cut at prepare time, so each eval_bytes has its own folder (as Retrieval's len<seq_len>):
+        # runs at two values neither rebuild each other's data in turn nor read it while another run rebuilds it
+        return self.data_dir / self.name / f"eval{self.eval_bytes}"
+
     def prepare_fingerprint(self) -> dict:
         return {"eval_bytes": self.eval_bytes}
 
+    def _download(self) -> Path:
+        """`<data_dir>/enwik8/raw/enwik8`, downloaded and unzipped once for every eval_bytes. Each value's prepare
+        holds only its own folder's lock, so the shared download takes a lock of its own: two runs at two values
+        would otherwise append to the same `enwik8.zip.part`."""
+        raw = self.data_dir / self.name / "raw"
+        if not extracted(raw, "enwik8.zip"):
+            raw.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(raw / ".lock")):
+                if not extracted(raw, "enwik8.zip"):  # again under the lock: another run may have unzipped it
+                    extract(download(ENWIK8_URL, raw / "enwik8.zip"), raw)
+        return raw / "enwik8"
+
     def _prepare(self, root: Path) -> tuple[dict, dict]:
-        raw = (self.source_dir or root / "raw") / "enwik8"
-        if self.source_dir is None and not extracted(root / "raw", "enwik8.zip"):
-            extract(download(ENWIK8_URL, root / "raw" / "enwik8.zip"), root / "raw")
+        self.note_old_layout(self.root.parent, "data.eval_bytes")
+        raw = self.source_dir / "enwik8" if self.source_dir is not None else self._download()
         if not raw.is_file():
             raise SourceFileMissingError(f"{raw} is missing (enwik8 is the one file `enwik8`, 100,000,000 bytes, in "
                                          f"{raw.parent}): point data.source_dir at the folder of the unzipped "

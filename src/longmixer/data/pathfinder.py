@@ -8,7 +8,8 @@ which despite the suffix is text with one space-separated row per image: column 
 for both tasks. Zero-byte PNGs are skipped, as LRA's TFDS builder does (the release has one:
 `pathfinder32/curv_baseline/imgs/0/sample_172.png`). Metadata files are read in numeric batch order, the images are
 split 80 / 10 / 10 by a permutation seeded with `split_seed` (LRA slices TFDS order; s4 and MEGA use
-`random_split`), and every split is packed once into a uint8 [N, R*R] array, so the 200k small files are read once.
+`random_split`), and every split is packed once into a uint8 [N, R*R] array, so the 200k small files are read once
+(into `<data_dir>/<task>/<difficulty>_split<split_seed>/res<R>/`, one folder per resolution).
 Pixels are real values (pixels / 255 - mean) / std as [L, 1] (MEGA: mean 0.5, std 0.5, i.e. [-1, 1]; s4: [0, 1]) or
 tokens 0-255 (`vocab_size: 256`).
 """
@@ -172,6 +173,13 @@ class Pathfinder(SequenceDataModule):
 
     @property
     def root(self) -> Path:
+        # the images are packed at one resolution, so each has its own folder (as Retrieval's len<seq_len>): runs at
+        # two resolutions neither rebuild each other's arrays in turn nor read them while another run rebuilds them
+        return self.setting_dir / f"res{self.resolution}"
+
+    @property
+    def setting_dir(self) -> Path:
+        """The folder of this difficulty and split: one `res<R>/` of packed arrays per resolution."""
         return self.data_dir / self.name / f"{difficulty_dir(self.difficulty)}_split{self.split_seed}"
 
     def prepare_fingerprint(self) -> dict:
@@ -192,6 +200,7 @@ class Pathfinder(SequenceDataModule):
             return pack_pathfinder(folder, root, self.resolution, self.split_seed, on_progress=advance)
 
     def _prepare(self, root: Path) -> tuple[dict, dict]:
+        self.note_old_layout(self.setting_dir, "data.resolution")
         folder = self._source()
         splits = self._pack(folder, root)
         return splits, {"source": str(folder), "seq_len": self.seq_len, "num_classes": 2}
@@ -236,7 +245,8 @@ class GeneratedPathfinder(Pathfinder):
         self.images_per_batch, self.generator_workers = images_per_batch, generator_workers
 
     @property
-    def root(self) -> Path:
+    def setting_dir(self) -> Path:
+        """Also the home of the generated images (`raw/`), which every resolution's `res<R>/` is packed from."""
         return (self.data_dir / self.name / f"{difficulty_dir(self.difficulty)}_n{self.num_images}"
                 f"_seed{self.generator_seed}_split{self.split_seed}")
 
@@ -252,7 +262,7 @@ class GeneratedPathfinder(Pathfinder):
 
     def _source(self) -> Path:
         # finished batches are reused on a rerun, so the folder is keyed by everything that shapes them
-        raw = (self.root / "raw" / f"v{GENERATOR_VERSION}_per_batch{self.images_per_batch}"
+        raw = (self.setting_dir / "raw" / f"v{GENERATOR_VERSION}_per_batch{self.images_per_batch}"
                / f"pathfinder{self.resolution}")
         with progress(f"generating {self.name}", self.num_images, unit="images") as advance:
             return generate_pathfinder(raw, self.resolution, self.difficulty, self.num_images,
