@@ -184,3 +184,31 @@ def test_parts_at_different_nestings_are_each_found(tmp_path, server):
     assert lra.ensure_lra_release(tmp_path, ["listops-1000", "tsv_data"], url=url) == \
         {"listops-1000": deep, "tsv_data": tmp_path}
     assert len(handler.requests) == n_requests
+
+
+def test_a_byte_flipped_inside_a_member_stops_the_extraction(tmp_path):
+    """Regression: tar stops reading at its end-of-archive blocks, short of the gzip trailer, so gzip's CRC32 check
+    never ran, and a byte flipped in the first download (no checksum is published: the sha256 recorded beside it is
+    the damaged file's) was unpacked as if it were the release's. The stream is now read to its end: the flip stops
+    the extraction with one line naming the archive, its record and the fix, and the part is redone next time."""
+    data = b"( [MAX 2 9 ] )\t9\n" * 100
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=0) as tar:  # stored blocks: the member's bytes as is
+        info = tarfile.TarInfo("lra_release/listops-1000/basic_train.tsv")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    flipped = bytearray(buf.getvalue())
+    flipped[flipped.index(b"MAX", 800)] ^= 0x20  # one "MAX" -> "mAX", inside the compressed payload
+    archive = tmp_path / "release" / "lra_release.gz"
+    archive.parent.mkdir()
+    archive.write_bytes(flipped)
+    record = archive.with_name("lra_release.gz.sha256")
+    record.write_text(f"{hashlib.sha256(flipped).hexdigest()}  lra_release.gz\n")  # taken at the first download
+    with tarfile.open(archive) as plain:  # tar alone takes it for a good archive
+        plain.extractall(tmp_path / "plain", filter="data")
+    assert (tmp_path / "plain" / "lra_release" / "listops-1000" / "basic_train.tsv").read_bytes().count(b"mAX") == 1
+    with pytest.raises(DataDownloadError, match="CRC check failed") as caught:
+        lra.ensure_lra_release(archive.parent, ["listops-1000"], url="http://127.0.0.1:9/none")
+    assert "\n" not in str(caught.value)
+    assert f"delete {archive} and its sha256 record {record} and run the same command again" in str(caught.value)
+    assert (archive.parent / ".extracting-listops-1000").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gzip
 import hashlib
 import logging
 import os
@@ -182,15 +183,18 @@ def _fetch(url: str, part: Path, expected_size: int | None, chunk: int) -> None:
                                 f"to resume (the partial file is {part})")
 
 
-# what reading a damaged or cut .tar(.gz) / .zip raises
-UNPACK_ERRORS = (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error)
+# what reading a damaged or cut .tar(.gz) / .zip raises (a gzip CRC or length that differs: BadGzipFile)
+UNPACK_ERRORS = (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, gzip.BadGzipFile)
 
 
 def damaged_archive(archive: Path, err: BaseException, also: str) -> DataDownloadError:
     """The one-line error for an archive that `UNPACK_ERRORS` stopped, naming it and the fix (`also`: what else
-    the caller's user can do)."""
+    the caller's user can do). The sha256 record of an unpinned download was taken from this damaged file, so it is
+    named for deletion too."""
+    record = archive.with_name(archive.name + ".sha256")
+    what = f"{archive} and its sha256 record {record}" if record.exists() else str(archive)
     return DataDownloadError(f"{archive} could not be unpacked ({type(err).__name__}: {err}): a damaged or cut "
-                             f"download; delete {archive} and run the same command again to download it afresh, "
+                             f"download; delete {what} and run the same command again to download it afresh, "
                              f"{also}")
 
 

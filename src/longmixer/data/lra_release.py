@@ -10,6 +10,7 @@ at the first download and checked on every later use.
 
 from __future__ import annotations
 
+import gzip
 import logging
 import tarfile
 from collections.abc import Sequence
@@ -55,7 +56,8 @@ def extract(archive: Path, dest: Path, parts: Sequence[str] | None = None) -> No
     unpacked) is told from a finished one and redone. Callers hold `dest/.lock` (`ensure_lra_release`).
 
     Raises:
-        DataDownloadError: the archive is damaged or cut short, naming it and the fix.
+        DataDownloadError: the archive is damaged or cut short (also where only gzip's CRC32 or length check at the
+            end of the stream tells), naming it and the fix.
     """
     wanted = tuple(parts) if parts else PARTS
     unknown = [p for p in wanted if p not in PARTS]
@@ -69,7 +71,8 @@ def extract(archive: Path, dest: Path, parts: Sequence[str] | None = None) -> No
     homes: dict[str, str] = {}
     try:
         with progress(f"extracting {archive.name}", archive.stat().st_size, unit="bytes") as advance, \
-                open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r|gz") as tar:
+                open(archive, "rb") as raw, gzip.GzipFile(fileobj=raw) as stream, \
+                tarfile.open(fileobj=stream, mode="r|") as tar:
             done = 0
             for member in tar:
                 names = Path(member.name).parts
@@ -77,6 +80,12 @@ def extract(archive: Path, dest: Path, parts: Sequence[str] | None = None) -> No
                 if part is not None:
                     tar.extract(member, dest, filter="data")
                     homes.setdefault(part, Path(*names[:names.index(part)]).as_posix())
+                advance(raw.tell() - done)
+                done = raw.tell()
+            # tar stops at its end-of-archive blocks, short of the gzip trailer: only a stream read to its end has
+            # its CRC32 and length checked, the one check of a first download (no checksum is published), so a
+            # byte flipped inside a member would otherwise be unpacked as if it were the release's
+            while stream.read(1 << 20):
                 advance(raw.tell() - done)
                 done = raw.tell()
     except UNPACK_ERRORS as err:
