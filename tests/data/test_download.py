@@ -189,3 +189,50 @@ def test_a_full_disk_is_not_reported_as_a_network_fault_and_unpacks_nothing(tmp_
     with pytest.raises(OSError, match="No space left"):
         dl.extract(archive, tmp_path / "raw")
     assert list((tmp_path / "raw").iterdir()) == []
+
+
+@pytest.mark.parametrize("content", [b"", b"\xff\xfe\n", b"not-a-digest  file.bin\n"],
+                         ids=["empty", "not-utf8", "garbled"])
+def test_a_record_without_a_sha256_names_it_and_the_ways_out(tmp_path, server, content):
+    """Regression: an empty `<file>.sha256` (a kill while it was written) stopped every later run with an IndexError
+    traceback, one that is not UTF-8 with a UnicodeDecodeError, and a garbled one blamed the download ("no longer
+    matches"). Each is now one line naming the record and the ways out, and deleting the record records the file
+    as it is, without fetching anything."""
+    path = dl.download(server, tmp_path / "file.bin")
+    record = tmp_path / "file.bin.sha256"
+    record.write_bytes(content)
+    n = len(_Handler.requests)
+    with pytest.raises(DataDownloadError, match=f"{record} holds no sha256") as caught:
+        dl.download(server, path)
+    assert "\n" not in str(caught.value) and f"delete {record} and run the same command again" in str(caught.value)
+    record.unlink()
+    assert dl.download(server, path) == path and len(_Handler.requests) == n
+    assert record.read_text().split()[0] == hashlib.sha256(PAYLOAD).hexdigest()
+
+
+def test_a_file_without_a_record_is_recorded_and_checked_from_then_on(tmp_path, server):
+    """A file put in place by hand (as the download error offers) got no record, so it was never checked again."""
+    path = tmp_path / "file.bin"
+    path.write_bytes(PAYLOAD)
+    assert dl.download(server, path) == path and _Handler.requests == []
+    path.write_bytes(PAYLOAD[:-1] + b"\x00")
+    with pytest.raises(DataDownloadError, match="no longer matches the sha256 recorded at its download"):
+        dl.download(server, path)
+
+
+def test_a_download_fetched_again_that_differs_from_the_kept_record_is_named(tmp_path, server, caplog):
+    """The download deleted and its record kept: the new download is used and recorded (a changed file on the server
+    must not stop every run), with a warning that it differs from the one earlier runs used."""
+    path = dl.download(server, tmp_path / "file.bin")
+    record = tmp_path / "file.bin.sha256"
+    record.write_text(f"{'0' * 64}  file.bin\n")  # an earlier download of other bytes
+    path.unlink()
+    with caplog.at_level(logging.WARNING):
+        assert dl.download(server, path).read_bytes() == PAYLOAD
+    assert f"{path} differs from the sha256 recorded at an earlier download ({record})" in caplog.text
+    assert record.read_text().split()[0] == hashlib.sha256(PAYLOAD).hexdigest()
+    caplog.clear()
+    path.unlink()
+    with caplog.at_level(logging.WARNING):
+        dl.download(server, path)
+    assert "differs" not in caplog.text

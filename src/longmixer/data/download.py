@@ -109,9 +109,29 @@ def check_file(path: Path, pin: Pin) -> None:
             raise DataDownloadError(f"{path} has {algorithm} {_digest(path, algorithm)}, expected {expected}; {fix}")
     recorded = path.with_name(path.name + ".sha256")
     if pin.sha256 is None and recorded.exists():
-        expected = recorded.read_text().split()[0]
+        expected = recorded_sha256(recorded)
+        if expected is None:
+            raise DataDownloadError(f"{recorded} holds no sha256 (it is empty or cut, or was edited), so {path} cannot "
+                                    f"be checked against it; delete {recorded} and run the same command again to "
+                                    f"record {path} as it is, or delete both to download it afresh")
         if _digest(path, "sha256") != expected:
             raise DataDownloadError(f"{path} no longer matches the sha256 recorded at its download ({recorded}); {fix}")
+
+
+def recorded_sha256(record: Path) -> str | None:
+    """The digest in a `<file>.sha256` record (`<64 hex digits>  <name>`), or None where it holds none."""
+    words = record.read_bytes().split()
+    digest = words[0].decode("ascii", errors="replace").lower() if words else ""
+    return digest if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest) else None
+
+
+def _record(path: Path) -> None:
+    """Write `<path>.sha256`, which `check_file` compares `path` with on every later use: through a temporary file, so
+    that a kill midway leaves the old record or the new one, never an empty one."""
+    record = path.with_name(path.name + ".sha256")
+    tmp = record.with_name(record.name + ".tmp")
+    tmp.write_text(f"{_digest(path, 'sha256')}  {path.name}\n")
+    os.replace(tmp, record)
 
 
 def download(url: str, dest: Path, pin: Pin = Pin(), chunk: int = 1 << 20) -> Path:
@@ -132,6 +152,8 @@ def download(url: str, dest: Path, pin: Pin = Pin(), chunk: int = 1 << 20) -> Pa
                          "machine, e.g. a local mirror)")
     if dest.exists():
         check_file(dest, pin)
+        if pin.sha256 is None and not dest.with_name(dest.name + ".sha256").exists():
+            _record(dest)  # a file put there by hand (as `download_hint` offers), or one whose record was deleted
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
@@ -143,8 +165,15 @@ def download(url: str, dest: Path, pin: Pin = Pin(), chunk: int = 1 << 20) -> Pa
             raise
         raise DataDownloadError(download_hint(url, err, dest)) from None
     check_file(part, pin)
+    record = dest.with_name(dest.name + ".sha256")
+    kept = recorded_sha256(record) if pin.sha256 is None and record.exists() else None
+    if kept is not None and _digest(part, "sha256") != kept:
+        # the record of an earlier download of this file, which was deleted: not an error, or a changed file on the
+        # server could never be downloaded again; but the data is no longer the data that earlier runs used
+        log.warning("%s differs from the sha256 recorded at an earlier download (%s): the file on the server changed, "
+                    "or one of the two downloads was damaged; the new download is used and recorded", dest, record)
     os.replace(part, dest)
-    dest.with_name(dest.name + ".sha256").write_text(f"{_digest(dest, 'sha256')}  {dest.name}\n")
+    _record(dest)
     return dest
 
 
