@@ -8,7 +8,9 @@ With `run_dir`, the run's own `config_resolved.yaml` is used and the best checkp
 unless `ckpt_path` names another. Of the command line's overrides only the device keys (`trainer=<name>`,
 `trainer.accelerator` / `devices` / `strategy` / `num_nodes` / `precision`) and `paths.data_dir` or `data.data_dir`
 (the data on another machine) apply; any other key is refused, since the checkpoint is scored with the config it
-was trained with. The metrics are written to `<run_dir>/eval/<checkpoint name>/results.json` (and this command's
+was trained with. The run's relative folders (`paths.*`, `data.*_dir`: `./data` by default) are read from the
+directory it was trained from (Hydra's `hydra.runtime.cwd` in `<run_dir>/.hydra/hydra.yaml`), as train read them;
+a folder given on this command line is relative to this one's. The metrics are written to `<run_dir>/eval/<checkpoint name>/results.json` (and this command's
 Hydra log to `<run_dir>/eval/`); the training run's files are never touched.
 Checkpoints are read with `weights_only=True`.
 """
@@ -90,6 +92,7 @@ def _run_config(run_dir: Path, cfg: DictConfig, overrides: list[str] = ()) -> Di
     with open_dict(stored):
         stored.ckpt_path = cfg.ckpt_path
         given = {_key(o) for o in overrides}
+        _anchor_relative_folders(stored, run_dir, given)
         if "data.data_dir" in given:
             stored.data.data_dir = cfg.data.data_dir
         elif "paths.data_dir" in given:  # the data folder of the machine the run trained on, moved
@@ -105,6 +108,31 @@ def _run_config(run_dir: Path, cfg: DictConfig, overrides: list[str] = ()) -> Di
             elif group:
                 stored.trainer.pop(key, None)  # the chosen trainer leaves it at Lightning's default
     return stored
+
+
+def _anchor_relative_folders(stored: DictConfig, run_dir: Path, given: set[str]) -> None:
+    """Make the run's relative folders (`paths.*`, `data.*_dir`) absolute against the directory it was trained from:
+    train reads them relative to its working directory (hydra.job.chdir=false), which may not be this one's, where
+    `./data` is missing or holds other data of the same task. The folders given on this command line are replaced
+    afterwards and stay relative to this one's."""
+    overridden = given | ({"data.data_dir"} if "paths.data_dir" in given else set())
+    relative = [(group, key) for group in ("paths", "data") for key, value in (stored.get(group) or {}).items()
+                if (group == "paths" or key.endswith("_dir")) and isinstance(value, str) and value
+                and not Path(value).expanduser().is_absolute() and f"{group}.{key}" not in overridden]
+    if not relative:
+        return
+    record = run_dir / ".hydra" / "hydra.yaml"
+    recorded = read_run_file(record, "pass paths.data_dir=<folder> to name the run's data") if record.is_file() else {}
+    cwd = (recorded.get("hydra") or {}).get("runtime", {}).get("cwd")
+    if cwd and Path(cwd).is_dir():
+        for group, key in relative:
+            stored[group][key] = str(Path(cwd) / stored[group][key])
+        return
+    why = (f"{cwd}, where the run was trained, no longer exists" if cwd else
+           f"{record} does not record where the run was trained")
+    names = " ".join(f"{group}.{key}={stored[group][key]}" for group, key in relative)
+    log.warning("%s: the relative %s is read from this directory (%s); pass paths.data_dir=<folder> (or "
+                "data.data_dir=<folder>) to name the run's data", why, names, Path.cwd())
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:

@@ -562,6 +562,35 @@ def test_evaluate_takes_the_invocations_device_keys(tmp_path):
     assert _run_config(run, cfg, []).trainer.accelerator == "gpu"
 
 
+def test_evaluate_reads_the_runs_relative_data_dir_from_where_it_trained(tmp_path, monkeypatch, caplog):
+    """A run trained with the default `paths.data_dir=./data` and evaluated from another directory read `./data`
+    there (missing, or other data of the task); it is read from Hydra's record of the training's working directory.
+    A folder on the evaluate command line stays relative to its own; without a record, a warning names the key."""
+    from omegaconf import OmegaConf
+
+    from longmixer.evaluate import _run_config
+
+    run, trained_in = tmp_path / "run", tmp_path / "trained_in"
+    (run / ".hydra").mkdir(parents=True)
+    trained_in.mkdir()
+    (run / "config_resolved.yaml").write_text(
+        "paths: {data_dir: ./data, log_dir: /logs}\ndata: {data_dir: ./data, source_dir: src, seq_len: 30}\n"
+        "trainer: {accelerator: cpu}\nckpt_path: null\n")
+    cfg = OmegaConf.create({"ckpt_path": None, "paths": {"data_dir": "mine"}, "trainer": {}})
+    monkeypatch.chdir(tmp_path)
+    assert not (run / ".hydra" / "hydra.yaml").exists()
+    caplog.set_level("WARNING", logger="longmixer")
+    unrecorded = _run_config(run, cfg)
+    assert unrecorded.data.data_dir == "./data"
+    assert "paths.data_dir=./data" in caplog.text and "pass paths.data_dir=<folder>" in caplog.text
+    (run / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {trained_in}\n")
+    stored = _run_config(run, cfg)
+    assert (stored.paths.data_dir, stored.data.data_dir) == (str(trained_in / "data"),) * 2
+    assert (stored.data.source_dir, stored.paths.log_dir) == (str(trained_in / "src"), "/logs")
+    given = _run_config(run, cfg, ["paths.data_dir=mine"])
+    assert (given.paths.data_dir, given.data.data_dir) == ("mine", "mine")
+
+
 def test_a_fresh_start_drops_the_rows_of_an_attempt_killed_before_its_first_checkpoint(compose, tmp_path):
     """No checkpoint to resume from: the earlier attempt's rows (timings, and on a GPU losses that do not repeat
     bit for bit) would stay beside the new run's; they go, as a resume drops the rows after its checkpoint."""
