@@ -10,9 +10,11 @@ unless `ckpt_path` names another. Of the command line's overrides only the devic
 (the data on another machine) apply; any other key is refused, since the checkpoint is scored with the config it
 was trained with. The run's relative folders (`paths.*`, `data.*_dir`: `./data` by default) are read from the
 directory it was trained from (Hydra's `hydra.runtime.cwd` in `<run_dir>/.hydra/hydra.yaml`), as train read them;
-a folder given on this command line is relative to this one's. The metrics are written to `<run_dir>/eval/<checkpoint name>/results.json` (and this command's
-Hydra log to `<run_dir>/eval/`); the training run's files are never touched.
-Checkpoints are read with `weights_only=True`.
+a folder given on this command line is relative to this one's. The metrics are written to
+`<run_dir>/eval/<checkpoint name>/results.json` (and this command's Hydra log to `<run_dir>/eval/`); the training
+run's files are never touched.
+Checkpoints are read with `weights_only=True`. A checkpoint records the model config it was trained with, and one
+trained with another than the run's (LaS-chunk's scored as LaS: the same weight shapes) is refused.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from longmixer.runs.checkpoints import check_weights_fit, load_checkpoint, trusted_best_path
+from longmixer.runs.checkpoints import check_model_config, check_weights_fit, load_checkpoint, trusted_best_path
 from longmixer.runs.resume import read_run_file, refuse_unusable_folders, write_atomically
 from longmixer.runs.run import instantiate_node, to_number
 from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_before_hydra, run_explaining_refusals
@@ -177,6 +179,14 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     task = instantiate_node(run_cfg.task)
     check_weights_fit(task, state, ckpt, f"pass a checkpoint of this run ({run_dir / 'checkpoints'}) or the "
                       f"run_dir of the run that wrote it (the model is {run_dir / 'config_resolved.yaml'}'s)")
+    writer = ckpt.resolve().parent.parent
+    if writer == run_dir.resolve():  # the run's config changed after it was written (resume=force)
+        fix = f"the run's earlier config is in {run_dir / 'history'}; score another of its checkpoints"
+    else:
+        fix = ("score it with the config of the run that wrote it: run_dir="
+               f"{writer if (writer / 'config_resolved.yaml').is_file() else '<that run dir>'}")
+    check_model_config(state, OmegaConf.to_container(run_cfg.model), ckpt, str(run_dir / "config_resolved.yaml"),
+                       fix)
     del state
     trainer = instantiate_node(run_cfg.trainer, callbacks=[])
     metrics: dict[str, float] = {}

@@ -140,6 +140,7 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
     datamodule = instantiate_node(cfg.data)
     log.info("instantiating task <%s> with model <%s>", cfg.task._target_, cfg.model._target_)
     task = instantiate_node(cfg.task)
+    task.model_config = OmegaConf.to_container(cfg.model, resolve=True)  # the checkpoints' record (tasks/base.py)
     if ckpt_path is not None:
         fix = ("pass ckpt_path=<a checkpoint of this model>" if cfg.ckpt_path is not None else
                f"its config ({run_dir / STORED_CONFIG}) built another model; resume=force cannot continue these "

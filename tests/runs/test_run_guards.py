@@ -475,9 +475,10 @@ def test_resume_skips_a_last_ckpt_that_is_no_checkpoint(compose, tmp_path):
     assert newest_intact(ckpts).name.startswith("best-")
 
 
-def test_evaluate_refuses_what_it_cannot_use_in_one_line(compose, tmp_path):
+def test_evaluate_refuses_what_it_cannot_use_in_one_line(compose, tmp_path, caplog):
     """Errors a user fixes: a file that is no checkpoint, another model's checkpoint (before Lightning's strict load
-    lists every key), a missing ckpt_path or run dir; each a UserFacingError naming the file."""
+    lists every key; a variant with weights of the same shapes, which loaded and scored wrongly, by the model config
+    the checkpoint records), a missing ckpt_path or run dir; each a UserFacingError naming the file."""
     from longmixer.evaluate import EvaluateError, evaluate
     from longmixer.utils.errors import UserFacingError
 
@@ -497,6 +498,20 @@ def test_evaluate_refuses_what_it_cannot_use_in_one_line(compose, tmp_path):
     torch.save(state, other)
     with pytest.raises(CheckpointError, match=r"weights of another size than this model's: \d+ differ, e\.g\. model"):
         evaluate(compose([f"run_dir={run}", f"ckpt_path={other}"]))
+    # a variant with the same weight shapes (the quickstart CHELA's laplace attention scored as its norm attention):
+    # the checkpoint's record of its model config tells them apart, naming the key and both values
+    state, variant = load_checkpoint(next((run / "checkpoints").glob("best-*.ckpt"))), tmp_path / "variant.ckpt"
+    assert state["longmixer"]["model_config"]["mixer"]["attention"] == "laplace"
+    state["longmixer"]["model_config"]["mixer"]["attention"] = "norm"
+    torch.save(state, variant)
+    with pytest.raises(CheckpointError, match=r"another model config than .*config_resolved\.yaml's: model\.mixer\."
+                       r"attention=norm in the checkpoint, laplace in the run's; score it with .*run_dir="):
+        evaluate(compose([f"run_dir={run}", f"ckpt_path={variant}"]))
+    del state["longmixer"]["model_config"]  # an earlier version's checkpoint: scored, with a warning
+    torch.save(state, variant)
+    caplog.set_level("WARNING", logger="longmixer")
+    assert "test/acc" in evaluate(compose([f"run_dir={run}", f"ckpt_path={variant}"]))
+    assert "holds no record of the model config" in caplog.text
     # train with ckpt_path= of another size, in a fresh run dir: refused before anything trains
     with pytest.raises(CheckpointError, match="another size.*pass ckpt_path=<a checkpoint of this model>"):
         train(compose([*BASE, f"run_dir={tmp_path / 'fresh'}", f"ckpt_path={other}"]))

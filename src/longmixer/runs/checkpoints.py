@@ -83,6 +83,44 @@ def check_weights_fit(module: torch.nn.Module, state: dict, path: str | Path, fi
                               f"{'; '.join(resized[:2])}; {fix}")
 
 
+def check_model_config(state: dict, model_cfg: dict, path: str | Path, source: str, fix: str) -> None:
+    """Refuse a checkpoint whose recorded model config (`checkpoint["longmixer"]["model_config"]`, written by train)
+    differs from `model_cfg`, the one about to be built, in a key that changes what the model computes: variants
+    whose weights have the same shapes (LaS and LaS-chunk, MEGA with another attention) load into each other's model
+    without an error and score wrongly. Dropout (off in evaluation) and the kernel backend (the same function) may
+    differ. A checkpoint without the record (an earlier version's) is loaded with a warning.
+
+    Raises:
+        CheckpointError: names the file, the differing keys with both values, `source` (where `model_cfg` comes
+            from) and `fix`.
+    """
+    recorded = (state.get("longmixer") or {}).get("model_config")
+    if recorded is None:
+        log.warning("%s holds no record of the model config it was trained with (a checkpoint of an earlier "
+                    "version): that it is a checkpoint of %s's model is not checked", path, source)
+        return
+    theirs, ours = _flat(recorded), _flat(model_cfg)
+    differ = [k for k in sorted(theirs.keys() | ours.keys()) if theirs.get(k) != ours.get(k)
+              and "dropout" not in k.rsplit(".", 1)[-1] and k.rsplit(".", 1)[-1] != "backend"]
+    if differ:
+        listing = "; ".join(f"model.{k}={theirs.get(k)} in the checkpoint, {ours.get(k)} in the run's"
+                            for k in differ[:3])
+        more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+        raise CheckpointError(f"{path} was trained with another model config than {source}'s: {listing}{more}; "
+                              f"{fix}")
+
+
+def _flat(node: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested config as {dotted key: value}."""
+    flat = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def _unpickler_reason(err: Exception) -> str:
     """What the weights-only unpickler refused (the global it met), without torch's advice around it to load the
     file with `weights_only=False`, which this project never does."""

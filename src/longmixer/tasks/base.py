@@ -74,6 +74,10 @@ class SequenceTask(pl.LightningModule):
         self._first_bad_step: torch.Tensor | None = None  # the divergence guard's device-side record
         self.total_steps = 1
         self.step_graph: TrainStepGraph | None = None  # task.compile=step-graph during fit (`on_fit_start`)
+        # the run's resolved `model:` config, set by train.py and written into every checkpoint: evaluate compares it
+        # with the model it builds, since variants with weights of the same shapes (LaS and LaS-chunk) load into
+        # each other's model without an error
+        self.model_config: dict | None = None
 
     # --- the steps ------------------------------------------------------------------------------------------------
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -386,7 +390,7 @@ class SequenceTask(pl.LightningModule):
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             states = [None] * dist.get_world_size()
             dist.all_gather_object(states, _rng_state())
-        checkpoint["longmixer"] = {"best_score": self.best_score, "rng": states}
+        checkpoint["longmixer"] = {"best_score": self.best_score, "rng": states, "model_config": self.model_config}
         if checkpoint.get("optimizer_states"):
             _portable_optimizer_states(checkpoint, self.trainer.optimizers)
 
