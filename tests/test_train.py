@@ -188,6 +188,10 @@ def test_wandb_offline_run_keeps_its_id_across_resume(compose, tmp_path, monkeyp
 
 
 def test_evaluate_rescores_the_best_checkpoint(compose, tmp_path):
+    """Also: a checkpoint of the same name from another folder (two runs' last.ckpt) wrote the same
+    eval/<name>/results.json as the run's own, and scoring a file again overwrote its earlier results."""
+    import shutil
+
     from longmixer.evaluate import evaluate
 
     results = train(compose([*TINY_LISTOPS, *TINY_TRAINER]))
@@ -198,6 +202,15 @@ def test_evaluate_rescores_the_best_checkpoint(compose, tmp_path):
     stem = Path(results["best_ckpt"]).stem
     assert "val/acc" in metrics and (run_dir / "eval" / stem / "results.json").exists()
     assert (run_dir / "csv" / "metrics.csv").read_text() == before  # training history untouched
+    elsewhere = tmp_path / "elsewhere" / Path(results["best_ckpt"]).name
+    elsewhere.parent.mkdir()
+    shutil.copy(results["best_ckpt"], elsewhere)
+    evaluate(compose([f"run_dir={run_dir}", f"ckpt_path={elsewhere}"]))
+    (copied,) = (run_dir / "eval").glob(f"{stem}-*/results.json")
+    assert json.loads(copied.read_text())["ckpt_path"] == str(elsewhere)
+    assert json.loads((run_dir / "eval" / stem / "results.json").read_text())["ckpt_path"] == results["best_ckpt"]
+    evaluate(compose([f"run_dir={run_dir}"]))  # scored again: the earlier results are kept
+    assert len(list((run_dir / "eval" / stem / "history").glob("results.*.json"))) == 1
 
 
 def test_throughput_and_params_are_logged(compose, tmp_path):

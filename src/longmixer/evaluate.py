@@ -11,14 +11,17 @@ unless `ckpt_path` names another. Of the command line's overrides only the devic
 was trained with. The run's relative folders (`paths.*`, `data.*_dir`: `./data` by default) are read from the
 directory it was trained from (Hydra's `hydra.runtime.cwd` in `<run_dir>/.hydra/hydra.yaml`), as train read them;
 a folder given on this command line is relative to this one's. The metrics are written to
-`<run_dir>/eval/<checkpoint name>/results.json` (and this command's Hydra log to `<run_dir>/eval/`); the training
-run's files are never touched.
+`<run_dir>/eval/<checkpoint name>/results.json` (a checkpoint from outside `<run_dir>/checkpoints` adds a short hash of
+its path to the name: `eval/last-1a2b3c4d/`), and the results of an earlier evaluation there (the same file scored
+again, e.g. a `last.ckpt` that has moved on) are kept in that folder's `history/results.<UTC time>.json`. This
+command's Hydra log goes to `<run_dir>/eval/`; the training run's files are never touched.
 Checkpoints are read with `weights_only=True`. A checkpoint records the model config it was trained with, and one
 trained with another than the run's (LaS-chunk's scored as LaS: the same weight shapes) is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import sys
@@ -30,7 +33,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from longmixer.runs.checkpoints import check_model_config, check_weights_fit, load_checkpoint, trusted_best_path
-from longmixer.runs.resume import read_run_file, refuse_unusable_folders, write_atomically
+from longmixer.runs.resume import keep_in_history, read_run_file, refuse_unusable_folders, write_atomically
 from longmixer.runs.run import instantiate_node, to_number
 from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_before_hydra, run_explaining_refusals
 from longmixer.utils.compile import release_cuda_graphs
@@ -138,7 +141,7 @@ def _anchor_relative_folders(stored: DictConfig, run_dir: Path, given: set[str])
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
-    """Validate and test one checkpoint; writes `<run_dir>/eval/<checkpoint stem>/results.json`."""
+    """Validate and test one checkpoint; writes `<run_dir>/eval/<checkpoint stem>[-<path hash>]/results.json`."""
     run_dir = Path(cfg.run_dir) if cfg.get("run_dir") else None
     if run_dir is None:
         raise EvaluateError("evaluate needs run_dir=<a training run dir>; it reads that run's config and writes "
@@ -168,7 +171,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
             best = str(moved)  # the run dir was moved (another machine or root) after results.json was written
         ckpt = Path(trusted_best_path(best, ckpt_dir))
     state = load_checkpoint(ckpt)  # refuse a corrupt or unsafe file before building anything
-    out_dir = run_dir / "eval" / ckpt.stem
+    out_dir = run_dir / "eval" / _eval_name(ckpt, run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with open_dict(run_cfg):
         run_cfg.trainer.default_root_dir = str(out_dir)
@@ -195,9 +198,22 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         metrics.update({k: to_number(v) for k, v in result.items()})
     for result in trainer.test(task, datamodule=datamodule, ckpt_path=str(ckpt), weights_only=True, verbose=False):
         metrics.update({k: to_number(v) for k, v in result.items()})
+    kept = keep_in_history(out_dir, "results.json")  # the same file scored before (last.ckpt, since moved on)
+    if kept is not None:
+        log.info("the results of the earlier evaluation in %s are kept as %s", out_dir, kept)
     write_atomically(out_dir / "results.json", json.dumps({"ckpt_path": str(ckpt), "metrics": metrics}, indent=2))
     log.info("evaluation of %s: %s", ckpt, metrics)
     return metrics
+
+
+def _eval_name(ckpt: Path, run_dir: Path) -> str:
+    """The folder under `<run_dir>/eval/` for `ckpt`: the run's own checkpoints by name (`best-000200`), one from
+    elsewhere with a short hash of its resolved path too (`last-1a2b3c4d`), so two runs' `last.ckpt` never share
+    one results.json."""
+    resolved = ckpt.resolve()
+    if resolved.parent == (run_dir / "checkpoints").resolve():
+        return ckpt.stem
+    return f"{ckpt.stem}-{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
 
 
 def _invocation_overrides() -> list[str]:

@@ -218,8 +218,9 @@ def check_config_drift(cfg: DictConfig, run_dir: Path) -> dict[str, tuple]:
                            "this run with the new values")
 
 
-def _keep_in_history(run_dir: Path, name: str) -> Path | None:
-    """Move `<run_dir>/<name>` to `history/<stem>.<UTC time><suffix>`; returns that path (None: no such file)."""
+def keep_in_history(run_dir: Path, name: str) -> Path | None:
+    """Move `<run_dir>/<name>` to `<run_dir>/history/<stem>.<UTC time><suffix>`; returns that path (None: no such
+    file)."""
     path = run_dir / name
     if not path.exists():
         return None
@@ -237,7 +238,7 @@ def _keep_in_history(run_dir: Path, name: str) -> Path | None:
 def keep_replaced_config(run_dir: Path) -> Path | None:
     """Before `resume=force` replaces the run's config_resolved.yaml with the changed one: keep the old file as
     `history/config_resolved.<UTC time>.yaml` (the config its earlier steps trained with). Returns that path."""
-    kept = _keep_in_history(run_dir, STORED_CONFIG)
+    kept = keep_in_history(run_dir, STORED_CONFIG)
     if kept is not None:
         log.info("resume=force: the config the run trained with so far is kept as %s", kept)
     return kept
@@ -247,7 +248,7 @@ def keep_finished_results(run_dir: Path) -> Path | None:
     """Before an attempt runs in a finished run dir (`resume=force`, or `ckpt_path=`): keep its results.json as
     `history/results.<UTC time>.json`. Left in place, it would say "finished" for a run whose attempt is then
     killed, and the same command would report those results instead of resuming. Returns that path."""
-    kept = _keep_in_history(run_dir, "results.json")
+    kept = keep_in_history(run_dir, "results.json")
     if kept is not None:
         log.info("the results of the finished run are kept as %s; this attempt writes results.json again", kept)
     return kept
