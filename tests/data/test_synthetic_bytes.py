@@ -27,6 +27,17 @@ def test_prepared_streams_are_reproducible_and_text_like(tmp_path):
     assert np.array_equal(batch["targets"][:, :-1].numpy(), batch["inputs"][:, 1:].numpy())
 
 
+def test_runs_at_two_settings_keep_their_own_data(tmp_path):
+    """The streams are made at prepare time from the settings: each combination has its own folder, so a run at
+    another setting neither regenerates the first one's data nor makes it fail as prepared with other settings."""
+    small, large = _module(tmp_path), _module(tmp_path, eval_bytes=1200)
+    small.prepare_data()
+    large.prepare_data()
+    small.setup()  # without its own folder: "prepared with other settings" (the large run's)
+    large.setup()
+    assert np.load(small.root / "val.npy").size == 900 and np.load(large.root / "val.npy").size == 1200
+
+
 def test_other_generator_seed_gives_other_data(tmp_path):
     rng_a, rng_b = np.random.default_rng(0), np.random.default_rng(1)
     a = synthetic_bytes(2000, rng_a, *make_lexicon(30, rng_a), zipf_a=1.1)

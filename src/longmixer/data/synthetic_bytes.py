@@ -87,11 +87,21 @@ class SyntheticBytes(LMDataModule):
         self.train_bytes, self.eval_bytes, self.num_words = train_bytes, eval_bytes, num_words
         self.zipf_a, self.generator_seed = zipf_a, generator_seed
 
+    @property
+    def root(self) -> Path:
+        # the streams are generated at prepare time from these settings, so each combination has its own folder
+        # (as enwik8's eval<eval_bytes>): runs at two settings neither regenerate each other's data in turn nor read
+        # it while another run regenerates it
+        return self.data_dir / self.name / (f"train{self.train_bytes}_eval{self.eval_bytes}_words{self.num_words}"
+                                            f"_zipf{self.zipf_a:g}_seed{self.generator_seed}")
+
     def prepare_fingerprint(self) -> dict:
         return {"train_bytes": self.train_bytes, "eval_bytes": self.eval_bytes, "num_words": self.num_words,
                 "zipf_a": self.zipf_a, "generator_seed": self.generator_seed}
 
     def _prepare(self, root: Path) -> tuple[dict, dict]:
+        self.note_old_layout(self.root.parent, "setting of data.train_bytes / eval_bytes / num_words / zipf_a / "
+                             "generator_seed")
         rng = np.random.default_rng(self.generator_seed)
         lexicon, offsets = make_lexicon(self.num_words, rng)
         splits = {}
