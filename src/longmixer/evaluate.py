@@ -188,8 +188,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     else:
         fix = ("score it with the config of the run that wrote it: run_dir="
                f"{writer if (writer / 'config_resolved.yaml').is_file() else '<that run dir>'}")
-    check_model_config(state, OmegaConf.to_container(run_cfg.model), ckpt, str(run_dir / "config_resolved.yaml"),
-                       fix)
+    check_model_config(state, OmegaConf.to_container(run_cfg.model, resolve=True), ckpt,
+                       str(run_dir / "config_resolved.yaml"), fix)
     del state
     trainer = instantiate_node(run_cfg.trainer, callbacks=[])
     metrics: dict[str, float] = {}
