@@ -158,7 +158,8 @@ def test_kernel_scripts_fail_on_a_parity_error_out_of_bound(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, args", [("ema_chunked", []), ("las_attention", ["--only", "ours_dispatch"]),
+@pytest.mark.parametrize("name, args", [("ema_chunked", []),
+                                        ("las_attention", ["--only", "ours_dispatch", "--heads", "2"]),
                                         ("linear_attention", []), ("mega", []), ("seqboat", []),
                                         ("vq_attention", [])])
 def test_kernel_scripts_smoke_run_in_the_interpreter(name, args):
