@@ -165,17 +165,30 @@ def test_same_command_again_is_locked_out_then_reported_finished(reference):
 PLATEAU = ["scheduler=plateau", "~scheduler.warmup_steps", "scheduler.patience=0", "scheduler.factor=0.5"]
 
 
+def _uninterrupted(tmp_path_factory, name: str, args: list[str]) -> Path:
+    """The run dir of an uninterrupted run of `args`, for a module-scoped fixture: the cases of a parametrized test
+    compare with the same run, which their xdist_group keeps on one worker (one run instead of one per case)."""
+    tmp = tmp_path_factory.mktemp(name)
+    proc = run_train(tmp, args)
+    assert proc.returncode == 0, describe(proc)
+    return run_dir_of(tmp)
+
+
+@pytest.fixture(scope="module")
+def plateau_reference(tmp_path_factory):
+    return _uninterrupted(tmp_path_factory, "plateau_reference", PLATEAU)
+
+
+@pytest.mark.xdist_group("plateau_reference")
 @pytest.mark.parametrize("fault", ["SIGKILL:train:6", "SIGTERM:train:9"], ids=["after-epoch-end-checkpoint", "mid-epoch"])
-def test_plateau_schedule_resumes_to_the_uninterrupted_result(tmp_path, fault):
+def test_plateau_schedule_resumes_to_the_uninterrupted_result(plateau_reference, tmp_path, fault):
     """The plateau step of an epoch is taken before the end-of-epoch checkpoint, so a run killed right after it
     resumes with the same lr (a lost or repeated step would change the weights)."""
-    ref = run_train(tmp_path / "reference", PLATEAU)
-    assert ref.returncode == 0, describe(ref)
     killed = run_train(tmp_path / "killed", PLATEAU, fault=fault)
     assert killed.returncode != 0, describe(killed)
     resumed = run_train(tmp_path / "killed", PLATEAU)
     assert resumed.returncode == 0, describe(resumed)
-    ref_dir, run_dir = run_dir_of(tmp_path / "reference"), run_dir_of(tmp_path / "killed")
+    ref_dir, run_dir = plateau_reference, run_dir_of(tmp_path / "killed")
     sched = [torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["lr_schedulers"][0] for d in (ref_dir, run_dir)]
     assert sched[0]["last_epoch"] == 2 and sched[1] == sched[0]
     assert_same_run(ref_dir, run_dir, mid_epoch=fault.startswith("SIGTERM"))
@@ -184,13 +197,18 @@ def test_plateau_schedule_resumes_to_the_uninterrupted_result(tmp_path, fault):
 ACCUMULATE = ["trainer.accumulate_grad_batches=2"]
 
 
+@pytest.fixture(scope="module")
+def accumulate_reference(tmp_path_factory):
+    return _uninterrupted(tmp_path_factory, "accumulate_reference", ACCUMULATE)
+
+
+@pytest.mark.xdist_group("accumulate_reference")
 @pytest.mark.parametrize("fault, exit_code", [("SIGTERM:train:4", 143), ("SIGINT:train:3", 130)],
                          ids=["sigterm", "sigint"])
-def test_stop_inside_a_gradient_accumulation_resumes_to_the_uninterrupted_result(tmp_path, fault, exit_code):
+def test_stop_inside_a_gradient_accumulation_resumes_to_the_uninterrupted_result(accumulate_reference, tmp_path, fault,
+                                                                                  exit_code):
     """The signal arrives at the first of an update's two batches: the checkpoint waits for the batch that completes
     the optimizer step (a checkpoint after the first one resumed the update from its second batch alone)."""
-    ref = run_train(tmp_path / "reference", ACCUMULATE)
-    assert ref.returncode == 0, describe(ref)
     killed = run_train(tmp_path / "killed", ACCUMULATE, fault=fault)
     assert killed.returncode == exit_code, describe(killed)
     run_dir = run_dir_of(tmp_path / "killed")
@@ -198,7 +216,7 @@ def test_stop_inside_a_gradient_accumulation_resumes_to_the_uninterrupted_result
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step + 1
     resumed = run_train(tmp_path / "killed", ACCUMULATE)
     assert resumed.returncode == 0, describe(resumed)
-    assert_same_run(run_dir_of(tmp_path / "reference"), run_dir, mid_epoch=True)
+    assert_same_run(accumulate_reference, run_dir, mid_epoch=True)
 
 
 # a tiny LM run on the synthetic byte stream, with dropout and two loader workers (the GPU default has workers)
