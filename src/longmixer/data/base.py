@@ -33,6 +33,7 @@ import torch
 from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from longmixer.data.download import NO_SPACE
 from longmixer.data.integrity import (DataIntegrityError, DatasetNotPreparedError, check_prepared, sha256_of,
                                       verify_files, warn_truncated)
 from longmixer.utils.errors import UserFacingError
@@ -44,7 +45,6 @@ SET_ASIDE = ".previous"  # the prepared files of other settings, kept while a re
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # what writing into a read-only data folder raises
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or the user's quota on it
 
 
 def default_num_workers(gpu: bool) -> int:

@@ -30,6 +30,8 @@ from longmixer.utils.errors import UserFacingError
 
 log = logging.getLogger(__name__)
 
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or the user's quota on it
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -161,7 +163,7 @@ def download(url: str, dest: Path, pin: Pin = Pin(), chunk: int = 1 << 20) -> Pa
         _fetch(url, part, pin.size, chunk)
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
         # a full disk is no network fault: its error goes up as it is (the datamodule names the fix)
-        if isinstance(err, DataDownloadError) or getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(err, DataDownloadError) or getattr(err, "errno", None) in NO_SPACE:
             raise
         raise DataDownloadError(download_hint(url, err, dest)) from None
     check_file(part, pin)

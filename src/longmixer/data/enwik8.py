@@ -13,7 +13,6 @@ Source: `enwik8.zip` (the file `enwik8`), downloaded once into `<data_dir>/enwik
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +21,6 @@ from filelock import FileLock
 from longmixer.data.lm_stream import LMDataModule
 from longmixer.data.download import download, extract, extracted
 from longmixer.data.integrity import SourceFileError, SourceFileMissingError
-
-log = logging.getLogger(__name__)
 
 ENWIK8_URL = "https://mattmahoney.net/dc/enwik8.zip"  # no checksum published: recorded at first download
 ENWIK8_BYTES = 100_000_000
