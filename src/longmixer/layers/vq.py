@@ -112,9 +112,14 @@ class VectorQuantizer(nn.Module):
         codes = rearrange(codes, "(b l) -> b l", b=B)  # [B, L]
         c_z = codebook[codes].to(k.dtype)  # [B, L, E]
         k_hat = k + (c_z - k).detach()  # LongVQ eq. 8: straight-through
-        weight = torch.ones(B, L, device=k.device) if mask is None else mask.float()
         sq_err = ((k.float() - c_z.float()) ** 2).sum(-1)  # [B, L]
-        commit = (sq_err * weight).sum() / (weight.sum().clamp_min(1.0) * E)  # eq. 24, MSE over real entries
+        if mask is None:
+            # the count from the shape: a sum over a ones tensor made Inductor emit a reduction of a constant that
+            # Triton 3.6 fails to compile for sm_90 (float32 at B x L = 1024; tests/test_compile.py)
+            commit = sq_err.sum() / (B * L * E)  # eq. 24, MSE over every entry
+        else:
+            weight = mask.float()
+            commit = (sq_err * weight).sum() / (weight.sum().clamp_min(1.0) * E)  # eq. 24, MSE over real entries
         if self.training:
             # read-then-set of a Python attribute: torch.compile replays it after the graph, no buffer is written
             self._batch_stats = (*self._batch_stats, (counts.float(), sums.float()))
