@@ -264,6 +264,47 @@ def test_bad_compile_mode_names_the_key(compose):
         instantiate(compose(["model=mega", *TINY, "task.compile=fastest"]).task)
 
 
+def _broken_backend(gm, example_inputs):
+    raise RuntimeError("PassManager::run failed")  # as Triton's layout pass reported it on an H200
+
+
+def test_a_compiler_failure_names_the_override(compose):
+    """A failure of torch.compile itself (the backend, Inductor, Triton) is one line naming the mode and the
+    override, in the task's steps (the run's first forward) and around a lazily compiled backward; the model's own
+    errors pass through unchanged."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.exc import InductorError
+
+    from longmixer.utils.compile import CompileFailedError, explain_compile_failure
+
+    task = instantiate(compose(["model=mega", *TINY]).task)
+    task.configure_model()  # auto on a CPU: none
+    task.model.compile(backend=_broken_backend)
+    batch = {"inputs": torch.randint(1, 10, (B, L)), "mask": torch.ones(B, L, dtype=torch.bool),
+             "labels": torch.zeros(B, dtype=torch.long)}
+    with pytest.raises(CompileFailedError, match=r"^task.compile=auto -> none: torch.compile failed .*PassManager::"
+                                                 r"run failed.*train with task.compile=none"):
+        task.training_step(batch, 0)
+
+    def broken_backward(gm, example_inputs):
+        raise InductorError(RuntimeError("PassManager::run failed"), None)
+
+    linear = torch.compile(torch.nn.Linear(4, 4), backend=aot_autograd(fw_compiler=lambda gm, ex: gm.forward,
+                                                                      bw_compiler=broken_backward))
+    loss = linear(torch.randn(2, 4)).sum()
+    with pytest.raises(CompileFailedError, match=r"task.compile=reduce-overhead: .* \(RuntimeError: PassManager::run failed\)"):
+        with explain_compile_failure("reduce-overhead", "reduce-overhead"):
+            loss.backward()
+
+    class Refuses(torch.nn.Module):
+        def forward(self, x):
+            raise ValueError("the model's own check")
+
+    with pytest.raises(ValueError, match="the model's own check"):
+        with explain_compile_failure("default", "default"):
+            torch.compile(Refuses(), backend="eager")(torch.ones(1))
+
+
 def _leaf(*shape, low: float = -1.0, high: float = 1.0, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed + sum(shape))
     return (torch.rand(*shape, generator=g) * (high - low) + low).requires_grad_()

@@ -16,7 +16,14 @@ from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
-from longmixer.utils.compile import COMPILE_MODES, STEP_GRAPH, TrainStepGraph, compile_blocks, resolve_compile_mode
+from longmixer.utils.compile import (
+    COMPILE_MODES,
+    STEP_GRAPH,
+    TrainStepGraph,
+    compile_blocks,
+    explain_compile_failure,
+    resolve_compile_mode,
+)
 from longmixer.utils.config import ConfigError
 from longmixer.utils.errors import TrainingDivergedError
 from longmixer.utils.optim import build_optimizer, clip_grad_norm, configured_settings, reapply_settings
@@ -91,8 +98,13 @@ class SequenceTask(pl.LightningModule):
         """Log one step's metrics from `forward_loss`'s detached loss and outputs (defined by each task subclass)."""
         raise NotImplementedError(f"{type(self).__name__} defines no log_step: a task subclass defines it")
 
+    def _compiling(self):
+        """Where torch.compile compiles (the first forward and backward of each shape): its failures in one line."""
+        return explain_compile_failure(self.compile_mode, self.compiled_as)
+
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        loss, outputs = self.forward_loss(batch)
+        with self._compiling():
+            loss, outputs = self.forward_loss(batch)
         self.log_step(batch, stage, loss.detach(), outputs)
         self.log_aux(outputs["aux"], stage, _batch_size(batch))
         return self.with_aux_losses(loss, outputs["aux"])
@@ -182,10 +194,11 @@ class SequenceTask(pl.LightningModule):
     def _graph_update(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """One whole training step for `TrainStepGraph`: forward (under the trainer's autocast, which wraps
         `training_step`), loss, backward, clipping by norm (`trainer.gradient_clip_val`) and the optimizer step."""
-        loss, outputs = self.forward_loss(batch)
-        total = self.with_aux_losses(loss, outputs["aux"])
-        with torch.autocast(self.device.type, enabled=False):
-            total.backward()
+        with self._compiling():
+            loss, outputs = self.forward_loss(batch)
+            total = self.with_aux_losses(loss, outputs["aux"])
+            with torch.autocast(self.device.type, enabled=False):
+                total.backward()
         optimizer = self.trainer.optimizers[0]
         if self.trainer.gradient_clip_val:
             clip_grad_norm((p for group in optimizer.param_groups for p in group["params"]),
@@ -208,7 +221,8 @@ class SequenceTask(pl.LightningModule):
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         if self.step_graph is None:
-            super().backward(loss, *args, **kwargs)
+            with self._compiling():  # a compiled forward's backward is compiled at its first call
+                super().backward(loss, *args, **kwargs)
 
     # --- optimization ------------------------------------------------------------------------------------------
     def configure_optimizers(self):

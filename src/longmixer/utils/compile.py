@@ -7,13 +7,16 @@ Shared by the tasks (training and evaluation) and the benchmark, so both measure
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from longmixer.utils.errors import UserFacingError
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,36 @@ def resolve_compile_mode(mode: str, device: torch.device, few_shapes: bool = Tru
             return "none"
         return "reduce-overhead" if few_shapes else "default"
     return mode
+
+
+class CompileFailedError(UserFacingError, RuntimeError):
+    """torch.compile (Dynamo's backend, Inductor, or Triton under it) failed on the model: a compiler defect, not a
+    refused setting. The run's fix is another `task.compile` mode."""
+
+
+@contextlib.contextmanager
+def explain_compile_failure(requested: str, resolved: str | None) -> Iterator[None]:
+    """Turn a compiler failure inside the block (the first forward or backward of a compiled model, where
+    torch.compile compiles) into one line naming the mode and the override that avoids it; the compiler's own
+    error is logged in full first (the run's log file) and chained. Errors of the model's own code pass through:
+    Dynamo re-raises those as they are."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import InductorError
+
+    try:
+        yield
+    except (BackendCompilerFailed, InductorError) as err:
+        inner = getattr(err, "inner_exception", None) or err
+        # a kernel compiled in Inductor's worker process reports the worker's traceback: its last line is the error
+        lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+        what = f"{type(inner).__name__}: {lines[-1][:300]}" if lines else type(inner).__name__
+        mode = requested if requested == resolved or resolved is None else f"{requested} -> {resolved}"
+        log.error("torch.compile failed (task.compile=%s); the compiler's error follows", mode, exc_info=err)
+        raise CompileFailedError(
+            f"task.compile={mode}: torch.compile failed to compile the model ({what}). "
+            "This is a defect of the compiler or of its Triton, not of this run's settings: train with "
+            "task.compile=none (eager), or try task.compile=default; the compiler's full error is in the run's "
+            "log") from err
 
 
 def release_cuda_graphs() -> None:
