@@ -268,10 +268,11 @@ def _broken_backend(gm, example_inputs):
     raise RuntimeError("PassManager::run failed")  # as Triton's layout pass reported it on an H200
 
 
-def test_a_compiler_failure_names_the_override(compose):
+def test_a_compiler_failure_names_the_override(compose, monkeypatch):
     """A failure of torch.compile itself (the backend, Inductor, Triton) is one line naming the mode and the
     override, in the task's steps (the run's first forward) and around a lazily compiled backward; the model's own
     errors pass through unchanged."""
+    import pytorch_lightning as pl
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.exc import InductorError
 
@@ -292,9 +293,14 @@ def test_a_compiler_failure_names_the_override(compose):
     linear = torch.compile(torch.nn.Linear(4, 4), backend=aot_autograd(fw_compiler=lambda gm, ex: gm.forward,
                                                                       bw_compiler=broken_backward))
     loss = linear(torch.randn(2, 4)).sum()
-    with pytest.raises(CompileFailedError, match=r"task.compile=reduce-overhead: .* \(RuntimeError: PassManager::run failed\)"):
+    with pytest.raises(CompileFailedError, match=r"task.compile=reduce-overhead: .* \(RuntimeError: PassManager::run "
+                                                 r"failed\).*task.compile=none \(eager\), or try task.compile=default"):
         with explain_compile_failure("reduce-overhead", "reduce-overhead"):
             loss.backward()
+    # the task's backward (Lightning's, around the lazily compiled backward) goes through it too
+    monkeypatch.setattr(pl.LightningModule, "backward", lambda self, loss, *args, **kwargs: loss.backward())
+    with pytest.raises(CompileFailedError, match="task.compile=auto -> none"):
+        task.backward(linear(torch.randn(2, 4)).sum())
 
     class Refuses(torch.nn.Module):
         def forward(self, x):

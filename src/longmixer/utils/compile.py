@@ -63,11 +63,11 @@ def explain_compile_failure(requested: str, resolved: str | None) -> Iterator[No
         what = f"{type(inner).__name__}: {lines[-1][:300]}" if lines else type(inner).__name__
         mode = requested if requested == resolved or resolved is None else f"{requested} -> {resolved}"
         log.error("torch.compile failed (task.compile=%s); the compiler's error follows", mode, exc_info=err)
+        other = "" if resolved in ("default", "none") else ", or try task.compile=default (no CUDA graphs)"
         raise CompileFailedError(
-            f"task.compile={mode}: torch.compile failed to compile the model ({what}). "
-            "This is a defect of the compiler or of its Triton, not of this run's settings: train with "
-            "task.compile=none (eager), or try task.compile=default; the compiler's full error is in the run's "
-            "log") from err
+            f"task.compile={mode}: torch.compile failed to compile the model ({what}). This is a defect of the "
+            f"compiler or of its Triton, not of this run's settings: train with task.compile=none (eager){other}; "
+            "the compiler's full error is in the run's log") from err
 
 
 def release_cuda_graphs() -> None:
