@@ -717,11 +717,11 @@ def test_reduce_overhead_training_matches_eager_on_a_gpu(family):
     """The default GPU training path (`task.compile=auto` -> `reduce-overhead`: the model replayed from CUDA graphs)
     against eager, for each family whose mixer runs the project's Triton ops: the Text recipe's model in float32,
     both drawing eager's dropout masks (Inductor's `fallback_random`), four AdamW steps on one batch after one eager
-    forward (LongVQ's codebook takes its random data init there: a compiled init draws other keys). Each step's loss
-    agrees, and so does each backward's every gradient within 1e-4 of the largest one (a parameter whose gradient is
-    nearly zero, as LaS's FFN output bias, is compared at that scale, where its rounding is invisible). The CPU tests
-    compile with aot_eager and run no CUDA graphs; compiled autograd was dropped for a defect that only this kind of
-    check on a GPU showed (docs/benchmarks.md, "Tried and dropped: the backward compiled whole")."""
+    forward (LongVQ's codebook takes its random data init there; inside the compiled forward its first loss differed
+    by 1.3e-3, docs/benchmarks.md). Each step's loss agrees, and so does each backward's every gradient within 1e-4
+    of the largest one (a parameter whose gradient is nearly zero, as LaS's FFN output bias, is compared at that
+    scale, where its rounding is invisible). The CPU tests compile with aot_eager and run no CUDA graphs; compiled
+    autograd was dropped for a defect that only this kind of check on a GPU showed (docs/benchmarks.md, "Tried and dropped: the backward compiled whole")."""
     import torch._inductor.config as inductor_config
     import torch.nn.functional as F
 
