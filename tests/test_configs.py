@@ -56,7 +56,8 @@ def _family_on_recipe(compose, recipe, family):
     the meta device: shapes and constructor checks run, no memory is allocated."""
     overrides = [f"experiment={recipe}", f"model={family}"]
     cfg = compose(overrides)
-    cfg = compose([*overrides, *_heads_that_fit(cfg)])
+    if heads := _heads_that_fit(cfg):
+        cfg = compose([*overrides, *heads])
     validate_config(cfg)
     assert cfg.model.mixer._target_ == OmegaConf.load(CONFIGS / "model" / f"{family}.yaml").mixer._target_
     instantiate(cfg.data)
@@ -73,8 +74,9 @@ def test_every_family_instantiates_on_every_task(compose, task, family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("recipe", CELLS)
+@pytest.mark.parametrize("recipe", [r for r in CELLS if r not in TASK_RECIPE.values()])
 def test_every_family_instantiates_on_every_recipe(compose, recipe, family):
+    """The other recipes of each task (the quick tier's test above runs one a task)."""
     _family_on_recipe(compose, recipe, family)
 
 

@@ -179,9 +179,13 @@ def test_kernel_scripts_smoke_run_in_the_interpreter(name, args):
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = any(line.replace(" ", "").startswith("|---") for line in proc.stdout.splitlines())
     assert "Traceback" not in proc.stderr and table, proc.stdout[-2000:] + proc.stderr[-2000:]
-    # the refusal's status reaches the shell (make bench stops on it)
-    refused = subprocess.run(script, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
-    assert refused.returncode == 2 and "add --quick" in refused.stderr, refused.stderr[-2000:]
+    # the refusal's status reaches the shell (make bench stops on it): main()'s status (2, checked in-process by
+    # the test above) is the process's, through the script's `sys.exit(main())`; one script shows it end to end
+    source = (ROOT / "scripts" / "bench" / f"{name}.py").read_text()
+    assert source.rstrip().endswith('if __name__ == "__main__":\n    sys.exit(main())'), name
+    if name == "ema_chunked":
+        refused = subprocess.run(script, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+        assert refused.returncode == 2 and "add --quick" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_long_span_skips_without_a_gpu(monkeypatch, capsys):

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from longmixer.ops.local_attention import kernel, local_attention, local_attention_ref
+from tests._pairwise import all_pairs
 from tests.ops._helpers import rel_error
 
+ATTENTION = ["softmax", "relu2", "laplace"]
+CAUSAL = [pytest.param(False, id="bidir"), pytest.param(True, id="causal")]
 
 
 def _case(B, H, L, K, V, C, seed=0, bias_heads=0, masked=True):
@@ -62,13 +65,12 @@ def test_parity_fwd_bwd(attention, causal, B, H, L, K, V, C, bias_heads, masked)
         assert rel_error(a, b) < 1e-5, name
 
 
-@pytest.mark.parametrize("C,span,block_m,dq_atomic,block_v",
-                         [(20, 16, 16, False, 16), (12, 64, 16, False, 16), (20, 16, 16, True, 32),
-                          (20, 16, 16, True, 16), (20, 16, 32, False, 16), (8, 16, 32, False, 16)],
-                         ids=["split", "fused", "split-atomic-dq", "split-atomic-dq-vblocks", "split-query-block>span",
-                              "fused-query-block>span"])
-@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
-@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("C,span,block_m,dq_atomic,block_v,attention,causal", all_pairs(
+    [pytest.param(20, 16, 16, False, 16, id="split"), pytest.param(12, 64, 16, False, 16, id="fused"),
+     pytest.param(20, 16, 16, True, 32, id="split-atomic-dq"),
+     pytest.param(20, 16, 16, True, 16, id="split-atomic-dq-vblocks"),
+     pytest.param(20, 16, 32, False, 16, id="split-query-block>span"),
+     pytest.param(8, 16, 32, False, 16, id="fused-query-block>span")], ATTENTION, CAUSAL))
 def test_backward_tilings(monkeypatch, C, span, block_m, dq_atomic, block_v, attention, causal):
     """Other backward tiles on one ragged case: chunks of 20 longer than a 16-key span (split path, a query block
     spanning two chunks, value blocks of 16 for V = 20), and spans of five chunks of 12 (fused, two value blocks);
@@ -83,10 +85,9 @@ def test_backward_tilings(monkeypatch, C, span, block_m, dq_atomic, block_v, att
     _assert_matches_reference(q, k, v, bias, kw)
 
 
-@pytest.mark.parametrize("block_m", [16, 8], ids=["query-block=span", "query-block=span/2"])
-@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
-@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
-@pytest.mark.parametrize("bias_heads", [0, 2], ids=["shared-bias", "head-bias"])
+@pytest.mark.parametrize("block_m,attention,causal,bias_heads", all_pairs(
+    [pytest.param(16, id="query-block=span"), pytest.param(8, id="query-block=span/2")], ATTENTION, CAUSAL,
+    [pytest.param(0, id="shared-bias"), pytest.param(2, id="head-bias")]))
 def test_full_length_one_pass_backward(monkeypatch, block_m, attention, causal, bias_heads):
     """Full attention longer than a key span through the one-pass backward: dq by atomics and the bias gradient
     as per-program partials folded on the host (ragged L = 45 over spans of 16), through the carried tile (query
@@ -116,16 +117,13 @@ def _two_pass(monkeypatch, dv_block_m=16, dv_block_n=16):
     return grids
 
 
-@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
-@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
-@pytest.mark.parametrize("L,C,masked,bias_heads,dv_tiles,aligned", [(45, None, True, 2, (16, 16), False),
-                                                                    (48, None, False, 0, (8, 32), False),
-                                                                    (64, None, False, 2, (16, 16), True),
-                                                                    (64, None, False, 0, (32, 16), True),
-                                                                    (64, 32, False, 2, (32, 16), True)],
-                         ids=["ragged-masked-dv16x16", "unmasked-dv8x32", "aligned-dv16x16", "aligned-dv32x16",
-                              "chunks-of-32-dv32x16"])
-def test_two_pass_long_span_backward(monkeypatch, attention, causal, L, C, masked, bias_heads, dv_tiles, aligned):
+@pytest.mark.parametrize("L,C,masked,bias_heads,dv_tiles,aligned,attention,causal", all_pairs(
+    [pytest.param(45, None, True, 2, (16, 16), False, id="ragged-masked-dv16x16"),
+     pytest.param(48, None, False, 0, (8, 32), False, id="unmasked-dv8x32"),
+     pytest.param(64, None, False, 2, (16, 16), True, id="aligned-dv16x16"),
+     pytest.param(64, None, False, 0, (32, 16), True, id="aligned-dv32x16"),
+     pytest.param(64, 32, False, 2, (32, 16), True, id="chunks-of-32-dv32x16")], ATTENTION, CAUSAL))
+def test_two_pass_long_span_backward(monkeypatch, L, C, masked, bias_heads, dv_tiles, aligned, attention, causal):
     """Attention longer than a key span with dv in its own pass (V = 20: two value blocks of 16): full-length ragged
     L = 45 with padded keys and a bias per head, and L = 48 unmasked with a shared bias and dv tiles of 8 queries x
     32 keys, both with tiles that straddle the sequence's end (tile mode 0); L = 64 with dv tiles that divide it
@@ -159,10 +157,9 @@ def test_long_span_default_tiles_route_by_value_width(monkeypatch, C, V, path):
     assert set(launched) == expected, launched
 
 
-@pytest.mark.parametrize("L,C", [(48, None), (45, 64)], ids=["L48-full", "L45-C64"])
-@pytest.mark.parametrize("dq_atomic", [True, False], ids=["one-pass", "dq-kernel"])
-@pytest.mark.parametrize("attention", ["softmax", "laplace"])
-@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("L,C,dq_atomic,attention,causal", all_pairs(
+    [pytest.param(48, None, id="L48-full"), pytest.param(45, 64, id="L45-C64")],
+    [pytest.param(True, id="one-pass"), pytest.param(False, id="dq-kernel")], ["softmax", "laplace"], CAUSAL))
 def test_one_chunk_span_partials(monkeypatch, L, C, dq_atomic, attention, causal):
     """One chunk holding the whole sequence, with L a multiple of the span and with a chunk longer than L: the
     backward's bias gradient through per-program partials (`fold_span_partials`), every span one row, in the
@@ -187,13 +184,10 @@ def _small_tiles(monkeypatch, span, block_m, dq_atomic):
     monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: bwd)
 
 
-@pytest.mark.parametrize("span,block_m,dq_atomic,bias_heads",
-                         [(32, 16, False, 2), (16, 16, False, 2), (16, 8, True, 2), (16, 16, True, 2),
-                          (16, 16, True, 0)],
-                         ids=["fused", "split-dq-kernel", "split-atomic-dq", "split-atomic-dq-carry",
-                              "split-atomic-dq-carry-shared-bias"])
-@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
-@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("span,block_m,dq_atomic,bias_heads,attention,causal", all_pairs(
+    [pytest.param(32, 16, False, 2, id="fused"), pytest.param(16, 16, False, 2, id="split-dq-kernel"),
+     pytest.param(16, 8, True, 2, id="split-atomic-dq"), pytest.param(16, 16, True, 2, id="split-atomic-dq-carry"),
+     pytest.param(16, 16, True, 0, id="split-atomic-dq-carry-shared-bias")], ATTENTION, CAUSAL))
 def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, bias_heads, attention, causal):
     """Tiles that divide the chunk (C = 32, tiles of 16 and 8) take the ALIGNED path: no per-pair chunk test and the
     bias read without an index select. A ragged last chunk (L = 70), padded keys, rows without keys and a bias per
@@ -215,12 +209,11 @@ def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, bias_heads, 
     assert folds == ([] if span == 32 else [(4, 6, 48)]), folds
 
 
-@pytest.mark.parametrize("span,block_m,dq_atomic",
-                         [(32, 16, False), (16, 16, False), (16, 8, True), (16, 16, True)],
-                         ids=["fused", "split-dq-kernel", "split-atomic-dq", "split-atomic-dq-carry"])
-@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
-@pytest.mark.parametrize("L,causal,mode", [(96, False, 2), (70, False, 1), (70, True, 1)],
-                         ids=["whole-chunks", "ragged", "ragged-causal"])
+@pytest.mark.parametrize("span,block_m,dq_atomic,attention,L,causal,mode", all_pairs(
+    [pytest.param(32, 16, False, id="fused"), pytest.param(16, 16, False, id="split-dq-kernel"),
+     pytest.param(16, 8, True, id="split-atomic-dq"), pytest.param(16, 16, True, id="split-atomic-dq-carry")],
+    ATTENTION, [pytest.param(96, False, 2, id="whole-chunks"), pytest.param(70, False, 1, id="ragged"),
+                pytest.param(70, True, 1, id="ragged-causal")]))
 def test_aligned_tiles_without_key_mask(monkeypatch, span, block_m, dq_atomic, attention, L, causal, mode):
     """Without a key mask only the tile bounds and the causal test mask scores. A sequence of whole chunks (L = 3 C),
     not causal, takes tile mode 2: every score is valid and the kernels apply no mask. A ragged last chunk keeps
@@ -246,9 +239,8 @@ def test_tile_mode():
     assert kernel.tile_mode(96, 960, False, False, 64, 64) == 0
 
 
-@pytest.mark.parametrize("attention", ["softmax", "relu2", "laplace"])
-@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
-@pytest.mark.parametrize("bias_heads", [0, 2], ids=["shared-bias", "head-bias"])
+@pytest.mark.parametrize("attention,causal,bias_heads", all_pairs(
+    ATTENTION, CAUSAL, [pytest.param(0, id="shared-bias"), pytest.param(2, id="head-bias")]))
 def test_forward_bias_table(monkeypatch, attention, causal, bias_heads):
     """The forward reading its bias tiles from `bias_table` (chunks >= 256 by default; here C = 32 with 16 x 16
     tiles) gives bitwise the output and statistics of the gather from the bias, with a ragged last chunk, padded

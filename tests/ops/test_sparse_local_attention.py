@@ -16,6 +16,7 @@ from longmixer.ops.sparse_local_attention import (
 )
 from longmixer.ops.sparse_local_attention import kernel as sparse_kernel
 from longmixer.ops.sparse_local_attention.reference import sparse_attention_naive
+from tests._pairwise import all_pairs
 
 PATTERNS = [pytest.param(dict(window=6), id="w6"), pytest.param(dict(window=64), id="w64>L"),
             pytest.param(dict(chunk=5), id="chunk5"), pytest.param(dict(), id="full")]
@@ -194,9 +195,11 @@ def test_full_mode_plan_on_a_gpu(monkeypatch, V, dv_pass_tiles, two_pass):
     assert plan["BLOCK_V"] == triton.next_power_of_2(V) and plan["BIAS_DIAG"]
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
-@pytest.mark.parametrize("table", [None, 153, 200], ids=["no-bias", "table-M153<padded", "table-M200>padded"])
-@pytest.mark.parametrize("V", [40, 160], ids=["V40-one-pass", "V160-two-pass"])
+@pytest.mark.parametrize("causal,table,V", all_pairs(
+    [pytest.param(False, id="bidir"), pytest.param(True, id="causal")],
+    [pytest.param(None, id="no-bias"), pytest.param(153, id="table-M153<padded"),
+     pytest.param(200, id="table-M200>padded")],
+    [pytest.param(40, id="V40-one-pass"), pytest.param(160, id="V160-two-pass")]))
 def test_packed_long_span_route(monkeypatch, causal, table, V):
     """SeqBoat-full's softmax attention over L > 128 runs as MEGA's full-length attention on the packed sequence
     (rows read and written through the slot index, one chunk of 192 slots, each row's count its length): forward

@@ -14,7 +14,6 @@ from longmixer.runs import carry
 from longmixer.runs.carry import CarryError, pack, unpack
 from tests.runs.helpers import TINY, describe, run_dir_of, run_train
 from tests.runs.test_kill_resume import assert_same_run
-from tests.runs.test_kill_resume import reference as reference  # noqa: F401 (the module fixture, reused)
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -112,7 +111,7 @@ def test_cli_reports_errors_with_exit_code_2(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_a_run_stopped_on_one_machine_resumes_on_another_to_the_uninterrupted_result(reference, tmp_path):  # noqa: F811
+def test_a_run_stopped_on_one_machine_resumes_on_another_to_the_uninterrupted_result(reference, tmp_path):
     """The device workflow: SIGTERM on machine A, pack its logs, unpack into machine B's logs (another root, where
     the data is generated again from its seed), run the same command there. Both run it from their own root with
     the default paths (./data, ./logs), as the same command on two checkouts does."""
@@ -169,7 +168,7 @@ def test_learning_curves_state_falls_back_to_last_only_then_to_nothing(runs, tmp
     assert "not packed" in capsys.readouterr().err and not (tmp_path / "none").exists()
 
 
-def test_a_finished_run_moved_elsewhere_is_evaluated_from_its_own_checkpoints(reference, tmp_path):  # noqa: F811
+def test_a_finished_run_moved_elsewhere_is_evaluated_from_its_own_checkpoints(reference, tmp_path):
     """results.json names the best checkpoint by its path on the first machine; evaluate finds it in the moved run
     dir's own checkpoints/ and scores it the same."""
     pack(reference.parents[2], tmp_path / "state")  # <tmp>/logs/runs/<run_name>/<hash>_seed0 -> the whole logs/runs
@@ -183,7 +182,7 @@ def test_a_finished_run_moved_elsewhere_is_evaluated_from_its_own_checkpoints(re
     assert scored["test/acc"] == json.loads((moved / "results.json").read_text())["metrics"]["test/acc"]
 
 
-def test_an_evaluate_sweep_goes_on_past_a_job_whose_setting_is_refused(reference, tmp_path):  # noqa: F811
+def test_an_evaluate_sweep_goes_on_past_a_job_whose_setting_is_refused(reference, tmp_path):
     """Under `evaluate -m`, a job whose setting a constructor refuses is recorded as failed and the next job runs (as
     in train's sweeps); only a single run prints the one line and exits 2."""
     import shutil

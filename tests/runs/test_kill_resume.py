@@ -25,14 +25,6 @@ from tests.runs.helpers import (
 )
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reference")
-    proc = run_train(tmp, [])
-    assert proc.returncode == 0, describe(proc)
-    return run_dir_of(tmp)
-
-
 def assert_same_run(reference, run_dir, mid_epoch: bool, required=("val/acc", "val/loss", "test/acc")):
     ref_w, got_w = weights(reference / "checkpoints" / "last.ckpt"), weights(run_dir / "checkpoints" / "last.ckpt")
     assert ref_w.keys() == got_w.keys()
