@@ -300,6 +300,19 @@ def test_unknown_constructor_key_is_rejected(compose):
         validate_config(cfg)
 
 
+@pytest.mark.parametrize("strategy", ["pytorch_lightning.strategies.DDPStrategy",
+                                      "longmixer.utils.strategies.ZeroDDPStrategy"])
+def test_ddp_strategy_takes_the_arguments_it_passes_to_distributed_data_parallel(compose, strategy):
+    """Lightning's DDP strategy hands its **kwargs to torch's DistributedDataParallel: those names are its keys, and
+    its typos are still caught, with the close name."""
+    cfg = compose(["trainer=ddp", f"trainer.strategy={{_target_:{strategy},gradient_as_bucket_view:true,"
+                                  "bucket_cap_mb:100,static_graph:false}"])
+    validate_config(cfg)
+    cfg = compose(["trainer=ddp", f"trainer.strategy={{_target_:{strategy},gradient_as_bucket_vew:true}}"])
+    with pytest.raises(ConfigError, match=r"trainer.strategy.gradient_as_bucket_vew .*'gradient_as_bucket_view'"):
+        validate_config(cfg)
+
+
 @pytest.mark.parametrize("override, message", [
     ("seed=-1", "seed=-1 must be an integer >= 0"),
     ("resume=sometimes", "resume='sometimes' is not one of"),

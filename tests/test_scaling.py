@@ -72,6 +72,8 @@ def test_two_gloo_processes_give_the_one_process_loss_curve(tmp_path):
         assert run["tokens_per_step"] == base["tokens_per_step"]
         assert max(abs(a - b) for a, b in zip(run["loss"], base["loss"])) < LOSS_TOL, key
         assert run["tokens_per_s"] > 0 and run["timed_steps"] == 3
+        assert run["clock"] == "host" and len(run["step_ms"]) == 3
+        assert run["timed_s"] == pytest.approx(sum(run["step_ms"]) / 1e3, abs=1e-5)
     rows = {(r["strategy"], r["devices"]): r for r in report["summary"]}
     assert rows["ddp", 2]["max_abs_loss_diff_vs_1"] < LOSS_TOL
     assert rows["ddp", 2]["efficiency"] == pytest.approx(rows["ddp", 2]["speedup"] / 2)
@@ -165,3 +167,22 @@ def test_run_that_hangs_after_training_keeps_its_measurement(tmp_path, capsys, m
     (row,) = report["summary"]
     assert row["tokens_per_s"] == 320.0 and row["exit"] == run["exit"]
     assert "killed 1 s after training ended" in capsys.readouterr().out
+
+
+def test_scaling_probe_reads_nothing_from_the_device_during_the_steps(tmp_path):
+    """Per step the probe keeps the loss and the real-token count as device tensors: on meta tensors, which have no
+    values, any host read (`int(mask.sum())`, `.item()`) raises. Such a read waits for the GPU at every step."""
+    from types import SimpleNamespace
+
+    from longmixer.callbacks.scaling import ScalingProbe
+
+    probe = ScalingProbe(out=str(tmp_path / "probe.json"), warmup_steps=1)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    batch = {"inputs": torch.empty(4, 16, dtype=torch.long, device="meta"),
+             "mask": torch.empty(4, 16, dtype=torch.bool, device="meta"),
+             "inputs2": torch.empty(4, 16, dtype=torch.long, device="meta")}
+    for step in range(3):
+        probe.on_train_batch_start(trainer, None, batch, step)
+        probe.on_train_batch_end(trainer, None, {"loss": torch.empty((), device="meta")}, batch, step)
+    assert len(probe._tokens) == 3 and all(t.device.type == "meta" for t in probe._tokens)
+    assert len(probe._starts) == 2 and probe._end is not None  # the steps after the warm-up one are timed

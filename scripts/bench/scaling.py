@@ -27,6 +27,7 @@ import csv
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -103,7 +104,7 @@ def run_overrides(name: str, recipe: Recipe, world: int, strategy: str, args, ou
     return [f"experiment={recipe.experiment}", f"data={recipe.data}", *recipe.overrides, *data,
             f"data.batch_size={recipe.global_batch // world}", *trainer, f"trainer.devices={world}",
             f"trainer.max_steps={args.steps}", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
-            "trainer.log_every_n_steps=1", "trainer.accumulate_grad_batches=1", "+trainer.enable_checkpointing=false",
+            "trainer.accumulate_grad_batches=1", "+trainer.enable_checkpointing=false",
             "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "test=false",
             "callbacks=none", "~callbacks.checkpoint", "~callbacks.resume_step",  # no checkpointing at all
             "+callbacks.scaling._target_=longmixer.callbacks.scaling.ScalingProbe",
@@ -190,6 +191,7 @@ def summarise(results: list[dict]) -> list[dict]:
                      "global_batch": r["rows_per_step"][0],
                      "tokens_per_step": r["tokens_per_step"][0], "steps": r["steps"], "timed_steps": r["timed_steps"],
                      "tokens_per_s": r["tokens_per_s"], "speedup": speedup, "efficiency": speedup / r["world_size"],
+                     "step_ms_median": statistics.median(r["step_ms"]) if r.get("step_ms") else float("nan"),
                      "peak_mem_gib_max": max(peaks) if peaks else float("nan"),
                      "peak_mem_gib_per_device": peaks, "loss_first": r["loss"][0], "loss_last": r["loss"][-1],
                      "max_abs_loss_diff_vs_1": diff, "exit": r.get("exit", "ok")})
@@ -197,13 +199,14 @@ def summarise(results: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'recipe':<20} {'strategy':<8} {'dev':>3} {'batch':>5} {'tokens/s':>12} {'speedup':>7} {'eff':>5} "
+    head = (f"{'recipe':<20} {'strategy':<8} {'dev':>3} {'batch':>5} {'tokens/s':>12} {'step ms':>8} {'speedup':>7} "
+            f"{'eff':>5} "
             f"{'peak GiB':>8} "
             f"{'loss 0 -> last':>16} {'max|dloss|':>10}  exit")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['recipe']:<20} {r['strategy']:<8} {r['devices']:>3} {r['global_batch']:>5} "
-                     f"{r['tokens_per_s']:>12,.0f} "
+                     f"{r['tokens_per_s']:>12,.0f} {r['step_ms_median']:>8.2f} "
                      f"{r['speedup']:>7.3f} {r['efficiency']:>5.2f} {r['peak_mem_gib_max']:>8.2f} "
                      f"{r['loss_first']:>7.4f} -> {r['loss_last']:<6.4f} {r['max_abs_loss_diff_vs_1']:>10.2e}  {r['exit']}")
     return "\n".join(lines)

@@ -1,8 +1,12 @@
 """A probe for scale-out measurements: the global-batch loss of every step, tokens/s over all ranks and the peak
 memory of each rank, written once to a JSON file at the end of training (`scripts/bench/scaling.py` reads it).
 
-Nothing is reduced while training runs: each rank keeps its per-step losses and token counts on its own device, and
-the ranks exchange them once in `on_train_end`, so the probe adds no synchronisation to the steps it times.
+Nothing is read or reduced while training runs: each rank keeps its per-step losses and real-token counts on its
+own device (an `int(mask.sum())` per step would wait for the GPU at every step, which left the GPU idle while the host
+prepared the next step and made a small model's multi-GPU rows follow the host's load), and the ranks exchange them
+once in `on_train_end`. On a GPU the timed steps are measured on the GPU's own timeline, by CUDA events recorded as
+each step starts and ends (no wait either): from the start of the first timed step to the end of the last, idle gaps
+between kernels included, and the end of training (loggers, loops closing) left out. On a CPU, by the host's clock.
 """
 
 from __future__ import annotations
@@ -16,13 +20,15 @@ import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback
 
 
-def _tokens(batch) -> int:
-    """Real (unpadded) positions of `inputs` (+ `inputs2`), as `callbacks/throughput.py` counts them."""
-    total = 0
+def _tokens(batch) -> torch.Tensor:
+    """Real (unpadded) positions of `inputs` (+ `inputs2`), as `callbacks/throughput.py` counts them: a float64
+    scalar on the batch's device, summed there (no host read)."""
+    device = batch["inputs"].device
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for key, mask_key in (("inputs", "mask"), ("inputs2", "mask2")):
         if key in batch:
             mask = batch.get(mask_key)
-            total += int(mask.sum()) if mask is not None else batch[key].shape[0] * batch[key].shape[1]
+            total = total + (mask.sum() if mask is not None else batch[key].shape[0] * batch[key].shape[1])
     return total
 
 
@@ -31,9 +37,10 @@ class ScalingProbe(Callback):
     and the tokens of the global batch; times the steps after the first `warmup_steps`.
 
     The file `out` (written by global rank 0) holds: `world_size`, `steps`, `loss` (one float per step),
-    `rows_per_step`, `tokens_per_step`, `timed_steps`, `timed_s` (wall clock of the timed steps, the slowest rank),
-    `tokens_per_s` (all ranks' tokens of the timed steps / timed_s) and `peak_mem_gib` (one per rank; CUDA only,
-    else null).
+    `rows_per_step`, `tokens_per_step`, `timed_steps`, `timed_s` (the timed steps' time, the slowest rank: the GPU's
+    timeline between CUDA events on a GPU, the host's clock on a CPU), `clock` ("cuda-events" | "host"), `step_ms`
+    (rank 0's time of each timed step, start to start and the last to its end), `tokens_per_s` (all ranks' tokens of
+    the timed steps / timed_s) and `peak_mem_gib` (one per rank; CUDA only, else null).
 
     Args:
         out: the JSON file to write.
@@ -46,23 +53,25 @@ class ScalingProbe(Callback):
         self.out, self.warmup_steps = Path(out), warmup_steps
         self._losses: list[torch.Tensor] = []
         self._rows: list[int] = []
-        self._tokens: list[int] = []
-        self._t0: float | None = None
-        self._t1: float | None = None
+        self._tokens: list[torch.Tensor] = []
+        # the timed steps' marks: one as each starts, and the last one's end (CUDA events on a GPU, else host times)
+        self._starts: list = []
+        self._end = None
 
-    @staticmethod
-    def _sync(trainer) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)
+    def _mark(self, trainer):
+        if trainer.strategy.root_device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(trainer.strategy.root_device))
+        return event
 
     def on_train_start(self, trainer, pl_module):
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if len(self._losses) == self.warmup_steps and self._t0 is None:
-            self._sync(trainer)
-            self._t0 = time.perf_counter()
+        if len(self._losses) >= self.warmup_steps:
+            self._starts.append(self._mark(trainer))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -71,19 +80,28 @@ class ScalingProbe(Callback):
         self._losses.append(loss.detach().float().reshape(()))
         self._rows.append(int(batch["inputs"].shape[0]))
         self._tokens.append(_tokens(batch))
+        if self._starts:
+            self._end = self._mark(trainer)
+
+    def _step_seconds(self, trainer) -> list[float]:
+        """Each timed step's time: from its start mark to the next step's, the last to its end mark."""
+        marks = [*self._starts, self._end]
+        if trainer.strategy.root_device.type != "cuda":
+            return [b - a for a, b in zip(marks, marks[1:])]
+        torch.cuda.synchronize(trainer.strategy.root_device)
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
 
     def on_train_end(self, trainer, pl_module):
-        self._sync(trainer)
-        self._t1 = time.perf_counter()
         device = trainer.strategy.root_device
         steps = len(self._losses)
-        if steps <= self.warmup_steps:
+        if steps <= self.warmup_steps or self._end is None:
             raise RuntimeError(f"ScalingProbe saw {steps} steps, not more than warmup_steps={self.warmup_steps}; "
                                "raise trainer.max_steps")
+        step_s = self._step_seconds(trainer)
         rows = torch.tensor(self._rows, dtype=torch.float64, device=device)
         weighted = torch.stack(self._losses).double() * rows  # [steps] this rank's loss x rows
-        tokens = torch.tensor(self._tokens, dtype=torch.float64, device=device)
-        elapsed = torch.tensor([self._t1 - self._t0], dtype=torch.float64, device=device)
+        tokens = torch.stack(self._tokens).to(device)
+        elapsed = torch.tensor([sum(step_s)], dtype=torch.float64, device=device)
         world = trainer.world_size
         if world > 1:
             for t in (weighted, rows, tokens):
@@ -101,6 +119,8 @@ class ScalingProbe(Callback):
         result = {"world_size": world, "steps": steps, "warmup_steps": self.warmup_steps,
                   "loss": (weighted / rows).tolist(), "rows_per_step": rows.long().tolist(),
                   "tokens_per_step": tokens.long().tolist(), "timed_steps": steps - self.warmup_steps,
-                  "timed_s": float(elapsed), "tokens_per_s": timed_tokens / float(elapsed), "peak_mem_gib": peaks}
+                  "timed_s": float(elapsed), "clock": "cuda-events" if device.type == "cuda" else "host",
+                  "step_ms": [round(1e3 * s, 3) for s in step_s], "tokens_per_s": timed_tokens / float(elapsed),
+                  "peak_mem_gib": peaks}
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text(json.dumps(result, indent=1))

@@ -55,10 +55,19 @@ def _signature(fn) -> inspect.Signature:
         return inspect.signature(fn)
 
 
+# classes whose **kwargs go to another callable rather than up the class hierarchy: Lightning's DDP strategy hands
+# them to torch's DistributedDataParallel (`trainer.strategy.gradient_as_bucket_view`, `bucket_cap_mb`, ...)
+KWARGS_FORWARDED = {
+    "pytorch_lightning.strategies.ddp.DDPStrategy": "torch.nn.parallel.DistributedDataParallel",
+    "lightning.pytorch.strategies.ddp.DDPStrategy": "torch.nn.parallel.DistributedDataParallel",
+}
+_FORWARD_SKIPPED = {"self", "module"}  # filled in by the class that forwards them
+
+
 def target_parameters(target) -> tuple[dict[str, inspect.Parameter], bool]:
     """The parameters `target` accepts by name, following **kwargs up the class hierarchy (a subclass's own
-    declaration of a name wins); the flag says whether any name is accepted (a **kwargs that reaches no named
-    parameters)."""
+    declaration of a name wins) or to the callable a class forwards them to (`KWARGS_FORWARDED`); the flag says
+    whether any name is accepted (a **kwargs that reaches no named parameters)."""
     params: dict[str, inspect.Parameter] = {}
     classes = inspect.getmro(target) if inspect.isclass(target) else (None,)
     for cls in classes:
@@ -70,6 +79,12 @@ def target_parameters(target) -> tuple[dict[str, inspect.Parameter], bool]:
             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self":
                 params.setdefault(p.name, p)
         if not any(p.kind == p.VAR_KEYWORD for p in own):
+            return params, False
+        forwarded = cls is not None and KWARGS_FORWARDED.get(f"{cls.__module__}.{cls.__qualname__}")
+        if forwarded:
+            for p in _signature(locate(forwarded).__init__).parameters.values():
+                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name not in _FORWARD_SKIPPED:
+                    params.setdefault(p.name, p)
             return params, False
         if cls is None or cls is object:
             return params, True
