@@ -244,3 +244,38 @@ def test_datamodule_gives_the_loader_lightnings_epoch(tmp_path, trainer, epoch_b
     dm.trainer = SimpleNamespace(**trainer)
     loader = dm.train_dataloader()
     assert len(loader) == 16 and loader.epoch_batches == epoch_batches and loader.repeat == repeat
+
+
+@pytest.mark.parametrize("accumulate, epoch_batches", [(3, None), (3, 5), (4, 7)])
+def test_batches_carry_their_optimizer_updates_tokens_under_accumulation(accumulate, epoch_batches):
+    """Batch i of the epoch carries the tokens of its update's batches [u A, (u + 1) A), the last update cut at the
+    epoch's end (`epoch_batches`, as Lightning steps the optimizer there); also past a mid-epoch resume."""
+    stream = LMTrainStream(torch.arange(3000), batch_size=2, chunk=4, k_min=1, k_max=3, seed=1, roll=False)
+    stream.accumulate, stream.epoch_batches = accumulate, epoch_batches
+    batches = list(stream)
+    n = epoch_batches or len(batches)
+    tokens = [b["inputs"].numel() for b in batches]
+    assert len(set(tokens)) > 1  # K varies, so a plain count of the batches would weigh tokens unequally
+    for i, batch in enumerate(batches[:n]):
+        first = i - i % accumulate
+        assert int(batch["update_tokens"]) == sum(tokens[first:min(first + accumulate, n)]), i
+    stream.skip = 4
+    assert [int(b["update_tokens"]) for b in stream] == [int(b["update_tokens"]) for b in batches[4:]]
+    stream.accumulate = 1
+    assert all("update_tokens" not in b for b in stream)
+
+
+def test_datamodule_hands_the_trainers_accumulation_to_the_stream(tmp_path):
+    from types import SimpleNamespace
+
+    from longmixer.data.synthetic_bytes import SyntheticBytes
+
+    dm = SyntheticBytes(train_bytes=2000, eval_bytes=300, num_words=50, seq_len=16, k_min=1, k_max=3, batch_size=4,
+                        data_dir=tmp_path)
+    dm.prepare_data()
+    dm.setup()
+    dm.trainer = SimpleNamespace(limit_train_batches=5, overfit_batches=0, accumulate_grad_batches=2)
+    loader = dm.train_dataloader()
+    assert loader.dataset.accumulate == 2 and loader.dataset.epoch_batches == 5
+    first, second = list(loader)[:2]  # one update
+    assert int(first["update_tokens"]) == int(second["update_tokens"]) == first["inputs"].numel() + second["inputs"].numel()

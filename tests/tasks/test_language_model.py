@@ -137,3 +137,61 @@ def test_two_step_fit_and_test(tmp_path, fixture, datamodule, metric):
     assert float(metrics["val/loss_best"]) == pytest.approx(loss)
     result = trainer.test(task, datamodule=dm, verbose=False)[0]
     assert math.isfinite(result["test/loss"]) and f"test/{metric}" in result
+
+
+def test_accumulated_update_weighs_every_token_the_same():
+    """Under accumulation each batch puts its summed NLL over the update's tokens into the update (times the count
+    Lightning divides by), so the update's gradient is the token mean over all its batches (fairseq's), although
+    its batches differ in length."""
+    from types import SimpleNamespace
+
+    from longmixer.data.lm_stream import LMTrainStream
+
+    accumulate = 3
+    stream = LMTrainStream(torch.randint(0, V, (600,)), batch_size=2, chunk=4, k_min=1, k_max=3, seed=2, roll=False)
+    stream.accumulate = accumulate
+    batches = list(stream)[:accumulate]
+    assert len({b["inputs"].shape[1] for b in batches}) > 1
+    task = LanguageModel(tiny_model(partial(Transformer, n_heads=2)), *OPTIM)
+    task._trainer = SimpleNamespace(accumulate_grad_batches=accumulate)
+    params = [p for p in task.parameters() if p.requires_grad]
+    for batch in batches:  # what Lightning's automatic optimization does with each batch's loss
+        loss, outputs = task.forward_loss(batch)
+        (task.update_share(batch, loss, outputs) / accumulate).backward()
+    accumulated = [p.grad.clone() for p in params]
+    task.zero_grad()
+    nll = sum(task.token_nll(b)[0].sum() for b in batches)
+    (nll / sum(b["targets"].numel() for b in batches)).backward()
+    for got, want in zip(accumulated, (p.grad for p in params), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    plain = {k: v for k, v in batches[0].items() if k != "update_tokens"}
+    loss, outputs = task.forward_loss(plain)
+    assert task.update_share(plain, loss, outputs) is loss  # without accumulation: the batch's token mean
+
+
+def test_fit_with_accumulation_weighs_by_the_updates_tokens(tmp_path, monkeypatch):
+    """A real fit under `trainer.accumulate_grad_batches`: every training batch reaches the task with its update's
+    token count (the datamodule hands the trainer's accumulation to the stream) and is weighed by it."""
+    overrides = write_enwik8_fixture(tmp_path / "raw")
+    dm = Enwik8(data_dir=tmp_path / "data", batch_size=2, k_min=1, k_max=3, eval_context=8, **overrides)
+    model = SequenceModel(mixer=partial(Transformer, n_heads=2), d_model=16, n_layers=1, vocab_size=dm.vocab_size,
+                          causal=True, pool="none", head="lm_tied", pos_encoding="sinusoidal").float()
+    task = LanguageModel(model, *OPTIM, metric=dm.metric)
+    seen = []
+    share = task.update_share
+
+    def spy(batch, loss, outputs):
+        out = share(batch, loss, outputs)
+        seen.append((batch["inputs"].numel(), int(batch["update_tokens"]), float(out / loss)))
+        return out
+
+    monkeypatch.setattr(task, "update_share", spy)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=2, limit_val_batches=0,
+                         num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(task, datamodule=dm)
+    assert trainer.global_step == 2 and len(seen) == 4
+    for i in (0, 2):  # each update: its two batches' tokens, each weighed by its share of them (times 2)
+        (n0, total0, w0), (n1, total1, w1) = seen[i], seen[i + 1]
+        assert total0 == total1 == n0 + n1
+        assert w0 == pytest.approx(2 * n0 / total0) and w1 == pytest.approx(2 * n1 / total1)

@@ -57,6 +57,13 @@ class LMTrainStream(IterableDataset):
         seed: the roll offsets and the order of the K depend on (seed, epoch) only, so every rank agrees on K.
         roll: roll each row by a random offset every epoch (Transformer-XL / s4 `roll_seed`).
         rank, world_size: the DDP shard; None reads them from torch.distributed at iteration time.
+
+    Under gradient accumulation (`accumulate` > 1, set by the datamodule from `trainer.accumulate_grad_batches`)
+    each batch also carries `update_tokens`, the tokens of this rank's batches in its optimizer update: the epoch's
+    batches [u A, (u + 1) A), the last update cut at the epoch's end (`epoch_batches`, as Lightning steps the
+    optimizer). The language-model task weighs each batch's summed loss by it, so an update's gradient is its
+    total NLL over its total tokens, as fairseq's; K is known for the whole epoch, so the total is known before
+    the update's first backward.
     """
 
     def __init__(self, tokens: torch.Tensor, batch_size: int, chunk: int, k_min: int = 1, k_max: int = 1,
@@ -72,6 +79,7 @@ class LMTrainStream(IterableDataset):
         self.k_min, self.k_max, self.seed, self.roll = k_min, k_max, seed, roll
         self.rank, self.world_size = rank, world_size
         self.epoch, self.skip = 0, 0  # skip: batches of this epoch already consumed (mid-epoch resume)
+        self.accumulate, self.epoch_batches = 1, None  # the optimizer updates' batches (set by the datamodule)
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose roll offsets and order of the K the next iteration uses."""
@@ -130,17 +138,27 @@ class LMTrainStream(IterableDataset):
         row_len = self.tokens.numel() // (self.batch_size * world_size)
         return len(self.segment_lengths(row_len))
 
+    def update_tokens(self, lengths: list[int], i: int) -> int:
+        """This rank's tokens in the optimizer update that holds the epoch's batch `i` (see the class)."""
+        first = i - i % self.accumulate
+        last = min(first + self.accumulate, self.epoch_batches or len(lengths), len(lengths))
+        return self.batch_size * sum(lengths[first:last])
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         data = self.rows()
+        lengths = self.segment_lengths(data.shape[1])
         starts = [0]
-        for length in self.segment_lengths(data.shape[1]):
+        for length in lengths:
             starts.append(starts[-1] + length)
         skip, self.skip = self.skip, 0
         for i, (pos, end) in enumerate(zip(starts[:-1], starts[1:])):
             if i < skip or not _mine_in_worker(i - skip):  # the workers deal from the first batch yielded
                 continue
             inputs = data[:, pos:end]
-            yield {"inputs": inputs.long(), "targets": data[:, pos + 1:end + 1].long()}
+            batch = {"inputs": inputs.long(), "targets": data[:, pos + 1:end + 1].long()}
+            if self.accumulate > 1:
+                batch["update_tokens"] = torch.tensor(self.update_tokens(lengths, i))
+            yield batch
 
 
 def eval_windows(num_tokens: int, window: int, context: int) -> list[tuple[int, int, int]]:
@@ -316,5 +334,8 @@ class LMDataModule(SequenceDataModule):
             # `_epoch_batches` counts that limit as well, and the loader repeats those batches every epoch
             stream = self.datasets[split]
             overfit = self.trainer is not None and bool(getattr(self.trainer, "overfit_batches", 0))
-            return LMStreamLoader(stream, epoch_batches=self._epoch_batches(len(stream)), repeat=overfit, **kwargs)
+            epoch_batches = self._epoch_batches(len(stream))
+            stream.accumulate = int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1)
+            stream.epoch_batches = epoch_batches
+            return LMStreamLoader(stream, epoch_batches=epoch_batches, repeat=overfit, **kwargs)
         return DataLoader(self.datasets[split], batch_size=None, persistent_workers=self.persistent_workers, **kwargs)

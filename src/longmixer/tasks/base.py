@@ -102,11 +102,19 @@ class SequenceTask(pl.LightningModule):
         """Where torch.compile compiles (the first forward and backward of each shape): its failures in one line."""
         return explain_compile_failure(self.compile_mode, self.compiled_as)
 
+    def update_share(self, batch: dict[str, torch.Tensor], loss: torch.Tensor, outputs: dict[str, Any]) -> torch.Tensor:
+        """The loss a training batch puts into its optimizer update, before Lightning divides it by
+        `trainer.accumulate_grad_batches`: here the batch's own loss (every batch of an update weighs the same);
+        the language-model task weighs by tokens."""
+        return loss
+
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         with self._compiling():
             loss, outputs = self.forward_loss(batch)
         self.log_step(batch, stage, loss.detach(), outputs)
         self.log_aux(outputs["aux"], stage, _batch_size(batch))
+        if stage == "train":
+            loss = self.update_share(batch, loss, outputs)
         return self.with_aux_losses(loss, outputs["aux"])
 
     def training_step(self, batch, batch_idx):

@@ -74,6 +74,16 @@ class LanguageModel(SequenceTask):
         count = (batch["targets"] != IGNORE_INDEX).sum()
         return nll.sum() / count.clamp_min(1), {"count": count, "aux": aux}
 
+    def update_share(self, batch, loss, outputs):
+        """Under gradient accumulation, the batch's summed NLL over its update's tokens (`update_tokens`, from
+        `LMTrainStream`), times the accumulation count that Lightning divides by: the update's gradient is its total
+        NLL over its total tokens, as fairseq's, however K varies between its batches. Without accumulation (or
+        without `update_tokens`), the batch's token mean."""
+        total = batch.get("update_tokens")
+        if total is None:
+            return loss
+        return loss * (outputs["count"].to(loss.dtype) / total.to(loss.dtype)) * self.trainer.accumulate_grad_batches
+
     def log_step(self, batch, stage, loss, outputs):
         n = batch["targets"].shape[0]
         if stage == "train":
