@@ -221,17 +221,22 @@ LM = ["experiment=mega/enwik8", "model=transformer", "data=synthetic_bytes", "da
       "~callbacks.summary", "~callbacks.throughput", "trainer.enable_model_summary=false", "scheduler.warmup_steps=2"]
 
 
-def test_lm_run_with_loader_workers_killed_mid_epoch_resumes_to_the_uninterrupted_result(tmp_path):
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["one_batch_an_update", "accumulated"])
+def test_lm_run_with_loader_workers_killed_mid_epoch_resumes_to_the_uninterrupted_result(tmp_path, accumulate):
     """The LM loader draws its iterator seeds from a private generator: drawn from the global RNG, they moved the
-    resumed run's dropout masks (the segments were the same, the weights not)."""
+    resumed run's dropout masks (the segments were the same, the weights not). Accumulated: the resumed stream
+    starts mid-epoch and must give each batch its update's token count (`update_tokens`) as the first run did."""
     def run(where, fault=None):
         paths = [f"paths.log_dir={tmp_path / where / 'logs'}", f"paths.data_dir={tmp_path / 'data'}"]
-        proc = run_train(tmp_path / where, [*paths, *LM], fault=fault, tiny=False)
+        proc = run_train(tmp_path / where, [*paths, *LM, f"trainer.accumulate_grad_batches={accumulate}",
+                                            f"trainer.val_check_interval={12 * accumulate}",
+                                            f"callbacks.checkpoint.every_n_train_steps={5 if accumulate == 1 else 3}"],
+                         fault=fault, tiny=False)
         return proc
 
     ref = run("reference")
     assert ref.returncode == 0, describe(ref)
-    killed = run("killed", fault="SIGKILL:train:7")
+    killed = run("killed", fault=f"SIGKILL:train:{7 * accumulate}")
     assert killed.returncode == -signal.SIGKILL, describe(killed)
     resumed = run("killed")
     assert resumed.returncode == 0, describe(resumed)
