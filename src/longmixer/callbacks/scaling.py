@@ -19,17 +19,7 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback
 
-
-def _tokens(batch) -> torch.Tensor:
-    """Real (unpadded) positions of `inputs` (+ `inputs2`), as `callbacks/throughput.py` counts them: a float64
-    scalar on the batch's device, summed there (no host read)."""
-    device = batch["inputs"].device
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for key, mask_key in (("inputs", "mask"), ("inputs2", "mask2")):
-        if key in batch:
-            mask = batch.get(mask_key)
-            total = total + (mask.sum() if mask is not None else batch[key].shape[0] * batch[key].shape[1])
-    return total
+from longmixer.callbacks.throughput import real_tokens
 
 
 class ScalingProbe(Callback):
@@ -53,7 +43,7 @@ class ScalingProbe(Callback):
         self.out, self.warmup_steps = Path(out), warmup_steps
         self._losses: list[torch.Tensor] = []
         self._rows: list[int] = []
-        self._tokens: list[torch.Tensor] = []
+        self._tokens: list[torch.Tensor | int] = []  # `real_tokens` of each step, read at the end
         # the timed steps' marks: one as each starts, and the last one's end (CUDA events on a GPU, else host times)
         self._starts: list = []
         self._end = None
@@ -79,7 +69,7 @@ class ScalingProbe(Callback):
             raise RuntimeError("ScalingProbe needs training_step to return the loss (got None)")
         self._losses.append(loss.detach().float().reshape(()))
         self._rows.append(int(batch["inputs"].shape[0]))
-        self._tokens.append(_tokens(batch))
+        self._tokens.append(real_tokens(batch))
         if self._starts:
             self._end = self._mark(trainer)
 
@@ -100,7 +90,7 @@ class ScalingProbe(Callback):
         step_s = self._step_seconds(trainer)
         rows = torch.tensor(self._rows, dtype=torch.float64, device=device)
         weighted = torch.stack(self._losses).double() * rows  # [steps] this rank's loss x rows
-        tokens = torch.stack(self._tokens).to(device)
+        tokens = torch.stack([torch.as_tensor(t, dtype=torch.float64, device=device) for t in self._tokens])
         elapsed = torch.tensor([sum(step_s)], dtype=torch.float64, device=device)
         world = trainer.world_size
         if world > 1:

@@ -17,6 +17,17 @@ import torch
 from pytorch_lightning.callbacks import Callback
 
 
+def real_tokens(batch) -> torch.Tensor | int:
+    """Real (unpadded) positions of `inputs` (+ `inputs2`): a device tensor where a key mask is counted (summed on
+    the device, not read), else an int."""
+    total: torch.Tensor | int = 0
+    for key, mask_key in (("inputs", "mask"), ("inputs2", "mask2")):
+        if key in batch:
+            mask = batch.get(mask_key)
+            total = total + (mask.sum() if mask is not None else batch[key].shape[0] * batch[key].shape[1])
+    return total
+
+
 class Throughput(Callback):
     """Logs `train/speed/{tokens_per_s, samples_per_s, step_ms}` and `train/speed/peak_mem_gib` (CUDA only)
     averaged over `window` training steps. Tokens are the real (unpadded) positions of `inputs` (+ `inputs2`).
@@ -48,12 +59,7 @@ class Throughput(Callback):
         if self._start is None:
             return
         self.steps += 1
-        for key, mask_key in (("inputs", "mask"), ("inputs2", "mask2")):
-            if key in batch:
-                mask = batch.get(mask_key)
-                # a device-side sum: no host read here
-                self.tokens = self.tokens + (mask.sum() if mask is not None
-                                             else batch[key].shape[0] * batch[key].shape[1])
+        self.tokens = self.tokens + real_tokens(batch)  # a device-side sum: no host read here
         self.samples += batch["inputs"].shape[0]
         if self.steps >= self.window:
             self._log_window(trainer)

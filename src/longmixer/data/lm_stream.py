@@ -79,7 +79,7 @@ class LMTrainStream(IterableDataset):
         self.k_min, self.k_max, self.seed, self.roll = k_min, k_max, seed, roll
         self.rank, self.world_size = rank, world_size
         self.epoch, self.skip = 0, 0  # skip: batches of this epoch already consumed (mid-epoch resume)
-        self.accumulate, self.epoch_batches = 1, None  # the optimizer updates' batches (set by the datamodule)
+        self.accumulate, self.epoch_batches = 1, None  # the optimizer updates' batches (the datamodule and LMStreamLoader set them)
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose roll offsets and order of the K the next iteration uses."""
@@ -141,7 +141,7 @@ class LMTrainStream(IterableDataset):
     def update_tokens(self, lengths: list[int], i: int) -> int:
         """This rank's tokens in the optimizer update that holds the epoch's batch `i` (see the class)."""
         first = i - i % self.accumulate
-        last = min(first + self.accumulate, self.epoch_batches or len(lengths), len(lengths))
+        last = min(first + self.accumulate, self.epoch_batches or len(lengths))
         return self.batch_size * sum(lengths[first:last])
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -250,6 +250,7 @@ class LMStreamLoader(DataLoader):
                              "stream made before the epoch changed")
         super().__init__(stream, batch_size=None, **kwargs)
         self.epoch_batches = epoch_batches  # as ResumableLoader's: each epoch that many batches of a fresh pass
+        stream.epoch_batches = epoch_batches  # where the epoch's last optimizer update ends (`update_tokens`)
         self.repeat = repeat
         self._epoch, self._consumed = 0, 0
 
@@ -334,8 +335,6 @@ class LMDataModule(SequenceDataModule):
             # `_epoch_batches` counts that limit as well, and the loader repeats those batches every epoch
             stream = self.datasets[split]
             overfit = self.trainer is not None and bool(getattr(self.trainer, "overfit_batches", 0))
-            epoch_batches = self._epoch_batches(len(stream))
             stream.accumulate = int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1)
-            stream.epoch_batches = epoch_batches
-            return LMStreamLoader(stream, epoch_batches=epoch_batches, repeat=overfit, **kwargs)
+            return LMStreamLoader(stream, epoch_batches=self._epoch_batches(len(stream)), repeat=overfit, **kwargs)
         return DataLoader(self.datasets[split], batch_size=None, persistent_workers=self.persistent_workers, **kwargs)
