@@ -12,7 +12,7 @@ from torch import nn
 
 import longmixer.tasks.base as base
 from longmixer.tasks.classification import Classification
-from longmixer.utils.compile import TrainStepGraph, make_capturable, sync_learning_rates
+from longmixer.utils.compile import EvalStepGraph, TrainStepGraph, make_capturable, sync_learning_rates
 from longmixer.utils.optim import LinearDecay
 
 
@@ -161,6 +161,90 @@ def test_learning_rates_live_in_the_tensors_a_replay_reads():
     assert [group["lr"] is lr for group, lr in zip(opt.param_groups, lrs)] == [True, True], "idempotent"
 
 
+class _GradientNorms(pl.Callback):
+    """Reads gradients: a hook that a replayed step does not run."""
+
+    def on_before_optimizer_step(self, trainer, task, optimizer):
+        pass
+
+
+def test_an_explicit_step_graph_refuses_a_callback_that_reads_gradients(tmp_path):
+    """A replayed step runs no `on_before_optimizer_step` / `on_after_backward` hook: such a callback would see no
+    gradients, so the run stops before its first step and names it."""
+    with pytest.raises(ValueError, match=r"step-graph needs .*\(_GradientNorms: a replayed step runs no.*auto"):
+        _fit(tmp_path, "step-graph", "cpu", _batches(2, 8), callbacks=[_GradientNorms()])
+
+
+class _FakeGraph:
+    """Stands in for a CUDA graph on a CPU: a replay runs the captured function again on the static batch and writes
+    its results into the captured outputs, as a real replay's kernels do."""
+
+    owner: EvalStepGraph | None = None
+    captures = 0
+
+    def replay(self):
+        for graph, static_batch, static_out in self.owner.graphs.values():
+            if graph is self:
+                loss, outputs = self.owner.fn(static_batch)
+                static_out[0].copy_(loss)
+                static_out[1]["logits"].copy_(outputs["logits"])
+
+
+def test_evaluation_forwards_replay_per_shape_from_the_copied_batch(monkeypatch):
+    """`EvalStepGraph`: each shape runs eagerly `warmup` times and is captured at the next batch; then every batch
+    of that shape is copied into the static tensors and replayed (the outputs are this batch's, in the captured
+    tensors); at most `max_graphs` shapes are captured, the rest run eagerly; the graphs are dropped once a
+    parameter has moved."""
+    import contextlib
+
+    net = nn.Linear(4, 3)
+    calls = []
+
+    def forward_loss(batch):
+        calls.append(batch["inputs"].shape[0])
+        logits = net(batch["inputs"])
+        return nn.functional.cross_entropy(logits, batch["labels"]), {"logits": logits}
+
+    graphs = EvalStepGraph(forward_loss, warmup=2, max_graphs=2)
+    graphs.follow(net)  # what the task does at every evaluation epoch's start
+    _FakeGraph.owner = graphs
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, **kw: contextlib.nullcontext())
+    full = _batches(6, 8, seed=1)[:6]
+    rows = {n: [dict(d, inputs=d["inputs"][:n], labels=d["labels"][:n]) for d in _batches(4, 8, seed=n)[:4]]
+            for n in (2, 3)}
+
+    def check(batch):
+        loss, outputs = graphs(batch)
+        expected = net(batch["inputs"])
+        torch.testing.assert_close(outputs["logits"], expected)
+        torch.testing.assert_close(loss, nn.functional.cross_entropy(expected, batch["labels"]))
+        return outputs["logits"]
+
+    with torch.no_grad():
+        outs = [check(batch) for batch in full]
+        # 2 eager calls, the capture's and its replay, 3 replays (the fake's replays run the function again)
+        assert graphs.replays == 4 and len(calls) == 2 + 1 + 4
+        assert all(out is outs[2] for out in outs[3:]) and outs[1] is not outs[2], "replays return the captured tensors"
+        for batch in rows[2] + rows[3]:
+            check(batch)
+    assert len(graphs.graphs) == 2, "shapes of 8 and 2 rows; the third stays eager (max_graphs=2)"
+    assert graphs.replays == 4 + 2 and graphs.seen[_key(rows[3][0])] == 4
+    graphs.follow(net)
+    assert len(graphs.graphs) == 2, "the parameters have not moved: the graphs stay"
+    net.weight.data = net.weight.data.clone()  # moved (as Lightning's teardown moves the model to the CPU and back)
+    graphs.follow(net)
+    assert not graphs.graphs and not graphs.seen, "a replay would read the freed memory: the graphs are dropped"
+    with torch.no_grad():
+        check(full[0])
+
+
+def _key(batch):
+    from longmixer.utils.compile import _batch_key
+
+    return _batch_key(batch)
+
+
 class _ReservedMemory(pl.Callback):
     """The CUDA caching allocator's reserved bytes at the end of each training epoch."""
 
@@ -203,6 +287,40 @@ def test_step_graph_matches_eager_training_on_a_gpu(tmp_path):
     for p, q in zip(graphed.model.parameters(), eager.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert memory.reserved[2] == memory.reserved[1], memory.reserved
+
+
+@pytest.mark.gpu
+def test_step_graph_validates_from_replayed_forwards_as_eager_does(tmp_path):
+    """On a GPU, a step-graph fit validates each epoch from captured forwards (`EvalStepGraph`: two eager batches of
+    a shape, then one capture, then replays; a short last batch's shape captured in a later epoch) and logs the same
+    validation losses and accuracies as an eager fit, in float32. The test after fit scores the same too: Lightning
+    moved the model to the CPU at the end of fit and back, so the graphs captured before read freed memory and are
+    captured anew (`EvalStepGraph.follow`)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    data, val = _batches(7, 5), _batches(5, 3, seed=1)
+    results = {}
+    for mode in ("none", "step-graph"):
+        torch.manual_seed(0)
+        task = Classification(_Net(), partial(torch.optim.AdamW, lr=1e-2), partial(LinearDecay, warmup_steps=3),
+                              num_classes=3, compile=mode)
+        logged = []
+        log = task.log
+        task.log = lambda name, value, _log=log, **kw: (
+            logged.append((name, value.compute().item() if hasattr(value, "compute") else float(value)))
+            if name.startswith(("val/", "test/")) and not name.endswith("_best") else None, _log(name, value, **kw))
+        trainer = pl.Trainer(max_epochs=3, accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, precision="32-true",
+                             num_sanity_val_steps=0, default_root_dir=tmp_path)
+        loader = partial(torch.utils.data.DataLoader, batch_size=None)
+        trainer.fit(task, train_dataloaders=loader(data), val_dataloaders=loader(val))
+        trainer.test(task, dataloaders=loader(val))
+        results[mode] = (logged, task)
+    graphed = results["step-graph"][1].eval_graph
+    # after the test: its shape of 8 rows captured anew; its last batch (3 rows) ran once, eagerly
+    assert graphed is not None and graphed.replays > 0 and len(graphed.graphs) == 1, (graphed and graphed.seen)
+    eager_logged, graphed_logged = results["none"][0], results["step-graph"][0]
+    assert [name for name, _ in graphed_logged] == [name for name, _ in eager_logged]
+    assert [v for _, v in graphed_logged] == pytest.approx([v for _, v in eager_logged], rel=1e-5, abs=1e-6)
 
 
 def test_a_model_with_data_dependent_shapes_is_refused(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ from torch import nn
 from longmixer.utils.compile import (
     COMPILE_MODES,
     STEP_GRAPH,
+    EvalStepGraph,
     TrainStepGraph,
     compile_blocks,
     explain_compile_failure,
@@ -52,10 +53,10 @@ class SequenceTask(pl.LightningModule):
             checkpoint callback, early stopping and hparams_search).
         mode: "max" or "min" for `monitor`.
         compile: torch.compile mode of the model's blocks (`compile_blocks`): "none" | "default" |
-            "reduce-overhead" | "max-autotune", "step-graph" (blocks as "default", and each training step replayed
-            from one CUDA graph: `TrainStepGraph`, single-GPU runs), or "auto": on CUDA "reduce-overhead" where the
-            batches come in few shapes and "default" otherwise, "none" elsewhere (decided in `configure_model` from
-            the trainer's device).
+            "reduce-overhead" | "max-autotune", "step-graph" (blocks as "default", each training step replayed
+            from one CUDA graph, `TrainStepGraph`, and each evaluation forward from another, `EvalStepGraph`;
+            single-GPU runs), or "auto": on CUDA "reduce-overhead" where the batches come in few shapes and
+            "default" otherwise, "none" elsewhere (decided in `configure_model` from the trainer's device).
 
     Subclasses define `forward_loss` (the model's call and the task loss, no logging) and `log_step` (the metrics
     of one step); `training_step`, `validation_step` and `test_step` are built from the two.
@@ -81,6 +82,7 @@ class SequenceTask(pl.LightningModule):
         self._first_bad_step: torch.Tensor | None = None  # the divergence guard's device-side record
         self.total_steps = 1
         self.step_graph: TrainStepGraph | None = None  # task.compile=step-graph during fit (`on_fit_start`)
+        self.eval_graph: EvalStepGraph | None = None  # task.compile=step-graph on CUDA (`configure_model`)
         # the run's resolved `model:` config, set by train.py and written into every checkpoint: evaluate compares it
         # with the model it builds, since variants with weights of the same shapes (LaS and LaS-chunk) load into
         # each other's model without an error
@@ -128,10 +130,27 @@ class SequenceTask(pl.LightningModule):
         return out["total"].clone()
 
     def validation_step(self, batch, batch_idx):
-        self._step(batch, "val")
+        self._eval_step(batch, "val")
 
     def test_step(self, batch, batch_idx):
-        self._step(batch, "test")
+        self._eval_step(batch, "test")
+
+    def on_validation_epoch_start(self) -> None:
+        if self.eval_graph is not None:
+            self.eval_graph.follow(self.model)
+
+    def on_test_epoch_start(self) -> None:
+        if self.eval_graph is not None:
+            self.eval_graph.follow(self.model)
+
+    def _eval_step(self, batch: dict[str, torch.Tensor], stage: str) -> None:
+        if self.eval_graph is None:
+            self._step(batch, stage)
+            return
+        with self._compiling():
+            loss, outputs = self.eval_graph(batch)  # replayed: the tensors are overwritten by the next replay
+        self.log_step(batch, stage, loss.detach(), outputs)
+        self.log_aux(outputs["aux"], stage, _batch_size(batch))
 
     # --- torch.compile (the `task.compile` switch) ------------------------------------------------------------------
     compile_entry = "forward"  # what the task calls on the model (utils/compile.py: one CUDA graph around it)
@@ -150,6 +169,8 @@ class SequenceTask(pl.LightningModule):
             log.info("task.compile=auto -> %s on %s (batches of %s)", self.compiled_as, device,
                      "few shapes" if few_shapes else "any length")
         compile_blocks(self.model, self.compiled_as, entry=self.compile_entry)
+        if self.compiled_as == STEP_GRAPH and device.type == "cuda" and not self._uncapturable_modules():
+            self.eval_graph = EvalStepGraph(self.forward_loss)
 
     def on_fit_start(self) -> None:
         if self.compiled_as == STEP_GRAPH:
@@ -191,13 +212,21 @@ class SequenceTask(pl.LightningModule):
             problems.append("clipping by norm: set trainer.gradient_clip_algorithm=norm")
         if len(trainer.optimizers) != 1:
             problems.append(f"one optimizer (there are {len(trainer.optimizers)})")
-        uncapturable = sorted({type(m).__name__ for m in self.model.modules()
-                               if getattr(m, "cuda_graph_capturable", True) is False})
+        readers = sorted({type(c).__name__ for c in trainer.callbacks if _reads_gradients(c)})
+        if readers:
+            problems.append(f"no callback that reads gradients ({', '.join(readers)}: a replayed step runs no "
+                            "on_after_backward or on_before_optimizer_step hook): use task.compile=auto")
+        uncapturable = self._uncapturable_modules()
         if uncapturable:
             problems.append(f"a model without data-dependent shapes ({', '.join(uncapturable)} select rows by value, "
                             "e.g. model.embedding=adaptive / model.head=adaptive): use task.compile=auto")
         if problems:
             raise ConfigError(f"task.compile={STEP_GRAPH} needs " + "; ".join(problems))
+
+    def _uncapturable_modules(self) -> list[str]:
+        """The model's modules that select rows by value (`cuda_graph_capturable = False`): no CUDA graph holds them."""
+        return sorted({type(m).__name__ for m in self.model.modules()
+                       if getattr(m, "cuda_graph_capturable", True) is False})
 
     def _graph_update(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """One whole training step for `TrainStepGraph`: forward (under the trainer's autocast, which wraps
@@ -220,8 +249,8 @@ class SequenceTask(pl.LightningModule):
     # the forward, backward and optimizer step) and the hooks around backward (the divergence guard), and nothing
     # else: no second backward, no optimizer.step(). (Its zero_grad, after the step, only drops the Python
     # references to the graph's gradients; the next replay writes them again.) So under step-graph no
-    # `on_before_optimizer_step` hook runs and `on_after_backward` sees no gradients: a callback that reads
-    # gradients needs another compile mode.
+    # `on_before_optimizer_step` hook runs and `on_after_backward` sees no gradients: `_check_step_graph` refuses a
+    # callback that defines either.
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         if self.step_graph is None:
             return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
@@ -444,6 +473,12 @@ def _portable_optimizer_states(checkpoint: dict, optimizers: list[torch.optim.Op
                 group["lr"] = float(group["lr"])  # one host read per checkpoint
             if "capturable" in group:
                 group["capturable"] = capturable
+
+
+def _reads_gradients(callback: pl.Callback) -> bool:
+    """Whether a callback defines the hooks that see gradients, which a replayed training step does not run."""
+    return any(getattr(type(callback), hook, None) is not getattr(pl.Callback, hook)
+               for hook in ("on_after_backward", "on_before_optimizer_step"))
 
 
 def _batch_size(batch: Mapping[str, torch.Tensor]) -> int:

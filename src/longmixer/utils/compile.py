@@ -30,7 +30,8 @@ def resolve_compile_mode(mode: str, device: torch.device, few_shapes: bool = Tru
     no longer paces a small model (measured on `experiment=chela/listops`: 1.8x the steps per second of "default",
     docs/benchmarks.md); "default" when every batch may have its own length (a CUDA graph would be recorded per
     length); "none" elsewhere (on a CPU, compiling costs more time than it saves in tests and debugging runs).
-    Any other value is returned as is."""
+    Any other value is returned as is. `auto` does not pick "step-graph": in real ListOps runs it took the same
+    step as "reduce-overhead" and held more memory (docs/benchmarks.md)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"task.compile={mode!r} is not one of {COMPILE_MODES}; use task.compile=auto")
     if mode == "auto":
@@ -285,3 +286,76 @@ class TrainStepGraph:
         torch.cuda.empty_cache()  # the warm-up steps' blocks, cached for the side stream, which no step uses again
         graph.replay()  # capturing records the step without running it: this batch's step runs now
         return self._replayed()
+
+
+class EvalStepGraph:
+    """Validation and test forwards replayed from CUDA graphs, beside `TrainStepGraph`, so that a `step-graph` run
+    validates as fast as a `reduce-overhead` one: its blocks are compiled as "default", and without graphs an
+    evaluation batch costs the host's launches (the step-graph runs' validations were 82-87% GPU-busy against
+    91-92% under `reduce-overhead`, docs/benchmarks.md).
+
+    `fn(batch)` is the task's forward and loss (`forward_loss`, no logging), returning (loss, outputs). Each batch
+    shape runs it eagerly `warmup` times (compilation and the kernels' first launches happen there), is captured
+    once at the next batch (under the caller's grad mode, autocast and inference mode, which Lightning sets around
+    evaluation), and is replayed from then on: the batch is copied into the graph's static tensors and the
+    returned tensors are the graph's, overwritten by the next replay of that shape (the tasks log them at once).
+    At most `max_graphs` shapes are captured, each with its own memory pool (a pool shared between graphs would let
+    one replay overwrite another's outputs); any further shape runs eagerly. A replay reads the parameters and
+    buffers in the memory they had at the capture: updates in place (the optimizer, weight EMA's swap,
+    `load_state_dict`) reach it, but a module moved or given new tensors would leave it reading freed memory, so the
+    task calls `follow(model)` at the start of every evaluation epoch, which drops the graphs when any parameter or
+    buffer has moved (Lightning moves the model to the CPU when `fit` ends and back for the `test` that follows).
+    """
+
+    def __init__(self, fn: Callable[[dict], tuple[torch.Tensor, dict]], warmup: int = 2, max_graphs: int = 4):
+        if warmup < 1:
+            raise ValueError(f"warmup={warmup} must be >= 1: compiling cannot be captured")
+        self.fn, self.warmup, self.max_graphs = fn, warmup, max_graphs
+        self.seen: dict[tuple, int] = {}  # eager calls per shape before its capture
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict, Any]] = {}  # shape -> (graph, batch, outputs)
+        self.replays = 0
+        self.storage: tuple[int, ...] = ()  # where the model's tensors lived at `follow`
+
+    def follow(self, module: nn.Module) -> None:
+        """Drop every captured graph (and the counts before capture) if a parameter or buffer of `module` is no
+        longer where it was at the previous call: the graphs read the old memory."""
+        storage = tuple(t.data_ptr() for t in (*module.parameters(), *module.buffers()))
+        if storage != self.storage:
+            self.graphs.clear()
+            self.seen.clear()
+            self.storage = storage
+
+    def __call__(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        key = _batch_key(batch)
+        captured = self.graphs.get(key)
+        if captured is not None:
+            graph, static_batch, static_out = captured
+            for name, value in static_batch.items():
+                if torch.is_tensor(value):
+                    value.copy_(batch[name], non_blocking=True)
+            graph.replay()
+            self.replays += 1
+            return static_out
+        count = self.seen.get(key, 0)
+        if count < self.warmup or len(self.graphs) >= self.max_graphs:
+            self.seen[key] = count + 1
+            return self.fn(batch)
+        return self._capture(key, batch)
+
+    def _capture(self, key: tuple, batch: dict) -> tuple[torch.Tensor, dict]:
+        static_batch = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                static_out = self.fn(static_batch)
+        except RuntimeError as err:
+            raise RuntimeError(f"task.compile={STEP_GRAPH}: the evaluation forward could not be captured in a CUDA "
+                               f"graph ({err}). A forward that reads a GPU value on the host (.item(), a branch on "
+                               "a tensor) or has data-dependent shapes cannot be replayed: use "
+                               "task.compile=reduce-overhead") from err
+        self.graphs[key] = (graph, static_batch, static_out)
+        log.info("%s: evaluation batches of %s replay from a CUDA graph", STEP_GRAPH,
+                 ", ".join(f"{k} {list(v.shape)}" for k, v in batch.items() if torch.is_tensor(v)))
+        graph.replay()  # capturing records the forward without running it: this batch's forward runs now
+        self.replays += 1
+        return static_out
