@@ -137,7 +137,8 @@ def test_optuna_two_trials_survives_a_failed_trial(tmp_path):
 def test_ddp_two_cpu_processes_share_one_run_dir(tmp_path):
     """Two ranks with the progress bar on, past an end-of-epoch validation: rank 0's bar computes the epoch's
     accuracy, summed across ranks by a collective, so the other rank must compute it at the same hook (it once
-    went on to the checkpoint's divergence check instead, and the run hung there)."""
+    went on to the checkpoint's divergence check instead, and the run hung there). The epoch's training loss is
+    every rank's too."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
     # the quickstart at 128 examples (batch 32): 2 steps an epoch on each rank, validation at every epoch end
     overrides = [f"paths.log_dir={tmp_path / 'logs'}", f"paths.data_dir={tmp_path / 'data'}", "data.num_train=128",
@@ -149,6 +150,8 @@ def test_ddp_two_cpu_processes_share_one_run_dir(tmp_path):
     run_dirs = [p.parent for p in (tmp_path / "logs" / "runs").rglob("results.json")]
     assert len(run_dirs) == 1
     assert torch.load(run_dirs[0] / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+    # every epoch-level value is summed across the ranks (Lightning warns of one that is only rank 0's)
+    assert "when logging on epoch level in distributed setting" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

@@ -57,7 +57,7 @@ def _fit(tmp_path, compile_mode: str, accelerator: str, data, epochs: int = 1, c
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, default_root_dir=tmp_path, **trainer_kw)
     trainer.fit(task, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
-    return task, trainer, [v for name, v in logged if name == "train/loss"]
+    return task, trainer, [v for name, v in logged if name == "train/loss_step"]
 
 
 class _EagerRunner:

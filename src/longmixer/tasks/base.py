@@ -408,12 +408,22 @@ class SequenceTask(pl.LightningModule):
         """Log aux losses as `<stage>/aux/<name>` and statistics as `<stage>/stats/<name>`."""
         for key, value in aux.items():
             kind, name = key.split("/", 1)
-            if kind == "loss":
-                self.log(f"{stage}/aux/{name}", value.detach(), on_step=stage == "train", on_epoch=True,
-                         batch_size=batch_size, sync_dist=stage != "train")
+            if kind == "loss" and stage == "train":
+                self.log_train(f"train/aux/{name}", value.detach(), batch_size)
+            elif kind == "loss":
+                self.log(f"{stage}/aux/{name}", value.detach(), on_step=False, on_epoch=True, batch_size=batch_size,
+                         sync_dist=True)
             else:
                 self.log(f"{stage}/stats/{name}", value.detach().float(), on_step=False, on_epoch=True,
-                         batch_size=batch_size, sync_dist=stage != "train")
+                         batch_size=batch_size, sync_dist=True)
+
+    def log_train(self, name: str, value: torch.Tensor, batch_size: int) -> None:
+        """A training value, as Lightning's `on_step=True, on_epoch=True` names it: each step's own (this rank's
+        batch) as `<name>_step`, and the epoch's mean over every rank's batches as `<name>_epoch`. The epoch's mean
+        is summed across ranks once, when the epoch ends; Lightning's `sync_dist` on a value logged at every step
+        would all-reduce it at every step, and without it the epoch's value was rank 0's batches only."""
+        self.log(f"{name}_step", value, on_step=True, on_epoch=False, batch_size=batch_size)
+        self.log(f"{name}_epoch", value, on_step=False, on_epoch=True, batch_size=batch_size, sync_dist=True)
 
     def track_best(self) -> None:
         """Log `<monitor>_best` (e.g. val/acc_best), the best value of the monitored metric so far."""
@@ -425,7 +435,8 @@ class SequenceTask(pl.LightningModule):
             return  # a non-finite metric never becomes the best
         better = max if self.mode == "max" else min
         self.best_score = value if self.best_score is None else better(self.best_score, value)
-        self.log(f"{self.monitor}_best", self.best_score, prog_bar=True, sync_dist=False)
+        # the same on every rank (from synced metrics): the max across ranks keeps it exact, and marks it synced
+        self.log(f"{self.monitor}_best", self.best_score, prog_bar=True, sync_dist=True, reduce_fx="max")
 
     def on_validation_epoch_end(self):
         self.track_best()

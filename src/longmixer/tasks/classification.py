@@ -44,8 +44,10 @@ class Classification(SequenceTask):
     def log_step(self, batch, stage, loss, outputs):
         labels = batch["labels"]
         n = labels.shape[0]
-        self.log(f"{stage}/loss", loss, on_step=stage == "train", on_epoch=True, prog_bar=stage != "train",
-                 batch_size=n, sync_dist=stage != "train")
+        if stage == "train":
+            self.log_train("train/loss", loss, n)
+        else:
+            self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=n, sync_dist=True)
         accuracy = self.accuracy[f"{stage}_acc"]
         accuracy(outputs["logits"].detach(), labels)
         self.log(f"{stage}/acc", accuracy, on_step=False, on_epoch=True, prog_bar=True, batch_size=n)

@@ -87,7 +87,7 @@ class LanguageModel(SequenceTask):
     def log_step(self, batch, stage, loss, outputs):
         n = batch["targets"].shape[0]
         if stage == "train":
-            self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=n)
+            self.log_train("train/loss", loss, n)
             self.log(f"train/{self.metric}", report(loss, self.metric), on_step=True, on_epoch=False, batch_size=n)
         else:
             self.eval_nll[stage].update(loss.double(), weight=outputs["count"].double())
@@ -98,8 +98,10 @@ class LanguageModel(SequenceTask):
             return
         loss = meter.compute()  # token mean over the split, summed across ranks
         meter.reset()
-        self.log(f"{stage}/loss", loss.float(), prog_bar=True, sync_dist=False)
-        self.log(f"{stage}/{self.metric}", report(loss, self.metric).float(), prog_bar=True, sync_dist=False)
+        # summed across ranks by the meter: the same on every rank, so the max across ranks keeps it exact
+        self.log(f"{stage}/loss", loss.float(), prog_bar=True, sync_dist=True, reduce_fx="max")
+        self.log(f"{stage}/{self.metric}", report(loss, self.metric).float(), prog_bar=True, sync_dist=True,
+                 reduce_fx="max")
 
     def on_validation_epoch_end(self):
         self._log_eval("val")
