@@ -180,7 +180,6 @@ class _FakeGraph:
     its results into the captured outputs, as a real replay's kernels do."""
 
     owner: EvalStepGraph | None = None
-    captures = 0
 
     def replay(self):
         for graph, static_batch, static_out in self.owner.graphs.values():

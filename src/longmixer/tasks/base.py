@@ -110,9 +110,11 @@ class SequenceTask(pl.LightningModule):
         the language-model task weighs by tokens."""
         return loss
 
-    def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+    def _step(self, batch: dict[str, torch.Tensor], stage: str, forward: Callable | None = None) -> torch.Tensor:
+        """`forward` (default `forward_loss`; evaluation under step-graph: the replayed `eval_graph`, whose tensors
+        the next replay overwrites, so they are logged here at once), then logging and the step's loss."""
         with self._compiling():
-            loss, outputs = self.forward_loss(batch)
+            loss, outputs = (forward or self.forward_loss)(batch)
         self.log_step(batch, stage, loss.detach(), outputs)
         self.log_aux(outputs["aux"], stage, _batch_size(batch))
         if stage == "train":
@@ -130,10 +132,10 @@ class SequenceTask(pl.LightningModule):
         return out["total"].clone()
 
     def validation_step(self, batch, batch_idx):
-        self._eval_step(batch, "val")
+        self._step(batch, "val", self.eval_graph)
 
     def test_step(self, batch, batch_idx):
-        self._eval_step(batch, "test")
+        self._step(batch, "test", self.eval_graph)
 
     def on_validation_epoch_start(self) -> None:
         if self.eval_graph is not None:
@@ -142,15 +144,6 @@ class SequenceTask(pl.LightningModule):
     def on_test_epoch_start(self) -> None:
         if self.eval_graph is not None:
             self.eval_graph.follow(self.model)
-
-    def _eval_step(self, batch: dict[str, torch.Tensor], stage: str) -> None:
-        if self.eval_graph is None:
-            self._step(batch, stage)
-            return
-        with self._compiling():
-            loss, outputs = self.eval_graph(batch)  # replayed: the tensors are overwritten by the next replay
-        self.log_step(batch, stage, loss.detach(), outputs)
-        self.log_aux(outputs["aux"], stage, _batch_size(batch))
 
     # --- torch.compile (the `task.compile` switch) ------------------------------------------------------------------
     compile_entry = "forward"  # what the task calls on the model (utils/compile.py: one CUDA graph around it)

@@ -136,6 +136,13 @@ def _batch_key(batch: Mapping[str, Any]) -> tuple:
                         for k, v in batch.items()))
 
 
+def _copy_batch(static: dict, batch: dict) -> None:
+    """Copy a batch into a captured graph's static tensors of the same shapes (`_batch_key`), in place."""
+    for name, value in static.items():
+        if torch.is_tensor(value):
+            value.copy_(batch[name], non_blocking=True)
+
+
 def make_capturable(optimizer: torch.optim.Optimizer) -> None:
     """Prepare `optimizer` for steps inside a CUDA graph: capturable groups, each group's learning rate a 0-dim
     tensor on its parameters' device (read by the step's kernels, so a new value reaches a replay), step counts on
@@ -219,9 +226,7 @@ class TrainStepGraph:
     def __call__(self, batch: dict) -> dict:
         action = self._action(_batch_key(batch))
         if action == "replay":
-            for name, value in self.static_batch.items():
-                if torch.is_tensor(value):
-                    value.copy_(batch[name], non_blocking=True)
+            _copy_batch(self.static_batch, batch)
             sync_learning_rates(self.optimizer, self.lrs)
             self.graph.replay()
             return self._replayed()
@@ -330,9 +335,7 @@ class EvalStepGraph:
         captured = self.graphs.get(key)
         if captured is not None:
             graph, static_batch, static_out = captured
-            for name, value in static_batch.items():
-                if torch.is_tensor(value):
-                    value.copy_(batch[name], non_blocking=True)
+            _copy_batch(static_batch, batch)
             graph.replay()
             self.replays += 1
             return static_out
