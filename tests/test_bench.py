@@ -284,10 +284,10 @@ def test_out_naming_a_directory_is_refused_with_the_fix(tmp_path, capsys):
     assert "is a directory" in err and str(tmp_path / "model_bench.json") in err
 
 
-@pytest.mark.parametrize("cuda, modes", [(True, ["none", "reduce-overhead"]), (False, ["none"])])
+@pytest.mark.parametrize("cuda, modes", [(True, ["none", "step-graph"]), (False, ["none"])])
 def test_default_compile_modes_are_eager_and_what_training_picks(monkeypatch, tmp_path, cuda, modes):
-    """Without --compile, a GPU measures eager and `reduce-overhead` (what task.compile=auto trains fixed-shape data
-    with, and what docs/benchmarks.md's table has), a CPU eager only."""
+    """Without --compile, a GPU measures eager and `step-graph` (what task.compile=auto trains fixed-shape data with
+    on one GPU, and what docs/benchmarks.md's table has), a CPU eager only."""
     from longmixer import bench
 
     seen = {}

@@ -235,6 +235,9 @@ def test_triton_path_compiles(compose, family):
 def test_compile_mode_resolution():
     assert resolve_compile_mode("auto", torch.device("cpu")) == "none"
     assert resolve_compile_mode("auto", torch.device("cuda", 0)) == "reduce-overhead"
+    assert resolve_compile_mode("auto", torch.device("cuda", 0), whole_step=True) == "step-graph"
+    assert resolve_compile_mode("auto", torch.device("cuda", 0), few_shapes=False, whole_step=True) == "default"
+    assert resolve_compile_mode("auto", torch.device("cpu"), whole_step=True) == "none"
     assert resolve_compile_mode("auto", torch.device("cuda", 0), few_shapes=False) == "default"
     assert resolve_compile_mode("auto", torch.device("cpu"), few_shapes=False) == "none"
     for mode in COMPILE_MODES[1:]:

@@ -1,7 +1,7 @@
 """Model-level speed and memory: training-step time, tokens/s and peak memory of every model family, and its
 evaluation throughput, against a Transformer with materialized attention (the papers' baseline) and with SDPA.
 
-    python -m longmixer.bench [--quick] [--compile none reduce-overhead] [--out bench_out/model_bench.json]
+    python -m longmixer.bench [--quick] [--compile none step-graph] [--out bench_out/model_bench.json]
         [--budget-s 230] [--models transformer_sdpa chela] [--settings text length table6] [--lengths 16384]
 
 Each model is measured eager and compiled (`--compile`), and on CUDA one profiled pass gives the GPU-kernel time
@@ -516,9 +516,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget-s", type=float, default=230.0,
                         help="stop measuring after this many seconds, also inside a job (rows left are 'skipped')")
     parser.add_argument("--compile", nargs="+", default=None, choices=BENCH_COMPILE_MODES,
-                        help="compile modes to measure each model in (default: none and reduce-overhead on a GPU, "
-                             "the mode task.compile=auto trains fixed-shape data with; none on CPU); step-graph: "
-                             "blocks compiled as default, the whole step captured in one CUDA graph (CUDA only)")
+                        help="compile modes to measure each model in (default: none and step-graph on a GPU, "
+                             "the mode task.compile=auto trains fixed-shape data with on one GPU; none on CPU); "
+                             "step-graph: blocks compiled as default, the whole step captured in one CUDA graph "
+                             "(CUDA only); reduce-overhead: the mode auto falls back to where a run cannot be "
+                             "captured whole (data-parallel, gradient accumulation, ...)")
     parser.add_argument("--profile-steps", type=int, default=3,
                         help="steps traced by torch.profiler for GPU-busy %% and kernels per step (CUDA only; 0: off)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -542,7 +544,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--out {args.out} is a directory; give the JSON file to write, e.g. "
                      f"--out {Path(args.out) / 'model_bench.json'}")
     if args.compile is None:
-        args.compile = ["none", "reduce-overhead"] if torch.cuda.is_available() else ["none"]
+        args.compile = ["none", STEP_GRAPH] if torch.cuda.is_available() else ["none"]
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     result = run(args)
     import yaml

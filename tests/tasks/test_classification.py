@@ -7,6 +7,7 @@ from functools import partial
 from types import SimpleNamespace
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch import nn
 
@@ -39,23 +40,48 @@ def test_num_classes_is_checked(bad):
         Classification(_Logits(), *OPTIM, num_classes=bad)
 
 
-@pytest.mark.parametrize("datamodule, expected", [
-    (SimpleNamespace(few_shapes=True), "reduce-overhead"),   # fixed length, or padded to a multiple
-    (SimpleNamespace(few_shapes=False), "default"),          # each batch to its own longest
-    (None, "default"),                                       # data that does not say: no CUDA graphs
+def _cuda_trainer(datamodule, **overrides):
+    """What `configure_model` reads of a one-GPU trainer, without a GPU."""
+    from pytorch_lightning.strategies import SingleDeviceStrategy
+
+    fields = dict(strategy=SingleDeviceStrategy(device=torch.device("cuda", 0)), datamodule=datamodule,
+                  accumulate_grad_batches=1, precision_plugin=SimpleNamespace(), gradient_clip_val=1.0,
+                  gradient_clip_algorithm=None, callbacks=[])
+    return SimpleNamespace(**{**fields, **overrides})
+
+
+class _ReadsGradients(pl.Callback):
+    def on_after_backward(self, trainer, task):
+        pass
+
+
+@pytest.mark.parametrize("few_shapes, overrides, optim, expected, why", [
+    (True, {}, OPTIM[0], "step-graph", None),                         # fixed length, or padded to a multiple
+    (True, {"accumulate_grad_batches": 2}, OPTIM[0], "reduce-overhead", "trainer.accumulate_grad_batches=1"),
+    (True, {"callbacks": [_ReadsGradients()]}, OPTIM[0], "reduce-overhead", "_ReadsGradients"),
+    (True, {"precision_plugin": SimpleNamespace(scaler=object())}, OPTIM[0], "reduce-overhead", "16-mixed"),
+    (True, {}, partial(torch.optim.SGD, lr=0.1), "reduce-overhead", "SGD is not"),
+    (False, {}, OPTIM[0], "default", None),                           # each batch to its own longest
+    (None, {}, OPTIM[0], "default", None),                            # data that does not say: no CUDA graphs
 ])
-def test_auto_compile_follows_the_datamodules_shapes_on_cuda(monkeypatch, caplog, datamodule, expected):
+def test_auto_compile_follows_the_datamodules_shapes_and_the_run_on_cuda(monkeypatch, caplog, few_shapes, overrides,
+                                                                         optim, expected, why):
+    """`auto` on a GPU: one graph for the whole training step when the batches come in few shapes and nothing in the
+    run needs the hooks or host work that a replayed step skips; the log names what kept it out."""
     import longmixer.tasks.base as base
 
     chosen = []
     monkeypatch.setattr(base, "compile_blocks", lambda model, mode, **kw: chosen.append(mode))
-    task = Classification(_Logits(), *OPTIM, num_classes=3, compile="auto")
-    task._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)),
-                                    datamodule=datamodule)
+    task = Classification(_Logits(), optim, OPTIM[1], num_classes=3, compile="auto")
+    datamodule = None if few_shapes is None else SimpleNamespace(few_shapes=few_shapes)
+    task._trainer = _cuda_trainer(datamodule, **overrides)
     with caplog.at_level(logging.INFO, logger="longmixer.tasks.base"):
         task.configure_model()
     assert chosen == [expected] and task.compiled_as == expected
     assert f"task.compile=auto -> {expected} on cuda:0" in caplog.text  # the run's log says what auto chose
+    assert (task.eval_graph is not None) == (expected == "step-graph")
+    if why:
+        assert "not step-graph, which needs" in caplog.text and why in caplog.text
 
 
 class _Linear(nn.Module):

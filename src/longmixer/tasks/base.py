@@ -3,6 +3,7 @@ scheduled layers, and every rank's RNG state in checkpoints (so a resumed run co
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 from collections.abc import Callable, Mapping
@@ -55,8 +56,11 @@ class SequenceTask(pl.LightningModule):
         compile: torch.compile mode of the model's blocks (`compile_blocks`): "none" | "default" |
             "reduce-overhead" | "max-autotune", "step-graph" (blocks as "default", each training step replayed
             from one CUDA graph, `TrainStepGraph`, and each evaluation forward from another, `EvalStepGraph`;
-            single-GPU runs), or "auto": on CUDA "reduce-overhead" where the batches come in few shapes and
-            "default" otherwise, "none" elsewhere (decided in `configure_model` from the trainer's device).
+            single-GPU runs), or "auto": on CUDA, where the batches come in few shapes, "step-graph" when the run
+            allows it (`_step_graph_problems`: one GPU, no accumulation or gradient scaler, a capturable
+            optimizer, no callback reading gradients, no data-dependent shapes) and "reduce-overhead" when not;
+            "default" where every batch may have its own length; "none" elsewhere (decided in `configure_model`
+            from the trainer's device, `resolve_compile_mode`).
 
     Subclasses define `forward_loss` (the model's call and the task loss, no logging) and `log_step` (the metrics
     of one step); `training_step`, `validation_step` and `test_step` are built from the two.
@@ -157,10 +161,14 @@ class SequenceTask(pl.LightningModule):
         # the datamodule says whether its batches come in few shapes (data/base.py: `few_shapes`); `auto` picks
         # CUDA graphs only then, and not for data that does not say (a user's own datamodule, bare dataloaders)
         few_shapes = getattr(getattr(self._trainer, "datamodule", None), "few_shapes", False)
-        self.compiled_as = resolve_compile_mode(self.compile_mode, device, few_shapes=few_shapes)
+        kept_out = self._step_graph_problems(device) if self.compile_mode == "auto" and few_shapes else []
+        self.compiled_as = resolve_compile_mode(self.compile_mode, device, few_shapes=few_shapes,
+                                                whole_step=not kept_out)
         if self.compile_mode == "auto":
-            log.info("task.compile=auto -> %s on %s (batches of %s)", self.compiled_as, device,
-                     "few shapes" if few_shapes else "any length")
+            why_not = (f"; not {STEP_GRAPH}, which needs " + "; ".join(kept_out)
+                       if kept_out and self.compiled_as == "reduce-overhead" else "")
+            log.info("task.compile=auto -> %s on %s (batches of %s%s)", self.compiled_as, device,
+                     "few shapes" if few_shapes else "any length", why_not)
         compile_blocks(self.model, self.compiled_as, entry=self.compile_entry)
         if self.compiled_as == STEP_GRAPH and device.type == "cuda" and not self._uncapturable_modules():
             self.eval_graph = EvalStepGraph(self.forward_loss)
@@ -189,10 +197,22 @@ class SequenceTask(pl.LightningModule):
 
     def _check_step_graph(self) -> None:
         """What `task.compile=step-graph` needs, each with the override that provides it."""
-        trainer = self.trainer
+        problems = self._step_graph_problems(self.device)
+        if len(self.trainer.optimizers) != 1:
+            problems.append(f"one optimizer (there are {len(self.trainer.optimizers)})")
+        if problems:
+            raise ConfigError(f"task.compile={STEP_GRAPH} needs " + "; ".join(problems))
+
+    def _step_graph_problems(self, device: torch.device) -> list[str]:
+        """What in this run a training step replayed whole from a CUDA graph cannot do, each with its fix; empty
+        when `step-graph` can train it. Read from the trainer and the config only (no optimizer built yet), so
+        `auto` decides with it in `configure_model`, and an explicit `step-graph` is refused by it at fit start."""
+        trainer = self._trainer
+        if trainer is None:
+            return ["a trainer"]
         problems = []
-        if self.device.type != "cuda":
-            problems.append(f"a CUDA GPU (the model is on {self.device}): use trainer=gpu, or task.compile=auto")
+        if device.type != "cuda":
+            problems.append(f"a CUDA GPU (the model is on {device}): use trainer=gpu, or task.compile=auto")
         if type(trainer.strategy) is not SingleDeviceStrategy:
             problems.append(f"one device (the strategy is {type(trainer.strategy).__name__}): set trainer.devices=1, "
                             "or task.compile=auto for data-parallel runs")
@@ -203,8 +223,10 @@ class SequenceTask(pl.LightningModule):
             problems.append("no gradient scaler (16-mixed has one): set trainer.precision=bf16-mixed or 32-true")
         if trainer.gradient_clip_val and (trainer.gradient_clip_algorithm or "norm") != "norm":
             problems.append("clipping by norm: set trainer.gradient_clip_algorithm=norm")
-        if len(trainer.optimizers) != 1:
-            problems.append(f"one optimizer (there are {len(trainer.optimizers)})")
+        optimizer = getattr(self.optimizer_factory, "func", self.optimizer_factory)
+        if not (isinstance(optimizer, type) and "capturable" in inspect.signature(optimizer).parameters):
+            problems.append(f"an optimizer that runs inside a CUDA graph (capturable: Adam, AdamW, ...; "
+                            f"{getattr(optimizer, '__name__', optimizer)} is not): set optim=adamw")
         readers = sorted({type(c).__name__ for c in trainer.callbacks if _reads_gradients(c)})
         if readers:
             problems.append(f"no callback that reads gradients ({', '.join(readers)}: a replayed step runs no "
@@ -213,8 +235,7 @@ class SequenceTask(pl.LightningModule):
         if uncapturable:
             problems.append(f"a model without data-dependent shapes ({', '.join(uncapturable)} select rows by value, "
                             "e.g. model.embedding=adaptive / model.head=adaptive): use task.compile=auto")
-        if problems:
-            raise ConfigError(f"task.compile={STEP_GRAPH} needs " + "; ".join(problems))
+        return problems
 
     def _uncapturable_modules(self) -> list[str]:
         """The model's modules that select rows by value (`cuda_graph_capturable = False`): no CUDA graph holds them."""

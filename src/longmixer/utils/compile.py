@@ -24,20 +24,24 @@ STEP_GRAPH = "step-graph"  # blocks compiled as "default", the whole training st
 COMPILE_MODES = ("auto", "none", "default", "reduce-overhead", "max-autotune", STEP_GRAPH)
 
 
-def resolve_compile_mode(mode: str, device: torch.device, few_shapes: bool = True) -> str:
-    """`task.compile=auto` -> on CUDA, "reduce-overhead" when the batches come in few shapes (fixed-length tasks, or
-    variable-length ones padded to `data.pad_multiple`): the step's kernels replay from CUDA graphs, so the host
-    no longer paces a small model (measured on `experiment=chela/listops`: 1.8x the steps per second of "default",
-    docs/benchmarks.md); "default" when every batch may have its own length (a CUDA graph would be recorded per
-    length); "none" elsewhere (on a CPU, compiling costs more time than it saves in tests and debugging runs).
-    Any other value is returned as is. `auto` does not pick "step-graph": in real ListOps runs it took the same
-    step as "reduce-overhead" and held more memory (docs/benchmarks.md)."""
+def resolve_compile_mode(mode: str, device: torch.device, few_shapes: bool = True, whole_step: bool = False) -> str:
+    """`task.compile=auto` -> on CUDA, when the batches come in few shapes (fixed-length tasks, or variable-length
+    ones padded to `data.pad_multiple`), "step-graph" if `whole_step` (the caller found nothing in the run that a
+    replayed whole step cannot do: `SequenceTask._step_graph_problems`) and "reduce-overhead" otherwise: either way
+    the step's kernels replay from CUDA graphs, so the host no longer paces a small model (CHELA's ListOps recipe:
+    1.8x the steps per second of "default"). "step-graph" compiles one block for all identical blocks where
+    "reduce-overhead" compiles the whole model, so a run on a fresh machine trains sooner: on an H200 the same
+    4-minute ListOps run kept the GPU 88.5% busy against 63.4% (docs/benchmarks.md). "default" when every batch may
+    have its own length (a CUDA graph would be recorded per length); "none" elsewhere (on a CPU, compiling costs more
+    time than it saves in tests and debugging runs). Any other value is returned as is."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"task.compile={mode!r} is not one of {COMPILE_MODES}; use task.compile=auto")
     if mode == "auto":
         if device.type != "cuda":
             return "none"
-        return "reduce-overhead" if few_shapes else "default"
+        if not few_shapes:
+            return "default"
+        return STEP_GRAPH if whole_step else "reduce-overhead"
     return mode
 
 
