@@ -161,12 +161,13 @@ class SequenceTask(pl.LightningModule):
         # the datamodule says whether its batches come in few shapes (data/base.py: `few_shapes`); `auto` picks
         # CUDA graphs only then, and not for data that does not say (a user's own datamodule, bare dataloaders)
         few_shapes = getattr(getattr(self._trainer, "datamodule", None), "few_shapes", False)
-        kept_out = self._step_graph_problems(device) if self.compile_mode == "auto" and few_shapes else []
+        # only where `auto` chooses between the two CUDA-graph modes
+        kept_out = (self._step_graph_problems(device)
+                    if self.compile_mode == "auto" and few_shapes and device.type == "cuda" else [])
         self.compiled_as = resolve_compile_mode(self.compile_mode, device, few_shapes=few_shapes,
                                                 whole_step=not kept_out)
         if self.compile_mode == "auto":
-            why_not = (f"; not {STEP_GRAPH}, which needs " + "; ".join(kept_out)
-                       if kept_out and self.compiled_as == "reduce-overhead" else "")
+            why_not = f"; not {STEP_GRAPH}, which needs " + "; ".join(kept_out) if kept_out else ""
             log.info("task.compile=auto -> %s on %s (batches of %s%s)", self.compiled_as, device,
                      "few shapes" if few_shapes else "any length", why_not)
         compile_blocks(self.model, self.compiled_as, entry=self.compile_entry)
