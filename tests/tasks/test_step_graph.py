@@ -322,6 +322,107 @@ def test_step_graph_validates_from_replayed_forwards_as_eager_does(tmp_path):
     assert [v for _, v in graphed_logged] == pytest.approx([v for _, v in eager_logged], rel=1e-5, abs=1e-6)
 
 
+class _BufferTrace(pl.Callback):
+    """Each model buffer after every training step, LongVQ's codebook buffers summed over their codes."""
+
+    def __init__(self):
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):
+        self.steps.append({name: (value.sum(0) if ".vq." in name else value).detach().to("cpu", torch.float32, copy=True)
+                           for name, value in task.model.named_buffers()})
+
+
+def _family_fit(tmp_path, cfg, mode: str, accelerator: str, data) -> tuple[list[float], list[dict]]:
+    """A family's model trained through Lightning on `data` (one epoch, float32, clipping, a warm-up schedule),
+    compiled as `mode`; returns each step's logged loss and the buffers after each step (`_BufferTrace`)."""
+    from hydra.utils import instantiate
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    task = Classification(instantiate(cfg.model), partial(torch.optim.AdamW, lr=1e-3),
+                          partial(LinearDecay, warmup_steps=3), num_classes=int(cfg.model.num_classes), compile=mode)
+    losses = []
+    log = task.log
+    task.log = lambda name, value, _log=log, **kw: (
+        losses.append(float(value)) if name == "train/loss_step" else None, _log(name, value, **kw))
+    trace = _BufferTrace()
+    trainer = pl.Trainer(max_epochs=1, accelerator=accelerator, devices=1, gradient_clip_val=1.0, logger=False,
+                         callbacks=[trace], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, precision="32-true", default_root_dir=tmp_path)
+    trainer.fit(task, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    return losses, trace.steps
+
+
+def assert_same_buffer_updates(graphed: list[dict], eager: list[dict]) -> None:
+    """Each step changed every buffer as eager's step did, within a fifth of eager's change. Not the values: a
+    compiled model's rounding differs from eager's, and training amplifies it (Adam's first steps move a parameter
+    whose gradient is rounding noise by the learning rate, whichever its sign; a key near two codewords takes either),
+    so after ten steps LaS's batch-norm running mean is 0.7% of its size off eager's and LongVQ's code counts 9%,
+    compiled with or without CUDA graphs, while a replay that dropped or repeated an update would be a whole step's
+    change off. LongVQ's buffers are compared summed over the codes: every token counts once, whatever its code."""
+    assert len(graphed) == len(eager)
+    for step in range(1, len(eager)):
+        for name, value in graphed[step].items():
+            change, eager_change = value - graphed[step - 1][name], eager[step][name] - eager[step - 1][name]
+            bound = 0.2 * eager_change.abs().max().item() + 1e-6
+            off = (change - eager_change).abs().max().item()
+            assert off <= bound, f"step {step}: {name} changed by {off:.2e} more or less than eager's (bound {bound:.2e})"
+
+
+def test_buffer_updates_are_compared_by_each_step_s_change():
+    """The GPU test's comparison: drift of a few percent of one step's change passes, a step whose update was
+    dropped, or applied twice, fails, whatever the values' size."""
+    g = torch.Generator().manual_seed(0)
+    changes = torch.rand(10, 4, generator=g) + 0.5
+    eager = [{"norm.running_mean": v} for v in changes.cumsum(0)]
+    drift = [{"norm.running_mean": v + 0.03 * step * changes[0]} for step, v in enumerate(changes.cumsum(0))]
+    assert_same_buffer_updates(drift, eager)
+    for times in (0, 2):  # step 6's update dropped, or applied twice
+        faulty = changes.clone()
+        faulty[6] *= times
+        with pytest.raises(AssertionError, match="step 6: norm.running_mean"):
+            assert_same_buffer_updates([{"norm.running_mean": v} for v in faulty.cumsum(0)], eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["chela", "las", "longvq", "mega", "mega_chunk", "seqboat", "seqboat_full"])
+def test_each_family_trains_under_step_graph_as_eagerly_on_a_gpu(tmp_path, monkeypatch, family):
+    """`task.compile=auto` trains one-GPU runs of few-shape data under `step-graph`, so every family's real model is
+    checked against eager through the task and Lightning, as training runs it: each family's Text model in float32
+    (B2 L512, ten batches: three eager warm-up steps, the capture, six replays), norm clipping, a warm-up schedule,
+    the task's hooks (LongVQ's codebook statistics recorded after each replay, its EMA applied by `set_progress`),
+    both runs drawing eager's dropout masks (Inductor's `fallback_random`). Every step's loss agrees, and every step
+    updates the buffers as eager's did (`assert_same_buffer_updates`)."""
+    import torch._inductor.config as inductor_config
+
+    from longmixer import bench
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = bench.compose_model_config(dict(bench.model_specs("text", quick=False))[family])
+    g = torch.Generator().manual_seed(1)
+    vocab, classes = int(cfg.model.vocab_size), int(cfg.model.num_classes)
+    data = [{"inputs": torch.randint(1, vocab, (2, 512), generator=g),
+             "labels": torch.randint(0, classes, (2,), generator=g)} for _ in range(10)]
+    replays = []
+    original = TrainStepGraph.__call__
+
+    def counting(self, batch):
+        out = original(self, batch)
+        replays.append(self.replays)
+        return out
+
+    monkeypatch.setattr(TrainStepGraph, "__call__", counting)
+    with inductor_config.patch(fallback_random=True):
+        eager_losses, eager_buffers = _family_fit(tmp_path, cfg, "none", "gpu", data)
+        losses, buffers = _family_fit(tmp_path, cfg, "step-graph", "gpu", data)
+    assert replays == [0, 0, 0, 1, 2, 3, 4, 5, 6, 7], replays
+    assert len(losses) == len(eager_losses) == len(data)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=0, atol=1e-5)
+    assert_same_buffer_updates(buffers, eager_buffers)
+    torch._dynamo.reset()
+
+
 def test_a_model_with_data_dependent_shapes_is_refused(tmp_path, monkeypatch):
     """WikiText-103's adaptive input and softmax select rows by value (`nonzero`): a capture would fail deep inside
     CUDA, so the run stops before it, naming the module and the mode to use."""
