@@ -255,15 +255,8 @@ class _ReservedMemory(pl.Callback):
         self.reserved.append(torch.cuda.memory_reserved())
 
 
-@pytest.mark.gpu
-def test_step_graph_matches_eager_training_on_a_gpu(tmp_path):
-    """On a GPU, over three epochs of 7 full batches and a short one: three eager warm-up steps, one capture, replays
-    of every later full batch, each short batch eagerly; the learning rate changes every step (warm-up, then decay)
-    and the gradients are clipped. The run ends where an eager run ends, in float32, and its eager steps after the
-    capture reserve no new memory (a new stream per step would)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    data = _batches(7, 5)
-    eager, _, eager_losses = _fit(tmp_path, "none", "gpu", data, epochs=3, precision="32-true")
+def _count_replays(monkeypatch) -> list[int]:
+    """The list that `TrainStepGraph`'s replay count is appended to after each of its steps."""
     replays = []
     original = TrainStepGraph.__call__
 
@@ -272,13 +265,23 @@ def test_step_graph_matches_eager_training_on_a_gpu(tmp_path):
         replays.append(self.replays)
         return out
 
+    monkeypatch.setattr(TrainStepGraph, "__call__", counting)
+    return replays
+
+
+@pytest.mark.gpu
+def test_step_graph_matches_eager_training_on_a_gpu(tmp_path, monkeypatch):
+    """On a GPU, over three epochs of 7 full batches and a short one: three eager warm-up steps, one capture, replays
+    of every later full batch, each short batch eagerly; the learning rate changes every step (warm-up, then decay)
+    and the gradients are clipped. The run ends where an eager run ends, in float32, and its eager steps after the
+    capture reserve no new memory (a new stream per step would)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    data = _batches(7, 5)
+    eager, _, eager_losses = _fit(tmp_path, "none", "gpu", data, epochs=3, precision="32-true")
+    replays = _count_replays(monkeypatch)
     memory = _ReservedMemory()
-    TrainStepGraph.__call__ = counting
-    try:
-        graphed, trainer, losses = _fit(tmp_path, "step-graph", "gpu", data, epochs=3, callbacks=[memory],
-                                        precision="32-true")
-    finally:
-        TrainStepGraph.__call__ = original
+    graphed, trainer, losses = _fit(tmp_path, "step-graph", "gpu", data, epochs=3, callbacks=[memory],
+                                    precision="32-true")
     # epoch 1: 3 eager steps, capture + 4 replays, the short batch eagerly; epochs 2 and 3: 7 replays, 1 eager
     assert replays == [0, 0, 0, 1, 2, 3, 4, 4] + list(range(5, 12)) + [11] + list(range(12, 19)) + [18]
     assert trainer.global_step == 3 * len(data)
@@ -404,15 +407,7 @@ def test_each_family_trains_under_step_graph_as_eagerly_on_a_gpu(tmp_path, monke
     vocab, classes = int(cfg.model.vocab_size), int(cfg.model.num_classes)
     data = [{"inputs": torch.randint(1, vocab, (2, 512), generator=g),
              "labels": torch.randint(0, classes, (2,), generator=g)} for _ in range(10)]
-    replays = []
-    original = TrainStepGraph.__call__
-
-    def counting(self, batch):
-        out = original(self, batch)
-        replays.append(self.replays)
-        return out
-
-    monkeypatch.setattr(TrainStepGraph, "__call__", counting)
+    replays = _count_replays(monkeypatch)
     with inductor_config.patch(fallback_random=True):
         eager_losses, eager_buffers = _family_fit(tmp_path, cfg, "none", "gpu", data)
         losses, buffers = _family_fit(tmp_path, cfg, "step-graph", "gpu", data)
