@@ -360,7 +360,7 @@ def _family_fit(tmp_path, cfg, mode: str, accelerator: str, data) -> tuple[list[
 def assert_same_buffer_updates(graphed: list[dict], eager: list[dict]) -> None:
     """Each step changed every buffer as eager's step did, within a fifth of eager's change. Not the values: a
     compiled model's rounding differs from eager's, and training amplifies it (Adam's first steps move a parameter
-    whose gradient is rounding noise by the learning rate, whichever its sign; a key near two codewords takes either),
+    whose gradient is rounding noise by about the learning rate; a key near two codewords takes either),
     so after ten steps LaS's batch-norm running mean is 0.7% of its size off eager's and LongVQ's code counts 9%,
     compiled with or without CUDA graphs, while a replay that dropped or repeated an update would be a whole step's
     change off. LongVQ's buffers are compared summed over the codes: every token counts once, whatever its code."""
