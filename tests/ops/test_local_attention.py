@@ -137,6 +137,31 @@ def test_two_pass_long_span_backward(monkeypatch, L, C, masked, bias_heads, dv_t
     assert grids == [((-(-L // dv_tiles[1]), 4, 2), mode)], grids
 
 
+@pytest.mark.parametrize("attention,causal,bias_heads", all_pairs(
+    ATTENTION, CAUSAL, [pytest.param(0, id="shared-bias"), pytest.param(2, id="head-bias")]))
+def test_dv_pass_bias_table(monkeypatch, attention, causal, bias_heads):
+    """The dv pass reading its bias tiles from `bias_table`, each tile transposed to the kernel's [keys, queries]
+    (chunks >= 256 by default; here full attention over L = 48 with 16 x 16 tiles, a padded row and a row without
+    keys past 5), gives bitwise the gradients of the gather from the bias, and those match the reference."""
+    grids = _two_pass(monkeypatch, 16, 16)
+    (q, k, v, bias), mask = _case(2, 2, 48, 8, 20, None, bias_heads=bias_heads)
+    kw = dict(chunk_size=None, attention=attention, causal=causal, bias=bias, mask=mask)
+    do = torch.randn(2, 2, 48, 20, dtype=torch.float64)
+    grads = {}
+    for table in (False, True):  # the forward's 64 x 64 tiles do not divide L: only the dv pass asks for 16 x 16
+        asked = []
+        monkeypatch.setattr(kernel, "use_bias_table",
+                            lambda C, M, N, table=table: asked.append((C, M, N)) or (table and (M, N) == (16, 16)))
+        out = local_attention(q, k, v, backend="triton", **kw)
+        grads[table] = torch.autograd.grad(out, [q, k, v, bias], do)
+        assert (48, 16, 16) in asked
+    assert len(grids) == 2
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), grads[True], grads[False]):
+        assert torch.equal(a, b), name
+    ref = local_attention_ref(q, k, v, **kw)
+    assert rel_error(grads[True][2], torch.autograd.grad(ref, v, do)[0]) < 1e-5
+
+
 @pytest.mark.parametrize("C,V,path", [(None, 160, "two-pass"), (None, 128, "one-pass"), (160, 96, "dq-kernel")],
                          ids=["full-V160-two-pass", "full-V128-one-pass", "C160-V96-dq-kernel"])
 def test_long_span_default_tiles_route_by_value_width(monkeypatch, C, V, path):

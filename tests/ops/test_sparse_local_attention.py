@@ -238,9 +238,9 @@ def _route_matches_reference(q, k, v, active, bias, causal):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 def test_packed_long_span_bias_table_and_whole_rows(monkeypatch, causal):
-    """The route at L = 200 (one chunk of 256: the forward reads its bias from the tile table, as every sequence
-    longer than 192 does), a row with every token active beside a ragged one, and values of 160 in one 256-wide block
-    of the forward (each score tile computed once, as the fused forward did)."""
+    """The route at L = 200 (one chunk of 256: the forward and the backward's dv pass read their bias from the tile
+    table, as every sequence longer than 192 does), a row with every token active beside a ragged one, and values of
+    160 in one 256-wide block of the forward (each score tile computed once, as the fused forward did)."""
     from longmixer.ops.sparse_local_attention import kernel
 
     fwd_cfgs, tables = [], []
@@ -252,7 +252,7 @@ def test_packed_long_span_bias_table_and_whole_rows(monkeypatch, causal):
     q, k, v, active, bias = _inputs(B, L, K, V, 0.7, seed=7)
     active[0] = True
     _route_matches_reference(q, k, v, active, bias, causal)
-    assert [c["BLOCK_V"] for c in fwd_cfgs] == [256] and tables == [(256, 64, 64)], (fwd_cfgs, tables)
+    assert [c["BLOCK_V"] for c in fwd_cfgs] == [256] and tables == [(256, 64, 64)] * 2, (fwd_cfgs, tables)
 
 
 @pytest.mark.parametrize("kwargs,expected", [

@@ -8,7 +8,8 @@ Backward: where a chunk fits one key tile (C <= the span of `_bwd_config`), one 
 does the span's entire backward (dq, dk, dv, rowsum(do o) and the bias gradient as a per-program partial) with no
 atomics. Full-length attention longer than a span with K <= 64 (MEGA) runs one pass per key span over the whole
 value row with dq by atomics, and with values wider than 128 leaves dv to a second kernel
-(`_local_attention_bwd_dv_kernel`, `LONG_SPAN_K64`); other longer chunks use a dq kernel (which also writes
+(`_local_attention_bwd_dv_kernel`, `LONG_SPAN_K64`), which reads its bias from the forward's table, each tile
+transposed; other longer chunks use a dq kernel (which also writes
 rowsum(do o)) and a dk/dv kernel, or, with K and V <= 64, the one-pass kernel with dq by atomics. Their bias
 gradient goes to a partial per program where the spans tile each chunk or one chunk holds the sequence
 (`fold_span_partials`), else by atomics. The bias gradient sums ds along diagonals after permuting each key row's
@@ -287,10 +288,11 @@ def _dvalues(v_ptr, do_ptr, o_ptr, o_m, o_n, i_bh, L, V, m_rows, m_keys, ATTN: t
 def _weights_T(q_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, b_k, o_m, o_n, o_k, o_v, m_k, m_v, i_b, i_h, i_bh, L, K, V,
                C, hi, k_hi, scale, ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr,
-               SIGMA: tl.constexpr, ALIGNED: tl.constexpr):
+               SIGMA: tl.constexpr, ALIGNED: tl.constexpr, b_tabT, TABLE: tl.constexpr):
     """The backward's view of one tile, keys o_n (k_hi their bound, b_k loaded) against rows o_m (< hi): q, do and
     the saved stat of the rows, then the scores and the weights recomputed, transposed ([keys, queries]), with
-    their validity mask. Returns q, do, stat, s^T (scaled, biased), the mask and p^T (softmax: exp(s - lse))."""
+    their validity mask. Returns q, do, stat, s^T (scaled, biased), the mask and p^T (softmax: exp(s - lse)).
+    TABLE: the bias is b_tabT, the tile's [keys, queries] block of the transposed `bias_table`, not gathered."""
     m_rows = o_m < hi
     b_q = tl.load(q_ptr + (i_bh * L + o_m[:, None]) * K + o_k[None, :], mask=m_rows[:, None] & m_k[None, :], other=0.)
     b_do = tl.load(do_ptr + (i_bh * L + o_m[:, None]) * V + o_v[None, :], mask=m_rows[:, None] & m_v[None, :],
@@ -299,8 +301,10 @@ def _weights_T(q_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, b_k, o_m, o_n, o_k, 
     b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale  # [BN, BM]
     if ATTN != 0:
         b_sT = b_sT * b_stat[None, :]
+    if HAS_BIAS and TABLE:
+        b_sT = b_sT + b_tabT
     b_sT, m_valid = _bias_and_mask(b_sT, o_m[None, :], o_n[:, None], i_b, i_h, L, C, hi, k_hi, bias_ptr, mask_ptr,
-                                   CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, ALIGNED)
+                                   CAUSAL, HAS_BIAS and not TABLE, BIAS_PER_HEAD, HAS_MASK, ALIGNED)
     if ATTN == 0:
         b_pT = tl.where(m_valid, tl.exp(b_sT - b_stat[None, :]), 0.)
     else:
@@ -390,7 +394,8 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
         m_rows = o_m < hi
         b_q, b_do, b_stat, b_sT, m_valid, b_pT = _weights_T(
             q_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, b_k, o_m, o_n, o_k, o_v, m_k, m_v, i_b, i_h, i_bh, L, K, V,
-            C, hi, k_hi, scale, ATTN, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, DOT_PREC, MU, SIGMA, ALIGNED)
+            C, hi, k_hi, scale, ATTN, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, DOT_PREC, MU, SIGMA, ALIGNED, 0.,
+            False)
         if DROPOUT:
             b_keep = _dropout_scale(seed_ptr, p_drop, i_bh, L, o_m[None, :], o_n[:, None])
             if DV:
@@ -467,11 +472,13 @@ def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mas
                                    L, K, V, C, scale, seed_ptr, p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr,
                                    HAS_BIAS: tl.constexpr, BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr,
                                    PACKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-                                   MU: tl.constexpr, SIGMA: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                                   MU: tl.constexpr, SIGMA: tl.constexpr, ALIGNED: tl.constexpr, TABLE: tl.constexpr,
+                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                   BLOCK_V: tl.constexpr):
     # dv = p^T do for one key tile and one value block, the weights recomputed from q, k and the saved stat: the
     # second pass of the two-pass long-span backward (`dv_pass`), whose first pass does the rest without the
-    # [keys, V] dv accumulator. Tiles transposed ([keys, queries]) as in `_local_attention_bwd_kernel`.
+    # [keys, V] dv accumulator. Tiles transposed ([keys, queries]) as in `_local_attention_bwd_kernel`. TABLE:
+    # bias_ptr is `bias_table` with each tile transposed, read as one contiguous block a tile, as the forward does.
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     n0 = i_n * BLOCK_N
@@ -492,11 +499,19 @@ def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mas
     # query tiles at multiples of BLOCK_M, which the compiler can use in the rows' index arithmetic; the rows before
     # lo fail the causal test (a causal range starts at n0) or, with tiles across chunks (tile mode 0), the chunk
     # test
+    # TABLE: tile (C / BLOCK_N - 1) + i_n - m0 / BLOCK_M of this head holds key tile i_n against query tile m0
+    n_d = 2 * (C // BLOCK_N) - 1
+    p_tab = (bias_ptr + ((i_h * n_d if BIAS_PER_HEAD else 0) + C // BLOCK_N - 1 + i_n) * (BLOCK_M * BLOCK_N)
+             + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
     for m0 in range(lo // BLOCK_M * BLOCK_M, hi, BLOCK_M):
         o_m = m0 + tl.arange(0, BLOCK_M)
+        b_tabT = 0.
+        if HAS_BIAS and TABLE:
+            b_tabT = tl.load(p_tab - (m0 // BLOCK_M) * (BLOCK_M * BLOCK_N))
         _, b_do, _, _, _, b_pT = _weights_T(
             q_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, b_k, o_m, o_n, o_k, o_v, m_k, m_v, i_b, i_h, i_bh, L, K, V,
-            C, hi, k_hi, scale, ATTN, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, DOT_PREC, MU, SIGMA, ALIGNED)
+            C, hi, k_hi, scale, ATTN, CAUSAL, HAS_BIAS, BIAS_PER_HEAD, HAS_MASK, DOT_PREC, MU, SIGMA, ALIGNED, b_tabT,
+            TABLE)
         if DROPOUT:
             b_pT = b_pT * _dropout_scale(seed_ptr, p_drop, i_bh, L, o_m[None, :], o_n[:, None])
         b_dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=DOT_PREC)
@@ -741,7 +756,8 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     kernel, or (`dq_atomic`) one pass over each key span with dq by atomics, followed by the dv kernel where the
     config has a `dv_pass`; cfg overrides `_bwd_config`. rows as `local_attention_fwd`'s (on the one pass with dq
     by atomics only): q, k, v, o, stat and do in slot order, dq, dk, dv written at the positions idx[b, j] and zero
-    elsewhere, dq left in float32 for the caller's one cast. Returns dq, dk, dv (input dtype)
+    elsewhere, dq left in float32 for the caller's one cast. A `dv_pass` entry's `table=False` makes the dv pass
+    gather its bias as the first pass does (the A/B of docs/benchmarks.md). Returns dq, dk, dv (input dtype)
     and dbias [H or 1, 2C-1] float32 (None without a bias, or when bias_grad is False)."""
     B, H, L, K = q.shape
     V = v.shape[-1]
@@ -810,9 +826,14 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     if dv_cfg is not None:
         BM2, BN2 = dv_cfg["BLOCK_M"], dv_cfg["BLOCK_N"]
         BV2 = min(dv_cfg["BLOCK_V_MAX"], max(16, triton.next_power_of_2(V)))
+        # the forward-shaped dv pass reads its bias tiles from the table as the forward does, each tile transposed
+        # to the kernel's [keys, queries]: MEGA's backward 5-6% faster at B8 L4096 and B2 L16384 on an H200
+        # (docs/benchmarks.md); the one-pass and dk/dv kernels gained nothing from it
+        table = bias is not None and use_bias_table(chunk, BM2, BN2) and dv_cfg.get("table", True)
+        dv_bias = bias_table(bias, chunk, BM2, BN2).transpose(-1, -2).contiguous() if table else bias_arg
         _local_attention_bwd_dv_kernel[(triton.cdiv(L, BN2), B * H, triton.cdiv(V, BV2))](
-            q, k, do, stat, bias_arg, mask_arg, *rows_args, dv, H, L, K, V, chunk, scale, seed_arg, dropout, **flags,
-            ALIGNED=tile_mode(chunk, L, causal, has_mask, BM2, BN2), BLOCK_M=BM2, BLOCK_N=BN2,
+            q, k, do, stat, dv_bias, mask_arg, *rows_args, dv, H, L, K, V, chunk, scale, seed_arg, dropout, **flags,
+            ALIGNED=tile_mode(chunk, L, causal, has_mask, BM2, BN2), TABLE=table, BLOCK_M=BM2, BLOCK_N=BN2,
             BLOCK_K=BLOCK_K, BLOCK_V=BV2, num_warps=dv_cfg["num_warps"], num_stages=dv_cfg["num_stages"])
     if dq_atomic and rows is None:
         dq = dq.to(q.dtype)
