@@ -2,6 +2,8 @@
 forward and every gradient, with ragged chunks, padding, causal masks and the relative bias, through both backward
 paths (one fused kernel when a key span holds whole chunks; dq + dk/dv kernels with bias atomics otherwise)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -188,9 +190,11 @@ def test_long_span_default_tiles_route_by_value_width(monkeypatch, C, V, path):
 def test_one_chunk_span_partials(monkeypatch, L, C, dq_atomic, attention, causal):
     """One chunk holding the whole sequence, with L a multiple of the span and with a chunk longer than L: the
     backward's bias gradient through per-program partials (`fold_span_partials`), every span one row, in the
-    one-pass kernel and in the dk/dv kernel after the dq kernel (the carried tile in both)."""
+    one-pass kernel and in the dk/dv kernel after the dq kernel (the carried tile in both: the one pass's ds tiles
+    switched off)."""
     monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(span=16, BLOCK_M=16, BLOCK_V_MAX=32,
-                                                                     num_warps=4, num_stages=1, dq_atomic=dq_atomic))
+                                                                     num_warps=4, num_stages=1, dq_atomic=dq_atomic,
+                                                                     ds_tiles=False))
     folds = []
     monkeypatch.setattr(kernel, "fold_span_partials",
                         lambda *a, f=kernel.fold_span_partials: folds.append(a[0].shape) or f(*a))
@@ -200,38 +204,45 @@ def test_one_chunk_span_partials(monkeypatch, L, C, dq_atomic, attention, causal
     assert folds == [(4, 3, (C or L) + 16)], folds
 
 
-def _small_tiles(monkeypatch, span, block_m, dq_atomic):
+def _small_tiles(monkeypatch, span, block_m, dq_atomic, ds_tiles=True):
     """16 x 16 forward tiles and a backward of `span`-key spans with `block_m`-query tiles, so that C = 32 holds
     several tiles of each kind."""
     fwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_V=32, num_warps=4, num_stages=2)
-    bwd = dict(span=span, BLOCK_M=block_m, BLOCK_V_MAX=32, num_warps=4, num_stages=2, dq_atomic=dq_atomic)
+    bwd = dict(span=span, BLOCK_M=block_m, BLOCK_V_MAX=32, num_warps=4, num_stages=2, dq_atomic=dq_atomic,
+               ds_tiles=ds_tiles)
     monkeypatch.setattr(kernel, "_fwd_config", lambda C, K, V: fwd)
     monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: bwd)
 
 
-@pytest.mark.parametrize("span,block_m,dq_atomic,bias_heads,attention,causal", all_pairs(
-    [pytest.param(32, 16, False, 2, id="fused"), pytest.param(16, 16, False, 2, id="split-dq-kernel"),
-     pytest.param(16, 8, True, 2, id="split-atomic-dq"), pytest.param(16, 16, True, 2, id="split-atomic-dq-carry"),
-     pytest.param(16, 16, True, 0, id="split-atomic-dq-carry-shared-bias")], ATTENTION, CAUSAL))
-def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, bias_heads, attention, causal):
+@pytest.mark.parametrize("span,block_m,dq_atomic,ds_tiles,bias_heads,attention,causal", all_pairs(
+    [pytest.param(32, 16, False, True, 2, id="fused"), pytest.param(16, 16, False, True, 2, id="split-dq-kernel"),
+     pytest.param(16, 8, True, True, 2, id="split-atomic-dq"),
+     pytest.param(16, 16, True, False, 2, id="split-atomic-dq-carry"),
+     pytest.param(16, 16, True, True, 0, id="split-atomic-dq-ds-tiles-shared-bias")], ATTENTION, CAUSAL))
+def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, ds_tiles, bias_heads, attention, causal):
     """Tiles that divide the chunk (C = 32, tiles of 16 and 8) take the ALIGNED path: no per-pair chunk test and the
     bias read without an index select. A ragged last chunk (L = 70), padded keys, rows without keys and a bias per
     head (or one shared) keep their results, forward and every gradient, through each backward path. The split
     paths' spans tile the chunk, so their bias gradient goes through per-program partials (`fold_span_partials`):
     added to tile by tile with 8-query tiles, and with query tiles as wide as the span through the carried tile,
-    in order (dq kernel) and in the rotated order of dq by atomics, which wraps around the chunk."""
-    _small_tiles(monkeypatch, span, block_m, dq_atomic)
-    aligned, folds = [], []
+    in order (dq kernel) and in the rotated order of dq by atomics, which wraps around the chunk. With dq by
+    atomics and square tiles the default is the ds tiles summed by tile diagonal (`fold_ds_tiles`)."""
+    _small_tiles(monkeypatch, span, block_m, dq_atomic, ds_tiles)
+    aligned, folds, ds_folds = [], [], []
     monkeypatch.setattr(kernel, "tiles_in_one_chunk",
                         lambda *a, f=kernel.tiles_in_one_chunk: aligned.append(f(*a)) or aligned[-1])
     monkeypatch.setattr(kernel, "fold_span_partials",
                         lambda *a, f=kernel.fold_span_partials: folds.append(a[0].shape) or f(*a))
+    monkeypatch.setattr(kernel, "fold_ds_tiles",
+                        lambda *a, f=kernel.fold_ds_tiles: ds_folds.append(a[0].shape) or f(*a))
     (q, k, v, bias), mask = _case(2, 2, 70, 8, 20, 32, bias_heads=bias_heads)
     kw = dict(chunk_size=32, attention=attention, causal=causal, bias=bias, mask=mask)
     _assert_matches_reference(q, k, v, bias, kw)
     assert aligned and all(aligned), aligned  # forward and backward launches all took the aligned path
-    # split paths: partials of [B H, 3 chunks x 2 spans, C + span]
-    assert folds == ([] if span == 32 else [(4, 6, 48)]), folds
+    # split paths: partials of [B H, 3 chunks x 2 spans, C + span], or slots of [B H, 3 tile diagonals, 16, 16]
+    by_tiles = dq_atomic and ds_tiles and block_m == span
+    assert folds == ([] if span == 32 or by_tiles else [(4, 6, 48)]), folds
+    assert ds_folds == ([(4, 3, 16, 16)] if by_tiles else []), ds_folds
 
 
 @pytest.mark.parametrize("span,block_m,dq_atomic,attention,L,causal,mode", all_pairs(
@@ -314,6 +325,21 @@ def test_fold_span_partials_equals_scatter(per_head):
     got = kernel.fold_span_partials(part, B, chunks, per_head, C, span)
     assert got.shape == (H if per_head else 1, 2 * C - 1)
     torch.testing.assert_close(got, want[:, :2 * C - 1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["head-bias", "shared-bias"])
+def test_fold_ds_tiles_equals_scatter(per_head):
+    """Element (c, r) of slot d, the [keys, queries] ds tiles whose key tile starts (d - (T - 1)) S right of their
+    query tile, is tap (C - 1) + (d - (T - 1)) S + c - r of the bias's gradient."""
+    B, H, C, S = 2, 3, 32, 8
+    T = C // S
+    tiles = torch.randn(B * H, 2 * T - 1, S, S, dtype=torch.float64)
+    want = torch.zeros(H if per_head else 1, 2 * C - 1, dtype=torch.float64)
+    for bh, d, c, r in itertools.product(range(B * H), range(2 * T - 1), range(S), range(S)):
+        want[bh % H if per_head else 0, (C - 1) + (d - (T - 1)) * S + c - r] += tiles[bh, d, c, r]
+    got = kernel.fold_ds_tiles(tiles, B, per_head)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_tiles_in_one_chunk():

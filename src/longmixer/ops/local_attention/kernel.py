@@ -10,10 +10,11 @@ atomics. Full-length attention longer than a span with K <= 64 (MEGA) runs one p
 value row with dq by atomics, and with values wider than 128 leaves dv to a second kernel
 (`_local_attention_bwd_dv_kernel`, `LONG_SPAN_K64`), which reads its bias from the forward's table, each tile
 transposed; other longer chunks use a dq kernel (which also writes
-rowsum(do o)) and a dk/dv kernel, or, with K and V <= 64, the one-pass kernel with dq by atomics. Their bias
-gradient goes to a partial per program where the spans tile each chunk or one chunk holds the sequence
-(`fold_span_partials`), else by atomics. The bias gradient sums ds along diagonals after permuting each key row's
-queries (`_query_rotated`). The ops README describes the layout; docs/benchmarks.md (kernel measurement records) has
+rowsum(do o)) and a dk/dv kernel, or, with K and V <= 64, the one-pass kernel with dq by atomics. Where dq is
+added by atomics over square tiles, the bias gradient is the ds tiles themselves, added into one slot per tile
+diagonal and summed along diagonals afterwards (`fold_ds_tiles`); elsewhere it goes to a partial per program where
+the spans tile each chunk or one chunk holds the sequence (`fold_span_partials`), else by atomics, each tile's
+diagonals summed in the loop after permuting each key row's queries (`_query_rotated`). The ops README describes the layout; docs/benchmarks.md (kernel measurement records) has
 the measurements behind the tile table.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -320,8 +322,8 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                                 DROPOUT: tl.constexpr,
                                 FUSED: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
                                 ALIGNED: tl.constexpr, BIAS_GRAD: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-                                SPAN_PART: tl.constexpr, CARRY: tl.constexpr, DV: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                SPAN_PART: tl.constexpr, CARRY: tl.constexpr, DS_TILES: tl.constexpr,
+                                DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 BLOCK_V: tl.constexpr, ONE_V: tl.constexpr):
     # one key span [n0, n0 + SPAN) and one value block, tiles kept transposed ([keys, queries]) so that
     # dv += p^T do and dk += ds^T q take their left operand from registers. Every program adds its value block of
@@ -421,7 +423,11 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                 b_dsT = b_pT * (b_dpT - b_delta[None, :])  # softmax: ds = p (dp - rowsum(do o))
             else:
                 b_dsT = tl.where(m_valid, _activation_grad(b_sT, ATTN, MU, SIGMA) * b_dpT, 0.)
-            if BIAS_GRAD and CARRY:
+            if BIAS_GRAD and DS_TILES:  # the tile as it is, into its tile diagonal's slot (`fold_ds_tiles`)
+                p_slot = dbias_ptr + (i_bh * (2 * (C // BLOCK_N) - 1) + (n0 - m0) // BLOCK_N + C // BLOCK_N - 1) * (
+                    BLOCK_N * BLOCK_M)
+                tl.atomic_add(p_slot + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + o_c[None, :], b_dsT, sem="relaxed")
+            elif BIAS_GRAD and CARRY:
                 b_rot, _ = _query_rotated(b_dsT, BLOCK_N, BLOCK_M)
                 if m0 != prev_m0 + BLOCK_M:  # DQ_ATOMIC's rotated order wrapped: put the carried tile's class -1
                     _put_diagonals(p_diag, o_c - BLOCK_M - (prev_m0 - n0), tl.sum(tl.where(b_cls0, 0., b_prev), 0),
@@ -454,7 +460,7 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                 r_m = _row_offsets(idx_ptr, i_b, L, o_m, m_rows, PACKED)
                 tl.atomic_add(dq_ptr + (i_bh * L + r_m[:, None]) * K + o_k[None, :], b_dq,
                               mask=m_rows[:, None] & m_k[None, :], sem="relaxed")
-    if BIAS_GRAD and CARRY and (ONE_V or i_v == 0):  # the last tile's class -1
+    if BIAS_GRAD and CARRY and not DS_TILES and (ONE_V or i_v == 0):  # the last tile's class -1
         tl.debug_barrier()  # a partial's first put may share these diagonals
         _put_diagonals(p_diag, o_c - BLOCK_M - (prev_m0 - n0), tl.sum(tl.where(b_cls0, 0., b_prev), 0), d_lo, d_hi,
                        ADD_MODE)
@@ -609,6 +615,25 @@ def fold_span_partials(part: torch.Tensor, batch: int, n_chunks: int, per_head: 
     return buf.sum(1)[:, :2 * chunk - 1]
 
 
+def fold_ds_tiles(tiles: torch.Tensor, batch: int, per_head: bool) -> torch.Tensor:
+    """The bias gradient from the first pass's ds tiles summed by tile diagonal (`DS_TILES`): tiles [B H, 2 T - 1,
+    S, S], slot d holding the sum of the [keys, queries] tiles whose key tile starts (d - (T - 1)) S right of their
+    query tile, T = C / S tiles a chunk. The bias is Toeplitz, so an element (c, r) of slot d is tap
+    (C - 1) + (d - (T - 1)) S + c - r = d S + (S - 1) + c - r. Each slot's diagonals are summed by skewing its
+    rows (column-flipped, padded to 2S and read with rows of 2S - 1, row c starts c further right), then the
+    slots' 2S - 1 sums are added at stride S. Deterministic, a few passes over the slots: [H or 1, 2C-1]."""
+    BH, n_d, S, _ = tiles.shape
+    t = tiles.view(batch, BH // batch, n_d, S, S)
+    t = t.sum(0) if per_head else t.sum((0, 1)).unsqueeze(0)  # [G, 2T-1, S, S]
+    G = t.shape[0]
+    skew = F.pad(t.flip(-1), (0, S)).view(G, n_d, 2 * S * S)[..., :S * (2 * S - 1)].view(G, n_d, S, 2 * S - 1)
+    diag = skew.sum(2)  # [G, 2T-1, 2S-1]: index s holds c - r = s - (S - 1), its tap d S + s
+    out = torch.zeros(G, n_d + 1, S, device=tiles.device, dtype=tiles.dtype)
+    out[:, :n_d] += diag[..., :S]
+    out[:, 1:, :S - 1] += diag[..., S:]
+    return out.view(G, -1)[:, :n_d * S + S - 1]
+
+
 def tiles_in_one_chunk(C: int, BLOCK_M: int, BLOCK_N: int, span: int | None = None) -> bool:
     """Whether every [BLOCK_M queries, BLOCK_N keys] tile of a launch lies inside one chunk: query tiles start at
     chunk starts (or at multiples of BLOCK_M) and key tiles at chunk starts or multiples of `span` (the backward's
@@ -662,6 +687,9 @@ LONG_SPAN_K64_ONE_PASS = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4,
 # Chunks longer than a span but shorter than the sequence (MEGA-chunk with C > 128) keep the dq kernel and the bias
 # atomics, as measured before the one-pass path existed (docs/benchmarks.md); the one-pass path was timed at full
 # length only.
+# The first pass adds its ds tiles by atomics into one slot per tile diagonal and `fold_ds_tiles` sums their
+# diagonals afterwards, in place of the rotated, carried tile (`CARRY`), up to this many bytes of slots.
+DS_TILES_MAX_BYTES = 1 << 26
 SPLIT_SPAN_K64 = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=128, num_warps=4, num_stages=1)
 # ... except with narrow values (V <= 64, MEGA-chunk's and the anchors' D 64), where the one-pass kernel with 64
 # queries per tile (dq by atomics, the bias gradient by atomics as the chunk is shorter than the sequence) is faster:
@@ -786,13 +814,19 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     dk, dv = (torch.empty_like(k), torch.empty_like(v)) if rows is None else (torch.zeros_like(k), torch.zeros_like(v))
     # split paths: a partial per program where the spans tile every chunk or one chunk holds the sequence (else
     # atomics), and the carried tile where query and key tiles are of one size (`_local_attention_bwd_kernel`)
-    span_part = bias_grad and not fused and BLOCK_N == span and (chunk % span == 0 or chunk >= L)
     carry = bias_grad and not fused and BLOCK_N == BLOCK_M
+    ds_tiles = (carry and dq_atomic and BLOCK_N == span and chunk % BLOCK_N == 0 and cfg.get("ds_tiles", True)
+                and B * H * (2 * chunk - BLOCK_N) * BLOCK_M * 4 <= DS_TILES_MAX_BYTES)
+    span_part = (bias_grad and not fused and not ds_tiles and BLOCK_N == span
+                 and (chunk % span == 0 or chunk >= L))
     dbias = None
     if bias_grad:
-        # fused: one partial per program, indexed by (j - i) + BLOCK_N; span_part: one per program, C + BLOCK_N
-        # wide; else atomics into a zeroed [H or 1, 2C-1]
-        if fused:
+        # fused: one partial per program, indexed by (j - i) + BLOCK_N; ds_tiles: ds tiles summed by tile
+        # diagonal; span_part: one partial per program, C + BLOCK_N wide; else atomics into a zeroed [H or 1, 2C-1]
+        if ds_tiles:
+            dbias = torch.zeros(B * H, 2 * (chunk // BLOCK_N) - 1, BLOCK_N, BLOCK_M, device=q.device,
+                                dtype=torch.float32)
+        elif fused:
             dbias = torch.empty(B * H * n_spans, 2 * BLOCK_N, device=q.device, dtype=torch.float32)
         elif span_part:
             dbias = torch.zeros(B * H, triton.cdiv(L, chunk) * triton.cdiv(min(chunk, L), span), chunk + BLOCK_N,
@@ -820,7 +854,7 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
         q, k, v, o, do, stat, delta, bias_arg, mask_arg, *rows_args, dq, dk, dv, dbias if dbias is not None else stat,
         H, L, K, V, chunk, span, scale, seed_arg, dropout, **flags, FUSED=fused,
         ALIGNED=tile_mode(chunk, L, causal, has_mask, BLOCK_M, BLOCK_N, span), BIAS_GRAD=bias_grad,
-        DQ_ATOMIC=dq_atomic, SPAN_PART=span_part, CARRY=carry, DV=dv_cfg is None, BLOCK_M=BLOCK_M,
+        DQ_ATOMIC=dq_atomic, SPAN_PART=span_part, CARRY=carry, DS_TILES=ds_tiles, DV=dv_cfg is None, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if dv_cfg is not None:
@@ -837,6 +871,8 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
             BLOCK_K=BLOCK_K, BLOCK_V=BV2, num_warps=dv_cfg["num_warps"], num_stages=dv_cfg["num_stages"])
     if dq_atomic and rows is None:
         dq = dq.to(q.dtype)
+    if ds_tiles:
+        dbias = fold_ds_tiles(dbias, B, bias.shape[0] > 1)
     if span_part:
         dbias = fold_span_partials(dbias, B, triton.cdiv(L, chunk), bias.shape[0] > 1, chunk, span)
     if bias_grad and fused:
