@@ -674,12 +674,17 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
 
 # The backward of long spans with K <= 64 and values wider than 128 (MEGA's full attention, K 64, V 160-256), in
 # two passes. The first goes once over each key span with the whole value row (no score tile recomputed per value
-# block, no dq kernel recomputing dp): dk, dq added by atomics, the bias gradient as per-program partials
-# (`fold_span_partials`). The second, `dv_pass`, recomputes the weights from q, k and the saved stat and sums
-# dv = p^T do. Without the [64, 256] float32 dv accumulator the first pass fits 64-query tiles, which take the bias
-# gradient's carried tile; holding it, one pass needs 32-query tiles (`LONG_SPAN_K64_ONE_PASS`). H100 sweep at K 64,
+# block, no dq kernel recomputing dp): dk, dq added by atomics, the bias gradient by ds tiles (`DS_TILES_MAX_BYTES`).
+# The second, `dv_pass`, recomputes the weights from q, k and the saved stat and sums dv = p^T do. Without the
+# [64, 256] float32 dv accumulator the first pass fits 64-query tiles, which take the ds tiles (or the bias
+# gradient's carried tile); holding it, one pass needs 32-query tiles (`LONG_SPAN_K64_ONE_PASS`). H100 sweep at K 64,
 # V 256 (docs/benchmarks.md, "Two-pass long-span backward"): 1.142 against 1.314 ms for one pass at B8 L4096, 4.270
 # against 5.019 ms at B2 L16384.
+# Where dq is added by atomics over square tiles, the first pass adds its ds tiles by atomics into one slot per tile
+# diagonal and `fold_ds_tiles` sums their diagonals afterwards, in place of the rotated, carried tile (`CARRY`), up to
+# this many bytes of slots (16 MB at B2 L16384 or B8 L4096, one head). H200 (docs/benchmarks.md): MEGA's backward
+# 1.070 -> 0.987 ms at B8 L4096, 4.10 -> 3.65 ms at B2 L16384.
+DS_TILES_MAX_BYTES = 1 << 26
 LONG_SPAN_K64 = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True,
                      dv_pass=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V_MAX=256, num_warps=4, num_stages=2))
 # Values of at most `DV_PASS_MIN_V` (128) keep dv in the one pass, with 32-query tiles.
@@ -687,9 +692,6 @@ LONG_SPAN_K64_ONE_PASS = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4,
 # Chunks longer than a span but shorter than the sequence (MEGA-chunk with C > 128) keep the dq kernel and the bias
 # atomics, as measured before the one-pass path existed (docs/benchmarks.md); the one-pass path was timed at full
 # length only.
-# The first pass adds its ds tiles by atomics into one slot per tile diagonal and `fold_ds_tiles` sums their
-# diagonals afterwards, in place of the rotated, carried tile (`CARRY`), up to this many bytes of slots.
-DS_TILES_MAX_BYTES = 1 << 26
 SPLIT_SPAN_K64 = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=128, num_warps=4, num_stages=1)
 # ... except with narrow values (V <= 64, MEGA-chunk's and the anchors' D 64), where the one-pass kernel with 64
 # queries per tile (dq by atomics, the bias gradient by atomics as the chunk is shorter than the sequence) is faster:
