@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import sys
 
 import torch
@@ -53,6 +54,21 @@ def check(name: str, got: list, ref: list, dtype) -> bool:
     return ok
 
 
+# MEGA's parity cases (L, attention, causal): L 1000, which 64 does not divide (the bias gradient by the carried
+# tile), and 1024 (by ds tiles, `fold_ds_tiles`), at fewer cases as each takes about 25 s on an H200
+MEGA_PARITY = [(1000, a, c) for a, c in itertools.product(("softmax", "laplace"), (False, True))] + [
+    (1024, "softmax", False), (1024, "laplace", True)]
+
+
+def _mega_inputs(B: int, L: int, K: int, V: int) -> tuple:
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(B, 1, L, K, generator=g) for _ in range(2))
+    v, table = torch.randn(B, 1, L, V, generator=g), 0.3 * torch.randn(2 * L - 1, generator=g)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, 700:] = False
+    return q, k, v, table, mask
+
+
 def parity(device, ops: list[str]) -> bool:
     g = torch.Generator().manual_seed(0)
     B, L, K, V = 2, 1000, 64, 256
@@ -62,20 +78,21 @@ def parity(device, ops: list[str]) -> bool:
     mask = torch.ones(B, L, dtype=torch.bool)
     mask[1, 700:] = False
     ok = True
-    for attention in ("softmax", "laplace") if "mega" in ops else ():
-        for causal in (False, True):
-            leaves = [t.double().to(device).requires_grad_() for t in (q, k, v, table)]
-            kw = dict(attention=attention, causal=causal, mask=mask.to(device))
-            ref = local_attention_ref(*leaves[:3], chunk_size=L, bias=leaves[3], **kw)
-            go = torch.randn_like(ref)
-            ref.backward(go)
-            for dtype in (torch.float32, torch.bfloat16):
-                ls = [t.detach().to(dtype).requires_grad_() for t in leaves[:3]] + [
-                    leaves[3].detach().float().requires_grad_()]
-                o = local_attention(*ls[:3], bias=ls[3], **kw)
-                o.backward(go.to(dtype))
-                ok &= check(f"mega {attention} causal={causal}", [o] + [x.grad for x in ls],
-                            [ref] + [x.grad for x in leaves], dtype)
+    mega_inputs = {L: (q, k, v, table, mask), 1024: _mega_inputs(B, 1024, K, V)}
+    for n, attention, causal in MEGA_PARITY if "mega" in ops else ():
+        q_n, k_n, v_n, table_n, mask_n = mega_inputs[n]
+        leaves = [t.double().to(device).requires_grad_() for t in (q_n, k_n, v_n, table_n)]
+        kw = dict(attention=attention, causal=causal, mask=mask_n.to(device))
+        ref = local_attention_ref(*leaves[:3], chunk_size=n, bias=leaves[3], **kw)
+        go = torch.randn_like(ref)
+        ref.backward(go)
+        for dtype in (torch.float32, torch.bfloat16):
+            ls = [t.detach().to(dtype).requires_grad_() for t in leaves[:3]] + [
+                leaves[3].detach().float().requires_grad_()]
+            o = local_attention(*ls[:3], bias=ls[3], **kw)
+            o.backward(go.to(dtype))
+            ok &= check(f"mega L{n} {attention} causal={causal}", [o] + [x.grad for x in ls],
+                        [ref] + [x.grad for x in leaves], dtype)
     qs, ks = (t[:, 0] for t in (q, k))
     vs = v[:, 0]
     active = torch.rand(B, L, generator=g) < 0.7
@@ -200,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--csv", default=None, help="write every timing row here")
     parser.add_argument("--skip-parity", action="store_true",
-                        help="timings only (the parity cases take about 150 s on an H100)")
+                        help="timings only (the parity cases take about 200 s on an H200)")
     parser.add_argument("--ops", nargs="+", choices=("mega", "seqboat-full"), default=["mega", "seqboat-full"],
                         help="which ops to check and time (default: both)")
     parser.add_argument("--active", nargs="+", type=float, default=[1.0, 0.78],

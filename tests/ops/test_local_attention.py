@@ -303,6 +303,7 @@ def test_forward_bias_table(monkeypatch, attention, causal, bias_heads):
     full = b32[:, 31 + torch.arange(32)[None, :] - torch.arange(32)[:, None]]  # [G, 32 queries, 32 keys]
     for d, (r0, c0) in enumerate([(16, 0), (0, 0), (0, 16)]):  # key tile 1 left, on, 1 right of the query tile
         assert torch.equal(tab[:, d], full[:, r0:r0 + 16, c0:c0 + 16])
+    assert torch.equal(kernel.bias_table(b32, 32, 16, 16, transposed=True), tab.transpose(-1, -2))  # [keys, queries]
 
 
 def test_bias_table_only_for_long_aligned_chunks():

@@ -247,7 +247,7 @@ def test_packed_long_span_bias_table_and_whole_rows(monkeypatch, causal):
     launcher, table = kernel.local_kernel.local_attention_fwd, kernel.local_kernel.bias_table
     monkeypatch.setattr(kernel.local_kernel, "local_attention_fwd",
                         lambda *a, **kw: fwd_cfgs.append(kw["cfg"]) or launcher(*a, **kw))
-    monkeypatch.setattr(kernel.local_kernel, "bias_table", lambda *a: tables.append(a[1:]) or table(*a))
+    monkeypatch.setattr(kernel.local_kernel, "bias_table", lambda *a, **kw: tables.append(a[1:]) or table(*a, **kw))
     B, L, K, V = 2, 200, 16, 160
     q, k, v, active, bias = _inputs(B, L, K, V, 0.7, seed=7)
     active[0] = True

@@ -133,22 +133,27 @@ def _inv_count(o_m, i_b, L, C, lo, hi, mask_ptr, CAUSAL: tl.constexpr, HAS_MASK:
 
 
 @triton.jit
-def _bias_table_kernel(bias_ptr, tab_ptr, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # tile d of head h: b[(C-1) + (d - (C / BLOCK_N - 1)) BLOCK_N + c - r] for r < BLOCK_M, c < BLOCK_N
+def _bias_table_kernel(bias_ptr, tab_ptr, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       TRANSPOSED: tl.constexpr):
+    # tile d of head h: b[(C-1) + (d - (C / BLOCK_N - 1)) BLOCK_N + c - r] for r < BLOCK_M, c < BLOCK_N, stored as
+    # [r, c] or (TRANSPOSED) [c, r]
     i_d, i_h = tl.program_id(0), tl.program_id(1)
     o_r, o_c = tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_N)[None, :]
     o_b = (C - 1) + (i_d - (C // BLOCK_N - 1)) * BLOCK_N + o_c - o_r
-    tl.store(tab_ptr + (i_h * tl.num_programs(0) + i_d) * BLOCK_M * BLOCK_N + o_r * BLOCK_N + o_c,
+    o_t = o_c * BLOCK_M + o_r if TRANSPOSED else o_r * BLOCK_N + o_c
+    tl.store(tab_ptr + (i_h * tl.num_programs(0) + i_d) * BLOCK_M * BLOCK_N + o_t,
              tl.load(bias_ptr + i_h * (2 * C - 1) + o_b))
 
 
-def bias_table(bias: torch.Tensor, C: int, BLOCK_M: int, BLOCK_N: int) -> torch.Tensor:
+def bias_table(bias: torch.Tensor, C: int, BLOCK_M: int, BLOCK_N: int, transposed: bool = False) -> torch.Tensor:
     """The Toeplitz bias b[(C-1) + j - i] cut into the [BLOCK_M, BLOCK_N] tiles of one chunk: [H or 1, 2 C / BLOCK_N
-    - 1, BLOCK_M, BLOCK_N] float32, tile d holding key tiles d - (C / BLOCK_N - 1) tiles right of their query tile.
+    - 1, BLOCK_M, BLOCK_N] float32, tile d holding key tiles d - (C / BLOCK_N - 1) tiles right of their query tile;
+    transposed, each tile as [BLOCK_N keys, BLOCK_M queries] (the backward kernels' layout).
     For tiles inside one chunk (`tiles_in_one_chunk`) with BLOCK_M == BLOCK_N."""
     n_d = 2 * (C // BLOCK_N) - 1
-    tab = torch.empty(bias.shape[0], n_d, BLOCK_M, BLOCK_N, device=bias.device, dtype=torch.float32)
-    _bias_table_kernel[(n_d, bias.shape[0])](bias, tab, C, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    shape = (BLOCK_N, BLOCK_M) if transposed else (BLOCK_M, BLOCK_N)
+    tab = torch.empty(bias.shape[0], n_d, *shape, device=bias.device, dtype=torch.float32)
+    _bias_table_kernel[(n_d, bias.shape[0])](bias, tab, C, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, TRANSPOSED=transposed)
     return tab
 
 
@@ -866,7 +871,7 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
         # to the kernel's [keys, queries]: MEGA's backward 5-6% faster at B8 L4096 and B2 L16384 on an H200
         # (docs/benchmarks.md); the one-pass and dk/dv kernels gained nothing from it
         table = bias is not None and use_bias_table(chunk, BM2, BN2) and dv_cfg.get("table", True)
-        dv_bias = bias_table(bias, chunk, BM2, BN2).transpose(-1, -2).contiguous() if table else bias_arg
+        dv_bias = bias_table(bias, chunk, BM2, BN2, transposed=True) if table else bias_arg
         _local_attention_bwd_dv_kernel[(triton.cdiv(L, BN2), B * H, triton.cdiv(V, BV2))](
             q, k, do, stat, dv_bias, mask_arg, *rows_args, dv, H, L, K, V, chunk, scale, seed_arg, dropout, **flags,
             ALIGNED=tile_mode(chunk, L, causal, has_mask, BM2, BN2), TABLE=table, BLOCK_M=BM2, BLOCK_N=BN2,
