@@ -14,8 +14,8 @@ rowsum(do o)) and a dk/dv kernel, or, with K and V <= 64, the one-pass kernel wi
 added by atomics over square tiles, the bias gradient is the ds tiles themselves, added into one slot per tile
 diagonal and summed along diagonals afterwards (`fold_ds_tiles`); elsewhere it goes to a partial per program where
 the spans tile each chunk or one chunk holds the sequence (`fold_span_partials`), else by atomics, each tile's
-diagonals summed in the loop after permuting each key row's queries (`_query_rotated`). The ops README describes the layout; docs/benchmarks.md (kernel measurement records) has
-the measurements behind the tile table.
+diagonals summed in the loop after permuting each key row's queries (`_query_rotated`). The ops README describes
+the layout; docs/benchmarks.md (kernel measurement records) has the measurements behind the tile table.
 """
 
 from __future__ import annotations
