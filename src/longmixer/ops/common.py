@@ -1,7 +1,8 @@
 """Shared by several ops: MEGA's laplace attention function (MEGA section 3.3, eq. 17), used by the chunked attention
 (MEGA, MEGA-chunk), the VQ attention (LongVQ's laplace ablation) and CHELA's laplace feature map; and the GPU's SM
-count, which launchers use to split work until the programs fill the GPU; and the value width above which the
-full-length attention backwards (MEGA's, SeqBoat-full's) leave dv to a second pass."""
+count, which launchers use to split work until the programs fill the GPU; the value width above which the
+full-length attention backwards (MEGA's, SeqBoat-full's) leave dv to a second pass; and the diagonal sums of a
+Toeplitz bias's gradient (LongVQ's window bias, the chunked attention's ds tiles)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import functools
 import math
 
 import torch
+from torch.nn import functional as F
 
 LAPLACE_MU = math.sqrt(0.5)
 LAPLACE_SIGMA = math.sqrt(0.25 / math.pi)  # sigma^2 = 1 / (4 pi)
@@ -21,6 +23,16 @@ DV_PASS_MIN_V = 128
 def laplace(s: torch.Tensor) -> torch.Tensor:
     """0.5 * (1 + erf((s - mu) / (sigma sqrt 2))), the Gaussian CDF with mu = sqrt(1/2), sigma = (4 pi)^-1/2."""
     return 0.5 * (1.0 + torch.erf((s - LAPLACE_MU) / (LAPLACE_SIGMA * math.sqrt(2.0))))
+
+
+def diagonal_sums(x: torch.Tensor) -> torch.Tensor:
+    """[..., R, W] -> [..., W + R - 1]: out[t] = the sum of x[i, c] over c - i + R - 1 = t, the gradient of a Toeplitz
+    bias gathered into an [R, W] block. With the rows reversed (i' = R-1-i) and each padded to W + R, the flat entry
+    i' (W + R) + c sits at row i', column i' + c = t of an [R, W + R - 1] view: no index scatter."""
+    *lead, R, W = x.shape
+    n = W + R - 1
+    skewed = F.pad(x.flip(-2), (0, R)).flatten(-2)[..., :R * n]
+    return skewed.view(*lead, R, n).sum(-2)
 
 
 @functools.cache

@@ -23,11 +23,10 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from longmixer.ops.common import DV_PASS_MIN_V, LAPLACE_MU, LAPLACE_SIGMA
+from longmixer.ops.common import DV_PASS_MIN_V, LAPLACE_MU, LAPLACE_SIGMA, diagonal_sums
 
 ATTN_CODES = {"softmax": 0, "relu2": 1, "laplace": 2}
 
@@ -465,7 +464,7 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                 r_m = _row_offsets(idx_ptr, i_b, L, o_m, m_rows, PACKED)
                 tl.atomic_add(dq_ptr + (i_bh * L + r_m[:, None]) * K + o_k[None, :], b_dq,
                               mask=m_rows[:, None] & m_k[None, :], sem="relaxed")
-    if BIAS_GRAD and CARRY and not DS_TILES and (ONE_V or i_v == 0):  # the last tile's class -1
+    if BIAS_GRAD and CARRY and (ONE_V or i_v == 0):  # the last tile's class -1
         tl.debug_barrier()  # a partial's first put may share these diagonals
         _put_diagonals(p_diag, o_c - BLOCK_M - (prev_m0 - n0), tl.sum(tl.where(b_cls0, 0., b_prev), 0), d_lo, d_hi,
                        ADD_MODE)
@@ -625,14 +624,13 @@ def fold_ds_tiles(tiles: torch.Tensor, batch: int, per_head: bool) -> torch.Tens
     S, S], slot d holding the sum of the [keys, queries] tiles whose key tile starts (d - (T - 1)) S right of their
     query tile, T = C / S tiles a chunk. The bias is Toeplitz, so an element (c, r) of slot d is tap
     (C - 1) + (d - (T - 1)) S + c - r = d S + (S - 1) + c - r. Each slot's diagonals are summed by skewing its
-    rows (column-flipped, padded to 2S and read with rows of 2S - 1, row c starts c further right), then the
-    slots' 2S - 1 sums are added at stride S. Deterministic, a few passes over the slots: [H or 1, 2C-1]."""
+    [queries, keys] views (`diagonal_sums`), then the slots' 2S - 1 sums are added at stride S. Deterministic, a
+    few passes over the slots: [H or 1, 2C-1]."""
     BH, n_d, S, _ = tiles.shape
     t = tiles.view(batch, BH // batch, n_d, S, S)
     t = t.sum(0) if per_head else t.sum((0, 1)).unsqueeze(0)  # [G, 2T-1, S, S]
     G = t.shape[0]
-    skew = F.pad(t.flip(-1), (0, S)).view(G, n_d, 2 * S * S)[..., :S * (2 * S - 1)].view(G, n_d, S, 2 * S - 1)
-    diag = skew.sum(2)  # [G, 2T-1, 2S-1]: index s holds c - r = s - (S - 1), its tap d S + s
+    diag = diagonal_sums(t.transpose(-1, -2))  # [G, 2T-1, 2S-1]: index s holds c - r = s - (S - 1), its tap d S + s
     out = torch.zeros(G, n_d + 1, S, device=tiles.device, dtype=tiles.dtype)
     out[:, :n_d] += diag[..., :S]
     out[:, 1:, :S - 1] += diag[..., S:]
@@ -820,10 +818,12 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else torch.empty_like(q)
     dk, dv = (torch.empty_like(k), torch.empty_like(v)) if rows is None else (torch.zeros_like(k), torch.zeros_like(v))
     # split paths: a partial per program where the spans tile every chunk or one chunk holds the sequence (else
-    # atomics), and the carried tile where query and key tiles are of one size (`_local_attention_bwd_kernel`)
-    carry = bias_grad and not fused and BLOCK_N == BLOCK_M
-    ds_tiles = (carry and dq_atomic and BLOCK_N == span and chunk % BLOCK_N == 0 and cfg.get("ds_tiles", True)
+    # atomics), and where query and key tiles are of one size the ds tiles (dq by atomics, `fold_ds_tiles`) or else
+    # the carried tile (`_local_attention_bwd_kernel`)
+    square = bias_grad and not fused and BLOCK_N == BLOCK_M
+    ds_tiles = (square and dq_atomic and BLOCK_N == span and chunk % BLOCK_N == 0 and cfg.get("ds_tiles", True)
                 and B * H * (2 * chunk - BLOCK_N) * BLOCK_M * 4 <= DS_TILES_MAX_BYTES)
+    carry = square and not ds_tiles
     span_part = (bias_grad and not fused and not ds_tiles and BLOCK_N == span
                  and (chunk % span == 0 or chunk >= L))
     dbias = None

@@ -17,7 +17,7 @@ import math
 import torch
 from torch.nn import functional as F
 
-from longmixer.ops.common import laplace
+from longmixer.ops.common import diagonal_sums, laplace
 
 ATTENTIONS = ("softmax", "laplace")
 
@@ -95,7 +95,7 @@ def window_bias(bias_table: torch.Tensor, block_size: int) -> torch.Tensor:
     """Local bias matrix [C, 3C] from MEGA's simple relative bias table [4C - 1] (offset key - query).
 
     Column c of the matrix is key (b-1)*C + c for a query in block b, so entry [i, c] is table[c - C - i + 2C - 1].
-    The backward sums the [C, 3C] gradient along its diagonals with a skewed view (`_diagonal_sums`) instead of an
+    The backward sums the [C, 3C] gradient along its diagonals with a skewed view (`ops.common.diagonal_sums`) instead of an
     index scatter, whose sort cost more than the rest of the op's glue on the GPU.
     """
     return _WindowBias.apply(bias_table, block_size)
@@ -112,14 +112,7 @@ class _WindowBias(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _diagonal_sums(grad, ctx.block_size), None
-
-
-def _diagonal_sums(grad: torch.Tensor, C: int) -> torch.Tensor:
-    """[C, 3C] -> [4C - 1]: out[t] = sum of grad[i, c] over c - i + C - 1 = t. With the rows reversed (i' = C-1-i)
-    and each padded to 4C, the flat entry i' 4C + c sits at row i', column i' + c = t of a [C, 4C - 1] view."""
-    skewed = F.pad(grad.flip(0), (0, C)).flatten()[: C * (4 * C - 1)]
-    return skewed.view(C, 4 * C - 1).sum(0)
+        return diagonal_sums(grad), None  # [C, 3C] -> [4C - 1]
 
 
 def _window_keys(x: torch.Tensor, block_size: int) -> torch.Tensor:
