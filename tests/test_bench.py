@@ -45,6 +45,26 @@ def test_measure_a_tiny_composed_model():
     assert math.isnan(row["peak_mem_mib"])  # no CUDA here
 
 
+def test_length_rows_are_listed_with_their_own_baseline():
+    """A length-sweep run's rows get the per-row table too (step time, GPU busy, kernels per step), each compared
+    with the SDPA Transformer of its own setting and length, not with the Text setting's at the same length."""
+    def row(setting, model, length, batch, tok_s):
+        return {"setting": setting, "model": model, "length": length, "batch": batch, "compile": "step-graph",
+                "status": "ok", "params": 1e6, "train_ms": 1e3 * length * batch / tok_s, "train_tokens_per_s": tok_s,
+                "peak_mem_mib": math.nan, "gpu_busy": 0.9, "kernels_per_step": 500.0, "eval_tokens_per_s": 1.0}
+
+    result = {"environment": {"device": "cpu", "torch": "t", "triton": "t", "cuda": None, "dtype": "d",
+                              "command": "c"},
+              "rows": [row("text", "transformer_sdpa", 4096, 8, 1000.0), row("text", "mega", 4096, 8, 4000.0),
+                       row("length", "transformer_sdpa", 4096, 8, 2000.0), row("length", "mega", 4096, 8, 3000.0),
+                       row("length", "transformer_sdpa", 16384, 2, 500.0), row("length", "mega", 16384, 2, 750.0)]}
+    table = markdown(result)
+    assert "| text 4K B8 | mega | step-graph | 1.00M | 8192.0 | 4,000 | – | 90% | 500 | 4.00x |" in table
+    assert "| length 4K B8 | mega | step-graph | 1.00M | 10922.7 | 3,000 | – | 90% | 500 | 1.50x |" in table
+    assert "| length 16K B2 | mega | step-graph | 1.00M | 43690.7 | 750 | – | 90% | 500 | 1.50x |" in table
+    assert "32768 tokens per step:" in table
+
+
 def test_each_job_starts_from_its_seed(monkeypatch):
     """A row's model and batch come from `seed`, not from whatever the jobs before it drew: the same seed gives the
     same initial weights and batch after other random draws, another seed other ones."""

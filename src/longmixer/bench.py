@@ -421,6 +421,18 @@ def _mean_stat(row: dict, name: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _point(row: dict) -> tuple:
+    """What a row is compared within: its setting, length and compile mode."""
+    return row["setting"], row.get("length"), row.get("compile", "none")
+
+
+def _setting_label(row: dict) -> str:
+    """A row's setting as the tables name it: "text 4K B8", "length 16K B2"."""
+    n = row.get("length")
+    size = "" if n is None else f" {n // 1024}K" if n >= 1024 and n % 1024 == 0 else f" {n}"
+    return f"{row['setting']}{size}" + (f" B{row['batch']}" if "batch" in row else "")
+
+
 def markdown(result: dict, claims: list[dict] | None = None) -> str:
     """The tables of docs/benchmarks.md "Model-level": the Text setting (eager and compiled, GPU-busy %, kernels per
     step, ratios to the SDPA and materialized Transformers of the same compile mode, the papers' claims), speed
@@ -434,22 +446,23 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
     if quick:
         lines += ["**Toy models** (`--quick`: width 32, one layer, short sequences): a smoke test of the benchmark, "
                   "not the papers' setting; no paper claims are shown beside them.", ""]
-    rows = [r for r in result["rows"] if r["setting"] == "text"]
-    ok = {(r["model"], r.get("compile", "none")): r for r in rows if r.get("status") == "ok"}
-    lines += ["| Model | Compile | Params | Train ms/step | Train tok/s | Peak MiB | GPU busy | Kernels/step | "
+    # every Text and length row, each against the Transformers of its own setting, length and compile mode
+    rows = [r for r in result["rows"] if r["setting"] in ("text", "length")]
+    ok = {_point(r) + (r["model"],): r for r in rows if r.get("status") == "ok"}
+    lines += ["| Setting | Model | Compile | Params | Train ms/step | Train tok/s | Peak MiB | GPU busy | Kernels/step | "
               "Speed vs SDPA | Speed vs materialized | Mem vs materialized | Eval tok/s | Papers' claim vs Transformer |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        mode = r.get("compile", "none")
+        mode, where = r.get("compile", "none"), _setting_label(r)
         if r.get("status") != "ok":
-            lines.append(f"| {r['model']} | {mode} | {r.get('status')} |||||||||||")
+            lines.append(f"| {where} | {r['model']} | {mode} | {r.get('status')} |||||||||||")
             continue
-        base, sdpa = ok.get(("transformer_materialized", mode)), ok.get(("transformer_sdpa", mode))
-        said = "" if quick else "; ".join(
+        base, sdpa = (ok.get(_point(r) + (name,)) for name in ("transformer_materialized", "transformer_sdpa"))
+        said = "" if quick or r["setting"] != "text" else "; ".join(
             f"{c['paper']} {c['speed']}x" + (f" / {c['memory']}x" if c.get("memory") else "")
             for c in claims or [] if c["model"] == r["model"] and c["baseline"] == "transformer")
         lines.append(
-            f"| {r['model']} | {mode} | {r['params'] / 1e6:.2f}M | {r['train_ms']:.1f} | {r['train_tokens_per_s']:,.0f}"
+            f"| {where} | {r['model']} | {mode} | {r['params'] / 1e6:.2f}M | {r['train_ms']:.1f} | {r['train_tokens_per_s']:,.0f}"
             f" | {_mib(r['peak_mem_mib'])} | {_fmt(r.get('gpu_busy', math.nan) * 100, '%', 0)} "
             f"| {_fmt(r.get('kernels_per_step'), '', 0)} "
             f"| {_fmt(_ratio(r['train_tokens_per_s'], sdpa and sdpa['train_tokens_per_s']))} "
@@ -460,9 +473,9 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
     lengths = sorted({r["length"] for r in sweep})
     keys = list(dict.fromkeys((r["model"], r.get("compile", "none")) for r in sweep))
     cell = {(r["model"], r.get("compile", "none"), r["length"]): r for r in sweep}
-    per_step = sorted({r["batch"] * r["length"] for r in sweep if r["setting"] == "length" and "batch" in r})
-    lines += ["", f"Training speed relative to the SDPA Transformer of the same compile mode (tokens/s in brackets), "
-              f"{', '.join(map(str, per_step))} tokens per step:", "",
+    per_step = sorted({r["batch"] * r["length"] for r in sweep if "batch" in r})
+    lines += ["", "Training speed relative to the SDPA Transformer of the same compile mode (tokens/s in brackets)"
+              + (f", {' or '.join(map(str, per_step))} tokens per step:" if per_step else ":"), "",
               "| Model | Compile | " + " | ".join(f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths) + " |",
               "|---|---|" + "---|" * len(lengths)]
     for model, mode in keys:
