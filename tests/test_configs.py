@@ -111,6 +111,14 @@ def test_variant_keeps_its_own_mixer_values(compose, recipe, variant):
         assert mixer[key] == (blocks.get(variant) or {}).get(key, value), f"{variant}.{key} on {recipe}"
 
 
+def test_transformer_scifar_is_the_lra_image_recipe(compose):
+    """No source gives sCIFAR's Transformer settings, so its recipe says it is LRA Image's unchanged on the colour
+    input: the model, optimizer, schedule and trainer compose to the same values."""
+    image, scifar = compose(["experiment=transformer/image"]), compose(["experiment=transformer/scifar"])
+    for key in ("model", "optim", "scheduler", "trainer"):
+        assert OmegaConf.to_container(scifar[key]) == OmegaConf.to_container(image[key]), key
+
+
 def test_seqboat_full_on_pathx_has_no_working_memory(compose):
     """SeqBoat-full on Path-X once ran as SeqBoat: the recipe's `window: 512` overrode seqboat_full's `window: null`."""
     assert compose(["experiment=seqboat/pathx", "model=seqboat_full"]).model.mixer.window is None
