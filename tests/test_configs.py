@@ -297,6 +297,32 @@ def test_entry_points_print_the_config_before_hydra_and_exit_0(entry, monkeypatc
     assert exit_info.value.code == 0 and capsys.readouterr().out == "ema\n"
 
 
+@pytest.mark.parametrize("entry", ["train", "evaluate"])
+@pytest.mark.parametrize("flags, shown", [(["-p", "model.mixer"], "-p/--package"), (["--resolve"], "--resolve"),
+                                          (["--package=model", "--resolve"], "-p/--package and --resolve")])
+def test_a_print_flag_without_cfg_is_refused_before_anything_runs(entry, flags, shown, monkeypatch, capsys):
+    """`-p` and `--resolve` only shape `--cfg`'s print: alone, Hydra ignored `-p` and started the run the user meant
+    to inspect, and stopped `--resolve` with a traceback. The entry point stops first, naming the flag to add."""
+    import importlib
+
+    module = importlib.import_module(f"longmixer.{entry}")
+    monkeypatch.setattr("sys.argv", [f"{entry}.py", "experiment=mega/listops", *flags])
+    monkeypatch.setattr(module, "_main", lambda: pytest.fail("the run started"), raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(f"error: {shown} shape the config that --cfg prints"), err
+    assert "--cfg job" in err
+
+
+@pytest.mark.parametrize("argv", [["--cfg", "job", "-p", "model"], ["--cfg", "all", "--resolve"], ["--help", "--resolve"],
+                                  ["seed=1"], ["--cfg", "hydra", "-p", "hydra.run"]])
+def test_print_flags_with_what_they_shape_pass(argv):
+    from longmixer.utils.compose import print_flag_alone
+
+    assert print_flag_alone(argv) is None
+
+
 def test_missing_group_option_lists_choices(compose):
     with pytest.raises(ConfigCompositionException, match="transformer"):
         compose(["model=transfomer"])

@@ -108,10 +108,11 @@ def task_mode_choice(argv: Sequence[str]) -> str | None:
 
 def refuse_before_hydra(argv: Sequence[str]) -> None:
     """Exit with status 2 before Hydra starts where the command line chooses null for a config group
-    (`null_group_choices`) or an impossible `task.mode` (`task_mode_choice`); the train and evaluate entry points.
+    (`null_group_choices`), an impossible `task.mode` (`task_mode_choice`) or a print flag without `--cfg`
+    (`print_flag_alone`); the train and evaluate entry points.
     Logging is not configured yet, so the message goes to stderr as is. A command line that only asks for the config
     (`--cfg job|all`, `--help`) is answered here, with the mixer blocks applied (`show_config`), and exits 0."""
-    if problem := null_group_choices(argv) or task_mode_choice(argv):
+    if problem := null_group_choices(argv) or task_mode_choice(argv) or print_flag_alone(argv):
         sys.stderr.write(f"error: {problem}\n")
         raise SystemExit(2)
     if show_config(argv):
@@ -127,10 +128,9 @@ _VALUE_FLAGS = {"--cfg": "cfg", "-c": "cfg", "--package": "package", "-p": "pack
 _OTHER_FLAGS = ("--hydra-help", "--version", "-m", "--multirun", "-r", "--run")
 
 
-def _config_request(argv: Sequence[str]) -> dict | None:
-    """What a command line asks to print: `{"what": "job" | "all" | "help", "package", "resolve", "overrides",
-    "config": the flag choosing other configs or None}`, or None where it asks for something else (a run, a sweep,
-    `--cfg hydra`, Hydra's own help or info)."""
+def _hydra_flags(argv: Sequence[str]) -> tuple[dict[str, str | None], list[str]]:
+    """The Hydra flags of a command line by kind (`cfg`, `package`, `config`, `other`, `help`, `resolve`: the value
+    or the flag itself) and its overrides."""
     flags: dict[str, str | None] = {}
     overrides, args = [], list(argv)
     while args:
@@ -147,6 +147,29 @@ def _config_request(argv: Sequence[str]) -> dict | None:
             flags["resolve"] = arg
         elif not arg.startswith("-"):
             overrides.append(arg)
+    return flags, overrides
+
+
+def print_flag_alone(argv: Sequence[str]) -> str | None:
+    """Why a command line's `-p` / `--package` or `--resolve` cannot be what it asks, or None: they shape the print
+    of `--cfg job|all` (and `--resolve` that of `--help`). Without one, Hydra ignores `-p` and starts the run the
+    user meant to inspect, and stops `--resolve` with a traceback."""
+    flags, _ = _hydra_flags(argv)
+    alone = [flag for flag, kind in (("-p/--package", "package"), ("--resolve", "resolve")) if kind in flags]
+    if not alone or "cfg" in flags or ("help" in flags and alone == ["--resolve"]):
+        return None
+    key = flags.get("package")
+    shape = f" -p {key}" if key else ""
+    return (f"{' and '.join(alone)} shape the config that --cfg prints and do nothing alone: add --cfg job (or --cfg "
+            f"all) to print it, e.g. `--cfg job{shape}{' --resolve' if 'resolve' in flags else ''}`, or leave "
+            f"{'them' if len(alone) > 1 else 'it'} out to run")
+
+
+def _config_request(argv: Sequence[str]) -> dict | None:
+    """What a command line asks to print: `{"what": "job" | "all" | "help", "package", "resolve", "overrides",
+    "config": the flag choosing other configs or None}`, or None where it asks for something else (a run, a sweep,
+    `--cfg hydra`, Hydra's own help or info)."""
+    flags, overrides = _hydra_flags(argv)
     # Hydra answers --help before anything else; --cfg hydra and the other commands are Hydra's own
     what = "help" if "help" in flags else flags.get("cfg") if "other" not in flags else None
     if what not in ("job", "all", "help"):
