@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from longmixer.utils.compose import CONFIG_DIR, RecipeError, family_of
-from longmixer.utils.config import ConfigError, validate_config
+from longmixer.utils.config import ConfigError, check_task_and_data, validate_config
 
 CONFIGS = Path(CONFIG_DIR)
 
@@ -30,7 +30,32 @@ CELLS = [r for r in RECIPES if "/" in r]  # <family>/<task>; quickstart is the e
 def test_recipe_composes_and_validates(compose, recipe):
     cfg = compose([f"experiment={recipe}"])
     validate_config(cfg)
+    check_task_and_data(cfg)
     OmegaConf.to_container(cfg.model, resolve=True)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data=synthetic_bytes", "~experiment", "model=chela"],
+     r"data \(SyntheticBytes\) is language-modelling data .*, and the task is Classification: it needs "
+     r"task=language_model and the model's LM keys \(model.num_classes=null .*experiment=<family>/enwik8"),
+    (["data=enwik8", "~experiment", "model=mega", "task=language_model"],
+     r"data \(Enwik8\) is language-modelling data .*model.num_classes reads it: a model on it needs the LM keys"),
+    (["experiment=chela/listops", "task=language_model"],
+     r"task=language_model needs language-modelling data .*data \(\w+\) is classification data with "
+     r"data.num_classes=10: use task=classification"),
+])
+def test_a_task_its_data_cannot_serve_is_refused_with_the_recipe_to_use(compose, overrides, message):
+    """Any model on any task, but a classification task or model on language-modelling data (or the LM task on
+    classification data) failed inside the run on an interpolation, with a traceback; it stops on one line."""
+    cfg = compose(overrides)
+    validate_config(cfg)
+    with pytest.raises(ConfigError, match=message):
+        check_task_and_data(cfg)
+
+
+def test_an_lm_recipe_takes_another_lm_dataset_and_model(compose):
+    check_task_and_data(compose(["experiment=mega/enwik8", "model=mega_chunk", "data=synthetic_bytes"]))
+    check_task_and_data(compose(["experiment=chela/wikitext103", "model=longvq", "data=enwik8"]))
 
 
 TASKS = sorted({r.split("/")[1] for r in CELLS})

@@ -56,7 +56,7 @@ from longmixer.utils.compose import (CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer
                                      run_explaining_refusals)
 from longmixer.utils.errors import UserFacingError
 from longmixer.utils.compile import release_cuda_graphs
-from longmixer.utils.config import validate_config
+from longmixer.utils.config import check_task_and_data, validate_config
 from longmixer.utils.resolvers import register_resolvers
 
 log = logging.getLogger("longmixer")
@@ -73,6 +73,7 @@ def train(cfg: DictConfig) -> dict:
     try:
         apply_mixer_blocks(cfg, dict(hydra_cfg.runtime.choices), hydra_cfg.overrides.task)
         validate_config(cfg)
+        check_task_and_data(cfg)
         lock = RunLock(run_dir).acquire() if owner else None
         results = _train(cfg, run_dir, record)
         if record.accepted and owner:

@@ -216,6 +216,37 @@ def validate_config(cfg: DictConfig) -> None:
     _check_scheduler(cfg)
 
 
+LM_MODEL_KEYS = "model.num_classes=null model.causal=true model.pool=none model.head=lm_tied"
+
+
+def check_task_and_data(cfg: DictConfig) -> None:
+    """Raise `ConfigError` for a classification task or model on language-modelling data (which has no
+    `num_classes`), or the language-model task on classification data: a run failed on an interpolation
+    (`${data.num_classes}` of the backbone, `${data.metric}` of the task) with a traceback. An LM recipe sets the
+    task and model keys. For the entry points that train or score a model (not `prepare_data.py`, which composes a
+    task's data on the default recipe)."""
+    data, task, model = (cfg.get(key) for key in ("data", "task", "model"))
+    if not all(isinstance(node, DictConfig) for node in (data, task, model)) or "_target_" not in task:
+        return
+    lm_data = "num_classes" not in data
+    lm_task = str(task["_target_"]).endswith(".LanguageModel")
+    name = str(data.get("_target_", "data")).rsplit(".", 1)[-1]
+    recipe = ("start from a language-model recipe, which sets them: experiment=<family>/enwik8 or "
+              "<family>/wikitext103 (data=<name> and model=<name> swap the data and the model)")
+    if lm_data and not lm_task:
+        raise ConfigError(f"data ({name}) is language-modelling data (no data.num_classes), and the task is "
+                          f"{str(task['_target_']).rsplit('.', 1)[-1]}: it needs task=language_model and the model's "
+                          f"LM keys ({LM_MODEL_KEYS}); {recipe}")
+    classes = OmegaConf.to_container(model, resolve=False).get("num_classes")
+    if lm_data and isinstance(classes, str) and "data.num_classes" in classes:
+        raise ConfigError(f"data ({name}) is language-modelling data (no data.num_classes), and model.num_classes "
+                          f"reads it: a model on it needs the LM keys ({LM_MODEL_KEYS}); {recipe}")
+    if lm_task and not lm_data:
+        raise ConfigError(f"task=language_model needs language-modelling data (data=enwik8, wikitext103 or "
+                          f"synthetic_bytes); data ({name}) is classification data with "
+                          f"data.num_classes={data.get('num_classes')}: use task=classification (the default)")
+
+
 def _check_target_keys(path: str, node: DictConfig) -> None:
     """Every key of a `_target_` node is a parameter of the target, its value (where written in this node, not
     interpolated) of the type the parameter's annotation allows, and a model size >= 1."""
