@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     except HydraException as err:
         # Hydra's own message names no keys; override_hint's line says which keys there are (as train's)
         hint = override_hint([f"data={args.task}", *args.overrides])
-        print(f"error: {hint or str(err).splitlines()[0]}", file=sys.stderr)
+        for line in (hint or str(err).splitlines()[0]).splitlines():
+            print(f"error: {line}", file=sys.stderr)
         return 2
     except UserFacingError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -665,6 +665,30 @@ def test_a_command_line_hydra_refuses_gets_a_did_you_mean(override, hint):
     assert override_hint(["experiment=quickstart", "trainer.max_steps=2"]) is None  # composes: the run failed later
 
 
+def test_every_refused_override_gets_its_line():
+    """Hydra names the first refused override only; each gets its line, the keys listed from what the others
+    compose to."""
+    from longmixer.utils.compose import override_hint
+
+    lines = override_hint(["experiment=chela/listopz", "trainer.max_step=2", "optim.lrr=1", "seed=3"]).splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("experiment=chela/listopz is not a config of configs/experiment/ (did you mean "
+                               "experiment=chela/listops?)")
+    assert lines[1].startswith("trainer.max_step is not a key of trainer (did you mean trainer.max_steps?)")
+    assert lines[2].startswith("optim.lrr is not a key of optim (did you mean optim.lr?); its keys: ")
+
+
+def test_the_entry_point_prints_a_line_per_refused_override(monkeypatch, capsys):
+    from longmixer import train
+
+    monkeypatch.setattr("sys.argv", ["train.py", "trainer.max_step=2", "optim.lrr=1"])
+    with pytest.raises(SystemExit) as exit_info:
+        train.main()
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert exit_info.value.code == 1 and len(errors) == 2, errors
+    assert "did you mean trainer.max_steps?" in errors[0] and "did you mean optim.lr?" in errors[1]
+
+
 def test_callbacks_none_keeps_the_runs_checkpointing(compose):
     """`callbacks=none` drops the optional callbacks only: without the run's checkpoint callback Lightning's default
     one would be tested instead of the best validation checkpoint, and nothing could be resumed or evaluated."""

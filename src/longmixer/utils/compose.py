@@ -312,64 +312,85 @@ def command_line_overrides(argv: Sequence[str]) -> list[str]:
 
 def run_explaining_refusals(hydra_main: Callable[[], Any], argv: Sequence[str]) -> None:
     """Run an entry point's `hydra.main` function; when it ends with exit status 1 (Hydra refused the command line,
-    or the run failed) outside a sweep, print `override_hint`'s line, which is None for the latter."""
+    or the run failed) outside a sweep, print `override_hint`'s lines, which are None for the latter."""
     try:
         hydra_main()
     except SystemExit as exit_:
         if exit_.code == 1 and "-m" not in argv and "--multirun" not in argv:
             hint = override_hint(command_line_overrides(argv))
-            if hint:
-                print(f"error: {hint}", file=sys.stderr)
+            for line in hint.splitlines() if hint else ():
+                print(f"error: {line}", file=sys.stderr)
         raise
 
 
 def override_hint(overrides: Sequence[str], config_dir: str = CONFIG_DIR) -> str | None:
-    """Why Hydra refused `overrides`, in one line with a "did you mean", or None where they compose (the run failed
-    for another reason). Hydra's own messages say that a key is "not in struct" without naming the keys there are,
-    and list a nested group's options only at its top level (`experiment=chela/listopz` shows `quickstart`)."""
-    import difflib
+    """Why Hydra refused `overrides`: one line with a "did you mean" per refused override (several lines where
+    several are wrong; Hydra names only the first), or None where they compose (the run failed for another
+    reason). Hydra's own messages say that a key is "not in struct" without naming the keys there are, and list a
+    nested group's options only at its top level (`experiment=chela/listopz` shows `quickstart`)."""
     import re
 
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
-    overrides = [o for o in overrides if not o.startswith("hydra")]
-    try:
-        compose(overrides, config_dir=config_dir)
-        return None
-    except MissingConfigException as err:
-        missing = re.search(r"Could not find '([^']+)'", str(err))
-        if missing is None:
-            return None
-        wanted = missing.group(1)
-        folder = Path(config_dir) / Path(wanted).parent
-        group = wanted.split("/", 1)[0]
-        names = sorted(str(p.relative_to(Path(config_dir) / group).with_suffix(""))
-                       for p in (Path(config_dir) / group).rglob("*.yaml"))
-        close = difflib.get_close_matches(wanted.split("/", 1)[1], names, n=1)
-        if folder.is_dir():
-            where, known = f"configs/{Path(wanted).parent}/", sorted(p.stem for p in folder.glob("*.yaml"))
-        else:
-            where, known = f"configs/{group}/", names
-        return (f"{group}={wanted.split('/', 1)[1]} is not a config of configs/{group}/"
-                + (f" (did you mean {group}={close[0]}?)" if close else "") + f"; in {where}: {', '.join(known)}")
-    except ConfigCompositionException as err:
-        refused = re.search(r"Could not override '([^']+)'", str(err))
-        if refused is None or "not in struct" not in str(err.__cause__):
-            return None
-        key = refused.group(1)
-        parent, _, leaf = key.rpartition(".")
-        rest = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key]
+    rest = [o for o in overrides if not o.startswith("hydra")]
+    refused: list[tuple[str, str]] = []  # ("group", "experiment/chela/listopz") or ("key", "trainer.max_step")
+    cfg = None
+    for _ in range(len(rest) + 1):
         try:
-            node = compose(rest, config_dir=config_dir)
-        except Exception:  # noqa: BLE001 - another override is wrong too; Hydra's message stands
-            return None
-        if parent:
-            node = OmegaConf.select(node, parent)
-        keys = sorted(node.keys()) if isinstance(node, DictConfig) else []
-        close = difflib.get_close_matches(leaf, keys, n=1)
-        return (f"{key} is not a key of {parent or 'the config'}"
-                + (f" (did you mean {(parent + '.') if parent else ''}{close[0]}?)" if close else "")
-                + f"; its keys: {', '.join(keys)}. A key that is not there yet is added with +{key}=...")
+            cfg = compose(rest, config_dir=config_dir)
+            break
+        except MissingConfigException as err:
+            missing = re.search(r"Could not find '([^']+)'", str(err))
+            if missing is None:
+                break
+            refused.append(("group", missing.group(1)))
+            name = missing.group(1).split("/", 1)[0]
+        except ConfigCompositionException as err:
+            found = re.search(r"Could not override '([^']+)'", str(err))
+            if found is None or "not in struct" not in str(err.__cause__):
+                break
+            refused.append(("key", found.group(1)))
+            name = found.group(1)
+        kept = [o for o in rest if o.lstrip("+~").split("=", 1)[0] != name]
+        if len(kept) == len(rest):
+            break
+        rest = kept
+    hints = [_group_hint(what, config_dir) if kind == "group" else _key_hint(what, cfg)
+             for kind, what in refused]
+    return "\n".join(h for h in hints if h) or None
+
+
+def _group_hint(wanted: str, config_dir: str) -> str:
+    """The line for a group option that is not there (`experiment/chela/listopz`): the close name and the options."""
+    import difflib
+
+    folder = Path(config_dir) / Path(wanted).parent
+    group = wanted.split("/", 1)[0]
+    names = sorted(str(p.relative_to(Path(config_dir) / group).with_suffix(""))
+                   for p in (Path(config_dir) / group).rglob("*.yaml"))
+    close = difflib.get_close_matches(wanted.split("/", 1)[1], names, n=1)
+    if folder.is_dir():
+        where, known = f"configs/{Path(wanted).parent}/", sorted(p.stem for p in folder.glob("*.yaml"))
+    else:
+        where, known = f"configs/{group}/", names
+    return (f"{group}={wanted.split('/', 1)[1]} is not a config of configs/{group}/"
+            + (f" (did you mean {group}={close[0]}?)" if close else "") + f"; in {where}: {', '.join(known)}")
+
+
+def _key_hint(key: str, cfg: DictConfig | None) -> str | None:
+    """The line for a key that is not there (`trainer.max_step`), from the config the other overrides compose to
+    (None where they do not: Hydra's message stands)."""
+    import difflib
+
+    if cfg is None:
+        return None
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    keys = sorted(node.keys()) if isinstance(node, DictConfig) else []
+    close = difflib.get_close_matches(leaf, keys, n=1)
+    return (f"{key} is not a key of {parent or 'the config'}"
+            + (f" (did you mean {(parent + '.') if parent else ''}{close[0]}?)" if close else "")
+            + f"; its keys: {', '.join(keys)}. A key that is not there yet is added with +{key}=...")
 
 
 def compose(overrides: Sequence[str] = (), *, config_dir: str = CONFIG_DIR, hydra_config: bool = False) -> DictConfig:
