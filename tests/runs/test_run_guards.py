@@ -244,6 +244,14 @@ def test_max_steps_in_an_epoch_that_never_validates_stops_at_start(compose):
         train(compose([*BASE, "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=2"]))
 
 
+def test_validation_switched_off_is_refused_with_its_own_fix(compose):
+    """`trainer.limit_val_batches=0` leaves no best checkpoint to test: the line names that key, not max_steps."""
+    with pytest.raises(ValueError, match=r"trainer.limit_val_batches=0 disables validation: .* Leave "
+                                         r"trainer.limit_val_batches out .*; or pass test=false") as err:
+        train(compose([*BASE, "trainer.limit_val_batches=0"]))
+    assert "Raise trainer.max_steps" not in str(err.value)
+
+
 def test_max_steps_inside_the_first_validating_epoch_is_validated_there(compose):
     # validation every second epoch (4 steps each): max_steps 6 stops inside the second, which validates the stop
     results = train(compose([*BASE, "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=2",

@@ -287,8 +287,10 @@ def check_validation_reachable(cfg: DictConfig, epoch_batches: Callable[[], int 
                               f"batches on each rank) while trainer.check_val_every_n_epoch={per_epoch} counts "
                               f"validations by epoch: use trainer.val_check_interval={batches} or less, or "
                               "trainer.check_val_every_n_epoch=null to count the interval across epochs")
+    fix = "Raise trainer.max_steps or validate earlier (trainer.val_check_interval=<batches>)"
     if cfg.trainer.get("limit_val_batches") == 0:
         problem = "trainer.limit_val_batches=0 disables validation"
+        fix = "Leave trainer.limit_val_batches out (or give it a number of batches > 0)"
     elif cfg.trainer.get("check_val_every_n_epoch", 1) in (None, 1):
         return  # the step at max_steps is validated (SequenceTask.on_train_batch_end)
     else:
@@ -299,8 +301,7 @@ def check_validation_reachable(cfg: DictConfig, epoch_batches: Callable[[], int 
         problem = (f"the first validation comes at step {first} (trainer.val_check_interval, "
                    f"trainer.check_val_every_n_epoch, trainer.limit_train_batches, the epoch length) but "
                    f"trainer.max_steps={max_steps}")
-    message = (f"{problem}: no validation, so no best checkpoint, before training stops. Raise trainer.max_steps "
-               "or validate earlier (trainer.val_check_interval=<batches>)")
+    message = f"{problem}: no validation, so no best checkpoint, before training stops. {fix}"
     if cfg.test:
         raise ConfigError(message + "; or pass test=false")
     log.warning(message)
