@@ -148,8 +148,9 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
                "weights: start a separate run with run_tag=<name>")
         check_weights_fit(task, load_checkpoint(ckpt_path, mmap=True), ckpt_path, fix)
     callbacks = [*instantiate_group(cfg.get("callbacks"), "callbacks"), *fault_callbacks()]
-    if not cfg.trainer.get("enable_progress_bar", True):
+    if not cfg.trainer.get("enable_progress_bar", True) and any(isinstance(cb, ProgressBar) for cb in callbacks):
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
+        log.info("callbacks: the progress bar left out (trainer.enable_progress_bar=false)")
     loggers = instantiate_group(cfg.get("logger"), "logger")
     log.info("instantiating trainer <%s>", cfg.trainer._target_)
     # "partial": nested values reach the Trainer as plain dicts / lists (Lightning's Timer takes
