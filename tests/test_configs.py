@@ -340,8 +340,8 @@ def test_a_print_flag_without_cfg_is_refused_before_anything_runs(entry, flags, 
     assert "--cfg job" in err
 
 
-@pytest.mark.parametrize("argv", [["--cfg", "job", "-p", "model"], ["--cfg", "all", "--resolve"], ["--help", "--resolve"],
-                                  ["seed=1"], ["--cfg", "hydra", "-p", "hydra.run"]])
+@pytest.mark.parametrize("argv", [["--cfg", "job", "-p", "model"], ["--cfg", "all", "--resolve"],
+                                  ["--help", "--resolve"], ["seed=1"], ["--cfg", "hydra", "-p", "hydra.run"]])
 def test_print_flags_with_what_they_shape_pass(argv):
     from longmixer.utils.compose import print_flag_alone
 

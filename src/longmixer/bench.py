@@ -449,8 +449,9 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
     # every Text and length row, each against the Transformers of its own setting, length and compile mode
     rows = [r for r in result["rows"] if r["setting"] in ("text", "length")]
     ok = {_point(r) + (r["model"],): r for r in rows if r.get("status") == "ok"}
-    lines += ["| Setting | Model | Compile | Params | Train ms/step | Train tok/s | Peak MiB | GPU busy | Kernels/step | "
-              "Speed vs SDPA | Speed vs materialized | Mem vs materialized | Eval tok/s | Papers' claim vs Transformer |",
+    lines += ["| Setting | Model | Compile | Params | Train ms/step | Train tok/s | Peak MiB | GPU busy | "
+              "Kernels/step | Speed vs SDPA | Speed vs materialized | Mem vs materialized | Eval tok/s | "
+              "Papers' claim vs Transformer |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mode, where = r.get("compile", "none"), _setting_label(r)
@@ -462,8 +463,9 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
             f"{c['paper']} {c['speed']}x" + (f" / {c['memory']}x" if c.get("memory") else "")
             for c in claims or [] if c["model"] == r["model"] and c["baseline"] == "transformer")
         lines.append(
-            f"| {where} | {r['model']} | {mode} | {r['params'] / 1e6:.2f}M | {r['train_ms']:.1f} | {r['train_tokens_per_s']:,.0f}"
-            f" | {_mib(r['peak_mem_mib'])} | {_fmt(r.get('gpu_busy', math.nan) * 100, '%', 0)} "
+            f"| {where} | {r['model']} | {mode} | {r['params'] / 1e6:.2f}M | {r['train_ms']:.1f} "
+            f"| {r['train_tokens_per_s']:,.0f} | {_mib(r['peak_mem_mib'])} "
+            f"| {_fmt(r.get('gpu_busy', math.nan) * 100, '%', 0)} "
             f"| {_fmt(r.get('kernels_per_step'), '', 0)} "
             f"| {_fmt(_ratio(r['train_tokens_per_s'], sdpa and sdpa['train_tokens_per_s']))} "
             f"| {_fmt(_ratio(r['train_tokens_per_s'], base and base['train_tokens_per_s']))} "

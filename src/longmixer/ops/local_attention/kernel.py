@@ -795,8 +795,8 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     by atomics only): q, k, v, o, stat and do in slot order, dq, dk, dv written at the positions idx[b, j] and zero
     elsewhere, dq left in float32 for the caller's one cast. A `dv_pass` entry's `table=False` makes the dv pass
     gather its bias as the first pass does, and with the ds tiles a config's `stagger` (default 2) makes key span i
-    start its walk over the query blocks at block stagger x i (the A/Bs of docs/benchmarks.md). Returns dq, dk, dv (input dtype)
-    and dbias [H or 1, 2C-1] float32 (None without a bias, or when bias_grad is False)."""
+    start its walk over the query blocks at block stagger x i (the A/Bs of docs/benchmarks.md). Returns dq, dk, dv
+    (input dtype) and dbias [H or 1, 2C-1] float32 (None without a bias, or when bias_grad is False)."""
     B, H, L, K = q.shape
     V = v.shape[-1]
     idx, count = _check_rows(rows, attention, chunk, q, mask, dropout)
