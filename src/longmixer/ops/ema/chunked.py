@@ -35,7 +35,7 @@ import triton.language as tl
 
 CHUNK = 32  # C: steps per chunk (the Toeplitz tile is C x C)
 BLOCK_J = 32  # J: chunks per loop iteration (>= 16, the minimum dot width)
-NUM_WARPS = 1  # C, J and the warps measured fastest of C {32, 64} x J {16, 32} x warps {1, 2, 4} on an H200
+NUM_WARPS = 1  # C, J and the warps: the fastest of scripts/bench/ema_chunked.py's sweep (C, J 16-64, 1-2 warps), H200
 BWD_PROGRAMS = 1024  # the backward's target programs per launch (`batch_splits`)
 
 
