@@ -223,8 +223,8 @@ def check_task_and_data(cfg: DictConfig) -> None:
     """Raise `ConfigError` for a classification task or model on language-modelling data (which has no
     `num_classes`), or the language-model task on classification data: a run failed on an interpolation
     (`${data.num_classes}` of the backbone, `${data.metric}` of the task) with a traceback. An LM recipe sets the
-    task and model keys. For the entry points that train or score a model (not `prepare_data.py`, which composes a
-    task's data on the default recipe)."""
+    task and model keys. Training runs it (evaluate reads a run's config, which training checked; not
+    `prepare_data.py`, which composes a task's data on the default recipe)."""
     data, task, model = (cfg.get(key) for key in ("data", "task", "model"))
     if not all(isinstance(node, DictConfig) for node in (data, task, model)) or "_target_" not in task:
         return

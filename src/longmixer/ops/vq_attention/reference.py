@@ -95,8 +95,8 @@ def window_bias(bias_table: torch.Tensor, block_size: int) -> torch.Tensor:
     """Local bias matrix [C, 3C] from MEGA's simple relative bias table [4C - 1] (offset key - query).
 
     Column c of the matrix is key (b-1)*C + c for a query in block b, so entry [i, c] is table[c - C - i + 2C - 1].
-    The backward sums the [C, 3C] gradient along its diagonals with a skewed view (`ops.common.diagonal_sums`) instead of an
-    index scatter, whose sort cost more than the rest of the op's glue on the GPU.
+    The backward sums the [C, 3C] gradient along its diagonals with a skewed view (`ops.common.diagonal_sums`)
+    instead of an index scatter, whose sort cost more than the rest of the op's glue on the GPU.
     """
     return _WindowBias.apply(bias_table, block_size)
 
