@@ -54,8 +54,9 @@ def check(name: str, got: list, ref: list, dtype) -> bool:
     return ok
 
 
-# MEGA's parity cases (L, attention, causal): L 1000, which 64 does not divide (the bias gradient by the carried
-# tile), and 1024 (by ds tiles, `fold_ds_tiles`), at fewer cases as each takes about 25 s on an H200
+# MEGA's parity cases (L, attention, causal): L 1000, which 64 does not divide (tile mode 0, the bias gradient by ds
+# tiles whose tiles past L add zeros), and 1024 (whole tiles: tile mode 2 or 1), at fewer cases as each takes about
+# 25 s on an H200
 MEGA_PARITY = [(1000, a, c) for a, c in itertools.product(("softmax", "laplace"), (False, True))] + [
     (1024, "softmax", False), (1024, "laplace", True)]
 

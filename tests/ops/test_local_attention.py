@@ -87,18 +87,25 @@ def test_backward_tilings(monkeypatch, C, span, block_m, dq_atomic, block_v, att
     _assert_matches_reference(q, k, v, bias, kw)
 
 
-@pytest.mark.parametrize("block_m,attention,causal,bias_heads", all_pairs(
-    [pytest.param(16, id="query-block=span"), pytest.param(8, id="query-block=span/2")], ATTENTION, CAUSAL,
+@pytest.mark.parametrize("block_m,ds_tiles,attention,causal,bias_heads", all_pairs(
+    [pytest.param(16, False, id="query-block=span"), pytest.param(8, False, id="query-block=span/2"),
+     pytest.param(16, True, id="ds-tiles"), pytest.param(8, True, id="ds-tiles-two-a-span")], ATTENTION, CAUSAL,
     [pytest.param(0, id="shared-bias"), pytest.param(2, id="head-bias")]))
-def test_full_length_one_pass_backward(monkeypatch, block_m, attention, causal, bias_heads):
-    """Full attention longer than a key span through the one-pass backward: dq by atomics and the bias gradient
-    as per-program partials folded on the host (ragged L = 45 over spans of 16), through the carried tile (query
-    blocks of 16) and added to tile by tile (query blocks of 8)."""
+def test_full_length_one_pass_backward(monkeypatch, block_m, ds_tiles, attention, causal, bias_heads):
+    """Full attention longer than a key span through the one-pass backward, ragged (L = 45 over spans of 16): dq by
+    atomics and the bias gradient either by the ds tiles (the default), whose slots cover the sequence rounded up to
+    whole query tiles and whose tiles past L add zeros, or as per-program partials folded on the host, through the
+    carried tile (query blocks of 16) or added to tile by tile (query blocks of 8)."""
     monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(span=16, BLOCK_M=block_m, BLOCK_V_MAX=32,
-                                                                     num_warps=4, num_stages=1, dq_atomic=True))
+                                                                     num_warps=4, num_stages=1, dq_atomic=True,
+                                                                     ds_tiles=ds_tiles))
+    folds = []
+    for name in ("fold_ds_tiles", "fold_span_partials"):
+        monkeypatch.setattr(kernel, name, lambda *a, f=getattr(kernel, name), n=name: folds.append(n) or f(*a))
     (q, k, v, bias), mask = _case(2, 2, 45, 8, 20, None, bias_heads=bias_heads)
     kw = dict(chunk_size=None, attention=attention, causal=causal, bias=bias, mask=mask)
     _assert_matches_reference(q, k, v, bias, kw)
+    assert folds == ["fold_ds_tiles" if ds_tiles else "fold_span_partials"], folds
 
 
 def _two_pass(monkeypatch, dv_block_m=16, dv_block_n=16):
@@ -184,6 +191,22 @@ def test_long_span_default_tiles_route_by_value_width(monkeypatch, C, V, path):
     assert set(launched) == expected, launched
 
 
+def test_default_backward_tiles_by_length_chunk_and_dtype():
+    """The launcher's default tiles: MEGA's full attention with values wider than 128 takes 128-key spans in 16-bit
+    (8 warps) and spans of 64 in float32, whose 128-key tiles would not fit an H200's shared memory; values up to 128
+    the one-pass tiles; a chunk shorter than the sequence the split tiles; chunks of at most 128 the fused kernel."""
+    tiles = kernel._default_bwd_tiles
+    for dtype in (torch.bfloat16, torch.float16):
+        assert tiles(4096, 4096, 64, 256, dtype) == kernel.LONG_SPAN_K64
+    assert kernel.LONG_SPAN_K64["span"] == 128 and kernel.LONG_SPAN_K64["num_warps"] == 8
+    fp32 = tiles(4000, 4000, 64, 160, torch.float32)
+    assert fp32 == kernel.LONG_SPAN_K64_FP32 and fp32["span"] == 64 and fp32["num_warps"] == 4 and fp32["dv_pass"]
+    assert tiles(4096, 4096, 64, 128, torch.float32) == kernel.LONG_SPAN_K64_ONE_PASS
+    assert tiles(1024, 4096, 64, 256, torch.bfloat16) == kernel.SPLIT_SPAN_K64
+    assert tiles(1024, 4096, 64, 64, torch.float32) == kernel.SPLIT_SPAN_K64_NARROW
+    assert tiles(128, 4096, 64, 64, torch.bfloat16)["span"] == 128
+
+
 @pytest.mark.parametrize("L,C,dq_atomic,attention,causal", all_pairs(
     [pytest.param(48, None, id="L48-full"), pytest.param(45, 64, id="L45-C64")],
     [pytest.param(True, id="one-pass"), pytest.param(False, id="dq-kernel")], ["softmax", "laplace"], CAUSAL))
@@ -216,7 +239,8 @@ def _small_tiles(monkeypatch, span, block_m, dq_atomic, ds_tiles=True):
 
 @pytest.mark.parametrize("span,block_m,dq_atomic,ds_tiles,bias_heads,attention,causal", all_pairs(
     [pytest.param(32, 16, False, True, 2, id="fused"), pytest.param(16, 16, False, True, 2, id="split-dq-kernel"),
-     pytest.param(16, 8, True, True, 2, id="split-atomic-dq"),
+     pytest.param(16, 8, True, True, 2, id="split-atomic-dq-ds-tiles-two-a-span"),
+     pytest.param(16, 8, True, False, 2, id="split-atomic-dq"),
      pytest.param(16, 16, True, False, 2, id="split-atomic-dq-carry"),
      pytest.param(16, 16, True, True, 0, id="split-atomic-dq-ds-tiles-shared-bias")], ATTENTION, CAUSAL))
 def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, ds_tiles, bias_heads, attention, causal):
@@ -226,7 +250,8 @@ def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, ds_tiles, bi
     paths' spans tile the chunk, so their bias gradient goes through per-program partials (`fold_span_partials`):
     added to tile by tile with 8-query tiles, and with query tiles as wide as the span through the carried tile,
     in order (dq kernel) and in the rotated order of dq by atomics, which wraps around the chunk. With dq by
-    atomics and square tiles the default is the ds tiles summed by tile diagonal (`fold_ds_tiles`)."""
+    atomics the default is the ds tiles summed by tile diagonal (`fold_ds_tiles`), in slots of the query tile: a
+    span of 16 keys over 8-query tiles adds each tile's second half into the next slot."""
     _small_tiles(monkeypatch, span, block_m, dq_atomic, ds_tiles)
     aligned, folds, ds_folds = [], [], []
     monkeypatch.setattr(kernel, "tiles_in_one_chunk",
@@ -239,10 +264,11 @@ def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, ds_tiles, bi
     kw = dict(chunk_size=32, attention=attention, causal=causal, bias=bias, mask=mask)
     _assert_matches_reference(q, k, v, bias, kw)
     assert aligned and all(aligned), aligned  # forward and backward launches all took the aligned path
-    # split paths: partials of [B H, 3 chunks x 2 spans, C + span], or slots of [B H, 3 tile diagonals, 16, 16]
-    by_tiles = dq_atomic and ds_tiles and block_m == span
+    # split paths: partials of [B H, 3 chunks x 2 spans, C + span], or slots of [B H, 2 C / block_m - 1 tile
+    # diagonals, block_m, block_m]
+    by_tiles = dq_atomic and ds_tiles
     assert folds == ([] if span == 32 or by_tiles else [(4, 6, 48)]), folds
-    assert ds_folds == ([(4, 3, 16, 16)] if by_tiles else []), ds_folds
+    assert ds_folds == ([(4, 64 // block_m - 1, block_m, block_m)] if by_tiles else []), ds_folds
 
 
 @pytest.mark.parametrize("span,block_m,dq_atomic,attention,L,causal,mode", all_pairs(

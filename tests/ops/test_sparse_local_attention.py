@@ -198,11 +198,11 @@ def test_full_mode_plan_on_a_gpu(monkeypatch, V, dv_pass_tiles, two_pass):
 @pytest.mark.parametrize("causal,table,V", all_pairs(
     [pytest.param(False, id="bidir"), pytest.param(True, id="causal")],
     [pytest.param(None, id="no-bias"), pytest.param(153, id="table-M153<padded"),
-     pytest.param(200, id="table-M200>padded")],
+     pytest.param(300, id="table-M300>padded")],
     [pytest.param(40, id="V40-one-pass"), pytest.param(160, id="V160-two-pass")]))
 def test_packed_long_span_route(monkeypatch, causal, table, V):
     """SeqBoat-full's softmax attention over L > 128 runs as MEGA's full-length attention on the packed sequence
-    (rows read and written through the slot index, one chunk of 192 slots, each row's count its length): forward
+    (rows read and written through the slot index, one chunk of 256 slots, each row's count its length): forward
     and every gradient against the reference, with a row that has nothing activated and a ragged one; a bias
     table shorter than the chunk (zeros past it) and a longer one (sliced); values of 40 (dv in the one pass) and
     160 (the dv pass)."""
@@ -219,7 +219,7 @@ def test_packed_long_span_route(monkeypatch, causal, table, V):
     bias = None if table is None else torch.randn(2 * table - 1, generator=torch.Generator().manual_seed(5)) * 0.5
     o = _route_matches_reference(q, k, v, active, bias, causal)
     counts = active.sum(-1).tolist()
-    assert fwd_rows == [((B, 1, L, K), 192, counts)] and bwd_rows == fwd_rows, (fwd_rows, bwd_rows)
+    assert fwd_rows == [((B, 1, L, K), 256, counts)] and bwd_rows == fwd_rows, (fwd_rows, bwd_rows)
     assert (o[~active] == 0).all()
 
 
@@ -239,7 +239,7 @@ def _route_matches_reference(q, k, v, active, bias, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 def test_packed_long_span_bias_table_and_whole_rows(monkeypatch, causal):
     """The route at L = 200 (one chunk of 256: the forward and the backward's dv pass read their bias from the tile
-    table, as every sequence longer than 192 does), a row with every token active beside a ragged one, and values of
+    table, as every sequence longer than 128 does), a row with every token active beside a ragged one, and values of
     160 in one 256-wide block of the forward (each score tile computed once, as the fused forward did)."""
     from longmixer.ops.sparse_local_attention import kernel
 

@@ -335,9 +335,11 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
     # its queries see no other key), dq and delta = rowsum(do o) in place. DQ_ATOMIC (long spans): dq is added
     # into a zeroed float32 buffer by atomics, and the programs of one row start at different query blocks so
     # that they do not all add into the same rows at once: key span i_n starts at query block i_n * STAGGER. With
-    # DS_TILES, STAGGER 2 also keeps them off one slot (a tile's slot is its key block less its query block, which
-    # STAGGER 1 makes the same for every program at each step): MEGA's backward 0.986 -> 0.957 ms at B8 L4096 and
-    # 3.66 -> 3.58 ms at B2 L16384 on an H200 (docs/benchmarks.md); CARRY's first carried block assumes STAGGER 1.
+    # DS_TILES, STAGGER = SPAN / BLOCK_M + 1 (the launcher's default) also keeps them off one slot (a tile's slot is
+    # its key block less its query block, in query tiles, which STAGGER = SPAN / BLOCK_M makes the same for every
+    # program at each step): with spans of 64, STAGGER 2 against 1 took MEGA's backward from 0.986 to 0.957 ms at B8
+    # L4096 and from 3.66 to 3.58 ms at B2 L16384 on an H200 (docs/benchmarks.md); CARRY's first carried block
+    # assumes STAGGER 1.
     # Not DV: dv is left to `_local_attention_bwd_dv_kernel` (one program per key span then takes every value
     # block: the grid has one).
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -432,8 +434,11 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
             else:
                 b_dsT = tl.where(m_valid, _activation_grad(b_sT, ATTN, MU, SIGMA) * b_dpT, 0.)
             if BIAS_GRAD and DS_TILES:  # the tile as it is, into its tile diagonal's slot (`fold_ds_tiles`)
-                p_slot = dbias_ptr + (i_bh * (2 * (C // BLOCK_N) - 1) + (n0 - m0) // BLOCK_N + C // BLOCK_N - 1) * (
-                    BLOCK_N * BLOCK_M)
+                # [BLOCK_M, BLOCK_M] slots one after another, T = cdiv(C, BLOCK_M) tiles a chunk: a key span of
+                # several query tiles' width adds its rows past the first BLOCK_M into the next slots, those of
+                # their own tile diagonals
+                n_t = tl.cdiv(C, BLOCK_M)
+                p_slot = dbias_ptr + (i_bh * (2 * n_t - 1) + (n0 - m0) // BLOCK_M + n_t - 1) * (BLOCK_M * BLOCK_M)
                 tl.atomic_add(p_slot + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + o_c[None, :], b_dsT, sem="relaxed")
             elif BIAS_GRAD and CARRY:
                 b_rot, _ = _query_rotated(b_dsT, BLOCK_N, BLOCK_M)
@@ -683,17 +688,21 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
 # two passes. The first goes once over each key span with the whole value row (no score tile recomputed per value
 # block, no dq kernel recomputing dp): dk, dq added by atomics, the bias gradient by ds tiles (`DS_TILES_MAX_BYTES`).
 # The second, `dv_pass`, recomputes the weights from q, k and the saved stat and sums dv = p^T do. Without the
-# [64, 256] float32 dv accumulator the first pass fits 64-query tiles, which take the ds tiles (or the bias
+# [keys, 256] float32 dv accumulator the first pass fits 64-query tiles, which take the ds tiles (or the bias
 # gradient's carried tile); holding it, one pass needs 32-query tiles (`LONG_SPAN_K64_ONE_PASS`). H100 sweep at K 64,
 # V 256 (docs/benchmarks.md, "Two-pass long-span backward"): 1.142 against 1.314 ms for one pass at B8 L4096, 4.270
-# against 5.019 ms at B2 L16384.
-# Where dq is added by atomics over square tiles, the first pass adds its ds tiles by atomics into one slot per tile
-# diagonal and `fold_ds_tiles` sums their diagonals afterwards, in place of the rotated, carried tile (`CARRY`), up to
-# this many bytes of slots (16 MB at B2 L16384 or B8 L4096, one head). H200 (docs/benchmarks.md): MEGA's backward
-# 1.070 -> 0.987 ms at B8 L4096, 4.10 -> 3.65 ms at B2 L16384.
+# against 5.019 ms at B2 L16384. The first pass's key spans of 128 with 8 warps (two warp groups of 64 keys sharing
+# each query tile's loads and dq atomics) against 64 with 4, with the ds tiles, on an H200: 0.961 -> 0.911 ms at B8
+# L4096 and 3.58 -> 3.39 ms at B2 L16384 (2 stages, 32-query tiles or 4 warps slower; 256 keys exceed shared memory).
+# Where dq is added by atomics, the first pass adds its ds tiles by atomics into one [64, 64] slot per tile diagonal
+# and `fold_ds_tiles` sums their diagonals afterwards, in place of the rotated, carried tile (`CARRY`), up to this
+# many bytes of slots (16 MB at B2 L16384 or B8 L4096, one head). H200 (docs/benchmarks.md): MEGA's backward 1.070 ->
+# 0.987 ms at B8 L4096, 4.10 -> 3.65 ms at B2 L16384.
 DS_TILES_MAX_BYTES = 1 << 26
-LONG_SPAN_K64 = dict(span=64, BLOCK_M=64, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True,
+LONG_SPAN_K64 = dict(span=128, BLOCK_M=64, BLOCK_V_MAX=256, num_warps=8, num_stages=1, dq_atomic=True,
                      dv_pass=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V_MAX=256, num_warps=4, num_stages=2))
+# float32 inputs: the 128-key span's tiles need 256 KB of shared memory in float32 (an H200 has 227 KB), so spans of 64
+LONG_SPAN_K64_FP32 = dict(LONG_SPAN_K64, span=64, num_warps=4)
 # Values of at most `DV_PASS_MIN_V` (128) keep dv in the one pass, with 32-query tiles.
 LONG_SPAN_K64_ONE_PASS = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True)
 # Chunks longer than a span but shorter than the sequence (MEGA-chunk with C > 128) keep the dq kernel and the bias
@@ -721,6 +730,17 @@ def _bwd_config(C: int, K: int, V: int) -> dict:
             return dict(LONG_SPAN_K64_ONE_PASS)
         return dict(LONG_SPAN_K64, dv_pass=dict(LONG_SPAN_K64["dv_pass"]))
     return dict(span=64, BLOCK_M=64 if max(K, V) <= 64 else 32, BLOCK_V_MAX=128, num_warps=4, num_stages=2)
+
+
+def _default_bwd_tiles(C: int, L: int, K: int, V: int, dtype: torch.dtype) -> dict:
+    """The backward's tiles when the caller gives none: `_bwd_config`'s, with the long-span tiles of full attention
+    kept for one chunk holding the sequence (shorter chunks take the split tiles) and their float32 variant."""
+    cfg = _bwd_config(C, K, V)
+    if cfg in (LONG_SPAN_K64, LONG_SPAN_K64_ONE_PASS) and C < L:
+        return dict(SPLIT_SPAN_K64_NARROW if V <= 64 else SPLIT_SPAN_K64)
+    if cfg == LONG_SPAN_K64 and dtype == torch.float32:
+        return dict(LONG_SPAN_K64_FP32, dv_pass=dict(LONG_SPAN_K64_FP32["dv_pass"]))
+    return cfg
 
 
 def _flag_args(q, v, attention, causal, bias, mask, rows, dropout) -> dict:
@@ -800,10 +820,7 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     B, H, L, K = q.shape
     V = v.shape[-1]
     idx, count = _check_rows(rows, attention, chunk, q, mask, dropout)
-    if cfg is None:
-        cfg = _bwd_config(chunk, K, V)
-        if cfg in (LONG_SPAN_K64, LONG_SPAN_K64_ONE_PASS) and chunk < L:
-            cfg = dict(SPLIT_SPAN_K64_NARROW if V <= 64 else SPLIT_SPAN_K64)
+    cfg = cfg or _default_bwd_tiles(chunk, L, K, V, q.dtype)
     flags = _flag_args(q, v, attention, causal, bias, mask, rows, dropout)
     seed_arg = _seed_arg(seed, dropout, stat)
     fused = chunk <= cfg["span"]
@@ -826,8 +843,12 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     # atomics), and where query and key tiles are of one size the ds tiles (dq by atomics, `fold_ds_tiles`) or else
     # the carried tile (`_local_attention_bwd_kernel`)
     square = bias_grad and not fused and BLOCK_N == BLOCK_M
-    ds_tiles = (square and dq_atomic and BLOCK_N == span and chunk % BLOCK_N == 0 and cfg.get("ds_tiles", True)
-                and B * H * (2 * chunk - BLOCK_N) * BLOCK_M * 4 <= DS_TILES_MAX_BYTES)
+    # the ds tiles: key spans of whole query tiles, and spans that tile each chunk or one chunk holding the sequence
+    # (its tiles past L hold zeros: masked pairs have ds = 0); slots of [BLOCK_M, BLOCK_M], n_t a chunk
+    n_t = triton.cdiv(chunk, BLOCK_M)
+    ds_tiles = (bias_grad and not fused and dq_atomic and BLOCK_N == span and BLOCK_N % BLOCK_M == 0
+                and (chunk % BLOCK_N == 0 or chunk >= L) and cfg.get("ds_tiles", True)
+                and B * H * (2 * n_t - 1) * BLOCK_M * BLOCK_M * 4 <= DS_TILES_MAX_BYTES)
     carry = square and not ds_tiles
     span_part = (bias_grad and not fused and not ds_tiles and BLOCK_N == span
                  and (chunk % span == 0 or chunk >= L))
@@ -836,8 +857,7 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
         # fused: one partial per program, indexed by (j - i) + BLOCK_N; ds_tiles: ds tiles summed by tile
         # diagonal; span_part: one partial per program, C + BLOCK_N wide; else atomics into a zeroed [H or 1, 2C-1]
         if ds_tiles:
-            dbias = torch.zeros(B * H, 2 * (chunk // BLOCK_N) - 1, BLOCK_N, BLOCK_M, device=q.device,
-                                dtype=torch.float32)
+            dbias = torch.zeros(B * H, 2 * n_t - 1, BLOCK_M, BLOCK_M, device=q.device, dtype=torch.float32)
         elif fused:
             dbias = torch.empty(B * H * n_spans, 2 * BLOCK_N, device=q.device, dtype=torch.float32)
         elif span_part:
@@ -868,7 +888,8 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
         ALIGNED=tile_mode(chunk, L, causal, has_mask, BLOCK_M, BLOCK_N, span), BIAS_GRAD=bias_grad,
         DQ_ATOMIC=dq_atomic, SPAN_PART=span_part, CARRY=carry, DS_TILES=ds_tiles, DV=dv_cfg is None, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V,
-        STAGGER=cfg.get("stagger", 2) if ds_tiles else 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        STAGGER=cfg.get("stagger", BLOCK_N // BLOCK_M + 1) if ds_tiles else 1, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     if dv_cfg is not None:
         BM2, BN2 = dv_cfg["BLOCK_M"], dv_cfg["BLOCK_N"]
         BV2 = min(dv_cfg["BLOCK_V_MAX"], max(16, triton.next_power_of_2(V)))
@@ -883,8 +904,8 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
             BLOCK_K=BLOCK_K, BLOCK_V=BV2, num_warps=dv_cfg["num_warps"], num_stages=dv_cfg["num_stages"])
     if dq_atomic and rows is None:
         dq = dq.to(q.dtype)
-    if ds_tiles:
-        dbias = fold_ds_tiles(dbias, B, bias.shape[0] > 1)
+    if ds_tiles:  # the taps of a chunk of n_t whole tiles; C's are the middle 2C - 1
+        dbias = fold_ds_tiles(dbias, B, bias.shape[0] > 1)[:, n_t * BLOCK_M - chunk:n_t * BLOCK_M + chunk - 1]
     if span_part:
         dbias = fold_span_partials(dbias, B, triton.cdiv(L, chunk), bias.shape[0] > 1, chunk, span)
     if bias_grad and fused:

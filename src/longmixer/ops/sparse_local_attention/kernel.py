@@ -475,10 +475,10 @@ def _bwd_plan(cfg: dict, V: int, length: int, rel_bias) -> dict | None:
                 PART_W=2 if tiles["BLOCK_M"] == tiles["BLOCK_N"] else 3, DV=dv_pass is None, dv_pass=dv_pass)
 
 
-# The packed sequence's chunk (C of ops/local_attention) is its length rounded up to the long-span kernels' 64-wide
-# tiles, so that every tile lies in the one chunk (tile mode 1) and the forward reads its bias from the tile table
-# (`use_bias_table`); slots past the count take no part.
-PACK_MULTIPLE = 64
+# The packed sequence's chunk (C of ops/local_attention) is its length rounded up to the long-span backward's
+# 128-key spans (a multiple of every tile), so that every tile lies in the one chunk (tile mode 1) and the forward
+# reads its bias from the tile table (`use_bias_table`); slots past the count take no part.
+PACK_MULTIPLE = 128
 # False sends those calls to the fused sparse kernels too (scripts/bench/long_span.py times both)
 PACKED_LONG_SPAN = True
 
