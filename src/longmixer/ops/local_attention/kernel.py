@@ -11,11 +11,12 @@ value row with dq by atomics, and with values wider than 128 leaves dv to a seco
 (`_local_attention_bwd_dv_kernel`, `LONG_SPAN_K64`), which reads its bias from the forward's table, each tile
 transposed; other longer chunks use a dq kernel (which also writes
 rowsum(do o)) and a dk/dv kernel, or, with K and V <= 64, the one-pass kernel with dq by atomics. Where dq is
-added by atomics over square tiles, the bias gradient is the ds tiles themselves, added into one slot per tile
-diagonal and summed along diagonals afterwards (`fold_ds_tiles`); elsewhere it goes to a partial per program where
-the spans tile each chunk or one chunk holds the sequence (`fold_span_partials`), else by atomics, each tile's
-diagonals summed in the loop after permuting each key row's queries (`_query_rotated`). The ops README describes
-the layout; docs/benchmarks.md (kernel measurement records) has the measurements behind the tile table.
+added by atomics over key spans of whole query tiles, the bias gradient is the ds tiles themselves, added into one
+query-tile-sized slot per tile diagonal and summed along diagonals afterwards (`fold_ds_tiles`); elsewhere it goes
+to a partial per program where the spans tile each chunk or one chunk holds the sequence (`fold_span_partials`),
+else by atomics, each tile's diagonals summed in the loop after permuting each key row's queries (`_query_rotated`).
+The ops README describes the layout; docs/benchmarks.md (kernel measurement records) has the measurements behind
+the tile table.
 """
 
 from __future__ import annotations
