@@ -193,14 +193,19 @@ def test_long_span_default_tiles_route_by_value_width(monkeypatch, C, V, path):
 
 def test_default_backward_tiles_by_length_chunk_and_dtype():
     """The launcher's default tiles: MEGA's full attention with values wider than 128 takes 128-key spans in 16-bit
-    (8 warps) and spans of 64 in float32, whose 128-key tiles would not fit an H200's shared memory; values up to 128
-    the one-pass tiles; a chunk shorter than the sequence the split tiles; chunks of at most 128 the fused kernel."""
+    (8 warps) and spans of 64 in float32, whose 128-key tiles would not fit an H200's shared memory, and where the
+    bias gradient's ds slots would pass `DS_TILES_MAX_BYTES` (the carried tile then runs, at the tiles it was measured
+    at); values up to 128 the one-pass tiles; a chunk shorter than the sequence the split tiles; chunks of at most 128
+    the fused kernel."""
     tiles = kernel._default_bwd_tiles
     for dtype in (torch.bfloat16, torch.float16):
-        assert tiles(4096, 4096, 64, 256, dtype) == kernel.LONG_SPAN_K64
+        assert tiles(4096, 4096, 64, 256, dtype, 25, True) == kernel.LONG_SPAN_K64  # 25 x 127 slots: 52 MB
     assert kernel.LONG_SPAN_K64["span"] == 128 and kernel.LONG_SPAN_K64["num_warps"] == 8
     fp32 = tiles(4000, 4000, 64, 160, torch.float32)
-    assert fp32 == kernel.LONG_SPAN_K64_FP32 and fp32["span"] == 64 and fp32["num_warps"] == 4 and fp32["dv_pass"]
+    span64 = kernel.LONG_SPAN_K64_SPAN64
+    assert fp32 == span64 and fp32["span"] == 64 and fp32["num_warps"] == 4 and fp32["dv_pass"]
+    assert tiles(4096, 4096, 64, 256, torch.bfloat16, 50, True) == span64  # 104 MB of slots
+    assert tiles(4096, 4096, 64, 256, torch.bfloat16, 50, False) == kernel.LONG_SPAN_K64  # no bias gradient
     assert tiles(4096, 4096, 64, 128, torch.float32) == kernel.LONG_SPAN_K64_ONE_PASS
     assert tiles(1024, 4096, 64, 256, torch.bfloat16) == kernel.SPLIT_SPAN_K64
     assert tiles(1024, 4096, 64, 64, torch.float32) == kernel.SPLIT_SPAN_K64_NARROW

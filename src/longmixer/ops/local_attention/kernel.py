@@ -702,8 +702,10 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
 DS_TILES_MAX_BYTES = 1 << 26
 LONG_SPAN_K64 = dict(span=128, BLOCK_M=64, BLOCK_V_MAX=256, num_warps=8, num_stages=1, dq_atomic=True,
                      dv_pass=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V_MAX=256, num_warps=4, num_stages=2))
-# float32 inputs: the 128-key span's tiles need 256 KB of shared memory in float32 (an H200 has 227 KB), so spans of 64
-LONG_SPAN_K64_FP32 = dict(LONG_SPAN_K64, span=64, num_warps=4)
+# Spans of 64 with 4 warps, the tiles before: for float32 inputs, whose 128-key tiles need 256 KB of shared memory
+# (an H200 has 227 KB), and where the bias gradient's ds slots would pass `DS_TILES_MAX_BYTES`, whose fallback (the
+# carried tile, square tiles) was measured at these tiles only
+LONG_SPAN_K64_SPAN64 = dict(LONG_SPAN_K64, span=64, num_warps=4)
 # Values of at most `DV_PASS_MIN_V` (128) keep dv in the one pass, with 32-query tiles.
 LONG_SPAN_K64_ONE_PASS = dict(span=64, BLOCK_M=32, BLOCK_V_MAX=256, num_warps=4, num_stages=1, dq_atomic=True)
 # Chunks longer than a span but shorter than the sequence (MEGA-chunk with C > 128) keep the dq kernel and the bias
@@ -733,14 +735,19 @@ def _bwd_config(C: int, K: int, V: int) -> dict:
     return dict(span=64, BLOCK_M=64 if max(K, V) <= 64 else 32, BLOCK_V_MAX=128, num_warps=4, num_stages=2)
 
 
-def _default_bwd_tiles(C: int, L: int, K: int, V: int, dtype: torch.dtype) -> dict:
+def _default_bwd_tiles(C: int, L: int, K: int, V: int, dtype: torch.dtype, bh: int = 1,
+                       bias_grad: bool = False) -> dict:
     """The backward's tiles when the caller gives none: `_bwd_config`'s, with the long-span tiles of full attention
-    kept for one chunk holding the sequence (shorter chunks take the split tiles) and their float32 variant."""
+    kept for one chunk holding the sequence (shorter chunks take the split tiles), and their spans of 64 for float32
+    and for a bias gradient whose ds slots (bh rows of [2 T - 1, 64, 64] float32) pass `DS_TILES_MAX_BYTES`."""
     cfg = _bwd_config(C, K, V)
     if cfg in (LONG_SPAN_K64, LONG_SPAN_K64_ONE_PASS) and C < L:
         return dict(SPLIT_SPAN_K64_NARROW if V <= 64 else SPLIT_SPAN_K64)
-    if cfg == LONG_SPAN_K64 and dtype == torch.float32:
-        return dict(LONG_SPAN_K64_FP32, dv_pass=dict(LONG_SPAN_K64_FP32["dv_pass"]))
+    if cfg == LONG_SPAN_K64:
+        bm = LONG_SPAN_K64["BLOCK_M"]
+        slots = bh * (2 * triton.cdiv(C, bm) - 1) * bm * bm * 4
+        if dtype == torch.float32 or (bias_grad and slots > DS_TILES_MAX_BYTES):
+            return dict(LONG_SPAN_K64_SPAN64, dv_pass=dict(LONG_SPAN_K64_SPAN64["dv_pass"]))
     return cfg
 
 
@@ -821,7 +828,7 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     B, H, L, K = q.shape
     V = v.shape[-1]
     idx, count = _check_rows(rows, attention, chunk, q, mask, dropout)
-    cfg = cfg or _default_bwd_tiles(chunk, L, K, V, q.dtype)
+    cfg = cfg or _default_bwd_tiles(chunk, L, K, V, q.dtype, B * H, bias is not None and bias_grad)
     flags = _flag_args(q, v, attention, causal, bias, mask, rows, dropout)
     seed_arg = _seed_arg(seed, dropout, stat)
     fused = chunk <= cfg["span"]
