@@ -177,8 +177,11 @@ def test_long_span_default_tiles_route_by_value_width(monkeypatch, C, V, path):
     """With the default tiles (no override), attention longer than a span with K 64 takes, at full length, the dv
     pass for values wider than 128 and one pass for values up to 128; a chunk shorter than the sequence (C 160 of
     L 192) with values of 96 takes the dq kernel and the dk/dv kernel, as before the dv pass. Each matches the
-    reference."""
-    launched = {}
+    reference. The two passes' square tiles (float32: spans of 64) take the ds tiles; the one pass's 32-query tiles,
+    which do not ask for them, the per-program partials; the split path's chunk of 160 the atomics."""
+    launched, folds = {}, []
+    for name in ("fold_ds_tiles", "fold_span_partials"):
+        monkeypatch.setattr(kernel, name, lambda *a, f=getattr(kernel, name), n=name: folds.append(n) or f(*a))
     for name in ("_local_attention_bwd_dv_kernel", "_local_attention_bwd_dq_kernel"):
         jit = getattr(kernel, name)
         monkeypatch.setattr(kernel, name, type("Spy", (), {
@@ -189,6 +192,7 @@ def test_long_span_default_tiles_route_by_value_width(monkeypatch, C, V, path):
     expected = {"two-pass": {"_local_attention_bwd_dv_kernel"}, "one-pass": set(),
                 "dq-kernel": {"_local_attention_bwd_dq_kernel"}}[path]
     assert set(launched) == expected, launched
+    assert folds == {"two-pass": ["fold_ds_tiles"], "one-pass": ["fold_span_partials"], "dq-kernel": []}[path], folds
 
 
 def test_default_backward_tiles_by_length_chunk_and_dtype():
@@ -256,7 +260,8 @@ def test_tiles_inside_chunks(monkeypatch, span, block_m, dq_atomic, ds_tiles, bi
     added to tile by tile with 8-query tiles, and with query tiles as wide as the span through the carried tile,
     in order (dq kernel) and in the rotated order of dq by atomics, which wraps around the chunk. With dq by
     atomics the default is the ds tiles summed by tile diagonal (`fold_ds_tiles`), in slots of the query tile: a
-    span of 16 keys over 8-query tiles adds each tile's second half into the next slot."""
+    span of 16 keys over 8-query tiles, whose tiles ask for them (`ds_tiles=True`, as `LONG_SPAN_K64`), adds each
+    tile's second half into the next slot."""
     _small_tiles(monkeypatch, span, block_m, dq_atomic, ds_tiles)
     aligned, folds, ds_folds = [], [], []
     monkeypatch.setattr(kernel, "tiles_in_one_chunk",

@@ -3,20 +3,19 @@ causal), forward and backward, flash-style: score tiles live on chip and the C x
 written. MEGA, arXiv:2209.10655, sections 3.1 and 3.3.
 
 Forward: one program per query tile. Chunks of 256 or more read each tile's bias as one contiguous block of a
-per-call table of the chunk's Toeplitz tiles (`bias_table`); shorter chunks gather it from the bias.
-Backward: where a chunk fits one key tile (C <= the span of `_bwd_config`), one program per span of whole chunks
-does the span's entire backward (dq, dk, dv, rowsum(do o) and the bias gradient as a per-program partial) with no
-atomics. Full-length attention longer than a span with K <= 64 (MEGA) runs one pass per key span over the whole
-value row with dq by atomics, and with values wider than 128 leaves dv to a second kernel
-(`_local_attention_bwd_dv_kernel`, `LONG_SPAN_K64`), which reads its bias from the forward's table, each tile
-transposed; other longer chunks use a dq kernel (which also writes
-rowsum(do o)) and a dk/dv kernel, or, with K and V <= 64, the one-pass kernel with dq by atomics. Where dq is
-added by atomics over key spans of whole query tiles, the bias gradient is the ds tiles themselves, added into one
-query-tile-sized slot per tile diagonal and summed along diagonals afterwards (`fold_ds_tiles`); elsewhere it goes
-to a partial per program where the spans tile each chunk or one chunk holds the sequence (`fold_span_partials`),
-else by atomics, each tile's diagonals summed in the loop after permuting each key row's queries (`_query_rotated`).
-The ops README describes the layout; docs/benchmarks.md (kernel measurement records) has the measurements behind
-the tile table.
+per-call table of the chunk's Toeplitz tiles (`bias_table`); shorter chunks gather it from the bias. Backward: where
+a chunk fits one key tile (C <= the span of `_bwd_config`), one program per span of whole chunks does the span's
+entire backward (dq, dk, dv, rowsum(do o) and the bias gradient as a per-program partial) with no atomics.
+Full-length attention longer than a span with K <= 64 (MEGA) runs one pass per key span over the whole value row
+with dq by atomics, and with values wider than 128 leaves dv to a second kernel (`_local_attention_bwd_dv_kernel`,
+`LONG_SPAN_K64`), which reads its bias from the forward's table, each tile transposed; other longer chunks use a dq
+kernel (which also writes rowsum(do o)) and a dk/dv kernel, or, with K and V <= 64, the one-pass kernel with dq by
+atomics. Where dq is added by atomics over square tiles (or spans of whole query tiles that ask for it), the bias
+gradient is the ds tiles themselves, added into one query-tile-sized slot per tile diagonal and summed along
+diagonals afterwards (`fold_ds_tiles`); elsewhere it goes to a partial per program where the spans tile each chunk
+or one chunk holds the sequence (`fold_span_partials`), else by atomics, each tile's diagonals summed in the loop
+after permuting each key row's queries (`_query_rotated`). The ops README describes the layout; docs/benchmarks.md
+(kernel measurement records) has the measurements behind the tile table.
 """
 
 from __future__ import annotations
@@ -701,7 +700,7 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
 # 0.987 ms at B8 L4096, 4.10 -> 3.65 ms at B2 L16384.
 DS_TILES_MAX_BYTES = 1 << 26
 LONG_SPAN_K64 = dict(span=128, BLOCK_M=64, BLOCK_V_MAX=256, num_warps=8, num_stages=1, dq_atomic=True,
-                     dv_pass=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V_MAX=256, num_warps=4, num_stages=2))
+                     ds_tiles=True, dv_pass=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V_MAX=256, num_warps=4, num_stages=2))
 # Spans of 64 with 4 warps, the tiles before: for float32 inputs, whose 128-key tiles need 256 KB of shared memory
 # (an H200 has 227 KB), and where the bias gradient's ds slots would pass `DS_TILES_MAX_BYTES`, whose fallback (the
 # carried tile, square tiles) was measured at these tiles only
@@ -851,10 +850,12 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     # atomics), and where query and key tiles are of one size the ds tiles (dq by atomics, `fold_ds_tiles`) or else
     # the carried tile (`_local_attention_bwd_kernel`)
     square = bias_grad and not fused and BLOCK_N == BLOCK_M
-    # the ds tiles: key spans of whole query tiles, and spans that tile each chunk or one chunk holding the sequence
+    # the ds tiles: square tiles, or key spans of whole query tiles where the tiles ask for them (`ds_tiles=True`, as
+    # `LONG_SPAN_K64`: only those were measured), over spans that tile each chunk or one chunk holding the sequence
     # (its tiles past L hold zeros: masked pairs have ds = 0); slots of [BLOCK_M, BLOCK_M], n_t a chunk
     n_t = triton.cdiv(chunk, BLOCK_M)
-    ds_tiles = (bias_grad and not fused and dq_atomic and BLOCK_N == span and BLOCK_N % BLOCK_M == 0
+    ds_tiles = (bias_grad and not fused and dq_atomic and BLOCK_N == span
+                and (BLOCK_N == BLOCK_M or (BLOCK_N % BLOCK_M == 0 and cfg.get("ds_tiles") is True))
                 and (chunk % BLOCK_N == 0 or chunk >= L) and cfg.get("ds_tiles", True)
                 and B * H * (2 * n_t - 1) * BLOCK_M * BLOCK_M * 4 <= DS_TILES_MAX_BYTES)
     carry = square and not ds_tiles
