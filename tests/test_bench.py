@@ -211,6 +211,26 @@ def test_without_a_gpu_the_benchmark_runs_labelled_toy_models(tmp_path, monkeypa
     assert result["quick"] is True
     assert {r["model"] for r in result["rows"]} == {"transformer_sdpa", "chela"}
     assert "Toy models" in (tmp_path / "b.md").read_text()
+    assert f"Code: {result['environment']['code'] or 'not recorded'};" in (tmp_path / "b.md").read_text()
+
+
+def test_the_environment_names_the_commit_it_measured(tmp_path):
+    """The JSON's environment (and the markdown's header) carry the checkout's commit, `-dirty` where tracked files
+    differ from it, so a table names the code it measured; outside the checkout the module lives in, nothing."""
+    import subprocess
+    from pathlib import Path
+
+    import longmixer.bench as bench
+
+    repo = Path(bench.__file__).resolve().parents[2]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("longmixer is not imported from a git checkout")
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True,
+                           text=True).stdout.strip()
+    assert bench.code_version() == head.stdout.strip() + ("-dirty" if dirty else "")
+    assert bench.environment(torch.device("cpu"))["code"] == bench.code_version()
+    assert bench.code_version(tmp_path) is None  # another folder is not the module's checkout
 
 
 def test_step_graph_compiles_the_blocks_as_default(monkeypatch):

@@ -20,6 +20,8 @@ Settings, in order (a time budget skips what does not fit, recorded as "skipped"
    recipe's batch size: training-step speed, training memory and evaluation speed relative to MEGA.
 Models are built from the model / recipe yamls by Hydra compose (the mixer partials as in training), in bf16
 autocast with fp32 weights and AdamW, as the papers trained. Configs that run out of memory are recorded as "OOM".
+The JSON's `environment` names the device, the host's CPU, the versions and the commit measured (`code`:
+`-dirty` where tracked files differ from it; null outside a git checkout).
 """
 
 from __future__ import annotations
@@ -339,6 +341,20 @@ def host_cpu() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
+def code_version(repo_dir: Path = Path(__file__).resolve().parents[2]) -> str | None:
+    """The commit the measured code is at (short hash, `-dirty` where tracked files differ from it), or None where
+    this module is not that checkout's `src/longmixer/bench.py` (a package installed into site-packages, or a copy
+    of the tree without `.git`): the docs name each table's commit."""
+    from longmixer.runs.run_info import git_output
+
+    if (repo_dir / "src" / "longmixer" / "bench.py").resolve() != Path(__file__).resolve():
+        return None
+    commit = git_output("rev-parse", "--short", "HEAD", cwd=repo_dir)
+    if commit is None:
+        return None
+    return commit + ("-dirty" if git_output("status", "--porcelain", "--untracked-files=no", cwd=repo_dir) else "")
+
+
 def environment(device) -> dict:
     import triton
 
@@ -346,7 +362,7 @@ def environment(device) -> dict:
             "host": host_cpu(),
             "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
             "python": platform.python_version(), "dtype": "bf16 autocast, fp32 weights, AdamW",
-            "command": "python -m longmixer.bench " + " ".join(sys.argv[1:])}
+            "code": code_version(), "command": "python -m longmixer.bench " + " ".join(sys.argv[1:])}
 
 
 def run(args) -> dict:
@@ -440,7 +456,8 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
     env = result["environment"]
     quick = result.get("quick", False)
     lines = [f"Device: {env['device']}; host: {env.get('host', 'not recorded')}; torch {env['torch']}, "
-             f"triton {env['triton']}, CUDA {env['cuda']}; {env['dtype']}.", f"Command: `{env['command']}`.",
+             f"triton {env['triton']}, CUDA {env['cuda']}; {env['dtype']}.",
+             f"Code: {env.get('code') or 'not recorded'}; command: `{env['command']}`.",
              "Key mask of the full-length batches (`--mask`): "
              + ", ".join(sorted({r.get("mask", "full") for r in result["rows"]})) + ".", ""]
     if quick:

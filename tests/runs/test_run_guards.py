@@ -147,7 +147,7 @@ def test_run_info_keeps_every_attempt_and_warns_of_a_new_commit(tmp_path, monkey
     from longmixer.runs import run_info
 
     commits = iter(["a" * 40, "a" * 40, "b" * 40])
-    monkeypatch.setattr(run_info, "_git", lambda *args, cwd: next(commits) if args[0] == "rev-parse" else "")
+    monkeypatch.setattr(run_info, "git_output", lambda *args, cwd: next(commits) if args[0] == "rev-parse" else "")
     (tmp_path / "run_info.json").write_text(json.dumps({"git_commit": "0" * 40, "git_dirty": True,
                                                         "command": ["old"], "cuda_devices": []}))
     run_info.write_run_info(tmp_path, tmp_path)  # a record from before attempts: kept as the first attempt

@@ -22,7 +22,8 @@ PACKAGES = ("longmixer", "torch", "pytorch-lightning", "hydra-core", "omegaconf"
             "datasets", "einops")
 
 
-def _git(*args: str, cwd: Path) -> str | None:
+def git_output(*args: str, cwd: Path) -> str | None:
+    """`git <args>`'s stripped output in `cwd`, or None where git is missing, fails (not a checkout) or hangs."""
     try:
         out = subprocess.run(["git", *args], check=False, cwd=cwd, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
@@ -40,9 +41,9 @@ def collect_run_info(repo_dir: Path) -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    status = _git("status", "--porcelain", "--untracked-files=no", cwd=repo_dir)
+    status = git_output("status", "--porcelain", "--untracked-files=no", cwd=repo_dir)
     return {
-        "git_commit": _git("rev-parse", "HEAD", cwd=repo_dir),
+        "git_commit": git_output("rev-parse", "HEAD", cwd=repo_dir),
         "git_dirty": None if status is None else bool(status),
         "packages": versions,
         "python": sys.version.split()[0],
