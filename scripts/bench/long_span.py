@@ -6,9 +6,10 @@
 2. Times (bf16, `triton.testing.do_bench` means, which include the host's launches; SeqBoat-full also the GPU
    kernels' time, from torch.profiler) at B8 L4096 and B2 L16384:
    - MEGA: the forward and the backward launchers with the default tiles (two passes: dk, dq by atomics and the
-     bias gradient's ds tiles over 128-key spans, then dv by its own kernel), with the one-pass backward they replaced (`ONE_PASS_BWD`: dv in
-     the same kernel, 32-query tiles) and with the split path before that (`SPLIT_BWD` / `SPLIT_FWD`: a dq kernel
-     and a dk/dv kernel per 128-wide value block, the bias gradient by atomics), the bias gradient on and off;
+     bias gradient's ds tiles over 128-key spans, then dv by its own kernel), with the one-pass backward they
+     replaced (`ONE_PASS_BWD`: dv in the same kernel, 32-query tiles) and with the split path before that
+     (`SPLIT_BWD` / `SPLIT_FWD`: a dq kernel and a dk/dv kernel per 128-wide value block, the bias gradient by
+     atomics), the bias gradient on and off;
    - SeqBoat-full (K 64, V 256, the compressed bias): forward and forward + backward of the op with all tokens
      active and with 78% (what SeqBoat-full Text's router activated at 16K from seed 0): the default (MEGA's
      full-length kernels on the packed sequence, `PACKED_LONG_SPAN`), the fused sparse kernels it replaced

@@ -734,6 +734,11 @@ def _bwd_config(C: int, K: int, V: int) -> dict:
     return dict(span=64, BLOCK_M=64 if max(K, V) <= 64 else 32, BLOCK_V_MAX=128, num_warps=4, num_stages=2)
 
 
+def _ds_slot_bytes(bh: int, C: int, BLOCK_M: int) -> int:
+    """The bias gradient's ds slots of `bh` rows: [2 T - 1, BLOCK_M, BLOCK_M] float32 each, T = cdiv(C, BLOCK_M)."""
+    return bh * (2 * triton.cdiv(C, BLOCK_M) - 1) * BLOCK_M * BLOCK_M * 4
+
+
 def _default_bwd_tiles(C: int, L: int, K: int, V: int, dtype: torch.dtype, bh: int = 1,
                        bias_grad: bool = False) -> dict:
     """The backward's tiles when the caller gives none: `_bwd_config`'s, with the long-span tiles of full attention
@@ -743,8 +748,7 @@ def _default_bwd_tiles(C: int, L: int, K: int, V: int, dtype: torch.dtype, bh: i
     if cfg in (LONG_SPAN_K64, LONG_SPAN_K64_ONE_PASS) and C < L:
         return dict(SPLIT_SPAN_K64_NARROW if V <= 64 else SPLIT_SPAN_K64)
     if cfg == LONG_SPAN_K64:
-        bm = LONG_SPAN_K64["BLOCK_M"]
-        slots = bh * (2 * triton.cdiv(C, bm) - 1) * bm * bm * 4
+        slots = _ds_slot_bytes(bh, C, LONG_SPAN_K64["BLOCK_M"])
         if dtype == torch.float32 or (bias_grad and slots > DS_TILES_MAX_BYTES):
             return dict(LONG_SPAN_K64_SPAN64, dv_pass=dict(LONG_SPAN_K64_SPAN64["dv_pass"]))
     return cfg
@@ -821,9 +825,10 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     config has a `dv_pass`; cfg overrides `_bwd_config`. rows as `local_attention_fwd`'s (on the one pass with dq
     by atomics only): q, k, v, o, stat and do in slot order, dq, dk, dv written at the positions idx[b, j] and zero
     elsewhere, dq left in float32 for the caller's one cast. A `dv_pass` entry's `table=False` makes the dv pass
-    gather its bias as the first pass does, and with the ds tiles a config's `stagger` (default 2) makes key span i
-    start its walk over the query blocks at block stagger x i (the A/Bs of docs/benchmarks.md). Returns dq, dk, dv
-    (input dtype) and dbias [H or 1, 2C-1] float32 (None without a bias, or when bias_grad is False)."""
+    gather its bias as the first pass does, and with the ds tiles a config's `stagger` (default span / BLOCK_M + 1)
+    makes key span i start its walk over the query blocks at block stagger x i (the A/Bs of docs/benchmarks.md).
+    Returns dq, dk, dv (input dtype) and dbias [H or 1, 2C-1] float32 (None without a bias, or when bias_grad is
+    False)."""
     B, H, L, K = q.shape
     V = v.shape[-1]
     idx, count = _check_rows(rows, attention, chunk, q, mask, dropout)
@@ -854,10 +859,11 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     # `LONG_SPAN_K64`: only those were measured), over spans that tile each chunk or one chunk holding the sequence
     # (its tiles past L hold zeros: masked pairs have ds = 0); slots of [BLOCK_M, BLOCK_M], n_t a chunk
     n_t = triton.cdiv(chunk, BLOCK_M)
-    ds_tiles = (bias_grad and not fused and dq_atomic and BLOCK_N == span
-                and (BLOCK_N == BLOCK_M or (BLOCK_N % BLOCK_M == 0 and cfg.get("ds_tiles") is True))
-                and (chunk % BLOCK_N == 0 or chunk >= L) and cfg.get("ds_tiles", True)
-                and B * H * (2 * n_t - 1) * BLOCK_M * BLOCK_M * 4 <= DS_TILES_MAX_BYTES)
+    asked = cfg.get("ds_tiles")  # True, None (square tiles only) or False (never)
+    ds_tiles = (bias_grad and not fused and dq_atomic and BLOCK_N == span and asked is not False
+                and (BLOCK_N == BLOCK_M or (asked and BLOCK_N % BLOCK_M == 0))
+                and (chunk % BLOCK_N == 0 or chunk >= L)
+                and _ds_slot_bytes(B * H, chunk, BLOCK_M) <= DS_TILES_MAX_BYTES)
     carry = square and not ds_tiles
     span_part = (bias_grad and not fused and not ds_tiles and BLOCK_N == span
                  and (chunk % span == 0 or chunk >= L))
