@@ -108,14 +108,14 @@ def test_full_length_one_pass_backward(monkeypatch, block_m, ds_tiles, attention
     assert folds == ["fold_ds_tiles" if ds_tiles else "fold_span_partials"], folds
 
 
-def _two_pass(monkeypatch, dv_block_m=16, dv_block_n=16):
+def _two_pass(monkeypatch, dv_block_m=16, dv_block_n=16, **extra):
     """The long-span backward in two passes: the one-pass kernel without dv (spans of 16, dq by atomics), then dv
-    by `_local_attention_bwd_dv_kernel` over value blocks of 16. Returns the dv kernel's launches as (grid, tile
-    mode)."""
+    by `_local_attention_bwd_dv_kernel` over value blocks of 16; `extra` config entries (`piece_queries`). Returns
+    the dv kernel's launches as (grid, tile mode)."""
     dv_pass = dict(BLOCK_M=dv_block_m, BLOCK_N=dv_block_n, BLOCK_V_MAX=16, num_warps=4, num_stages=1)
     monkeypatch.setattr(kernel, "_bwd_config", lambda C, K, V: dict(span=16, BLOCK_M=16, BLOCK_V_MAX=32,
                                                                      num_warps=4, num_stages=1, dq_atomic=True,
-                                                                     dv_pass=dv_pass))
+                                                                     dv_pass=dv_pass, **extra))
     grids, jit = [], kernel._local_attention_bwd_dv_kernel
 
     class Spy:  # records each launch's grid and tile mode
@@ -144,6 +144,32 @@ def test_two_pass_long_span_backward(monkeypatch, L, C, masked, bias_heads, dv_t
     _assert_matches_reference(q, k, v, bias, kw)
     mode = (1 if causal else 2) if aligned else 0
     assert grids == [((-(-L // dv_tiles[1]), 4, 2), mode)], grids
+
+
+@pytest.mark.parametrize("L,piece,masked,bias_heads,attention,causal", all_pairs(
+    [pytest.param(45, 16, True, 2, id="ragged-masked-pieces-of-1-tile"),
+     pytest.param(64, 32, False, 0, id="aligned-pieces-of-2-tiles"),
+     pytest.param(80, 48, True, 0, id="last-piece-short")], ATTENTION, CAUSAL))
+def test_backward_in_pieces(monkeypatch, L, piece, masked, bias_heads, attention, causal):
+    """Both passes of the long-span backward over pieces of `piece` queries a program (dk and dv then added by
+    atomics into float32 buffers): the same gradients as the reference, with spans whose causal ranges start
+    inside a piece, pieces of one and two query tiles, a last piece shorter than the others, and spans whose pieces
+    have no query at all. The dv pass's grid has a program per key tile and piece."""
+    grids = _two_pass(monkeypatch, piece_queries=piece)
+    first = []
+    jit = kernel._local_attention_bwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: first.append((grid, kw["DK_ATOMIC"])) or jit[grid](*args, **kw)
+
+    monkeypatch.setattr(kernel, "_local_attention_bwd_kernel", Spy())
+    (q, k, v, bias), mask = _case(2, 2, L, 8, 20, None, bias_heads=bias_heads, masked=masked)
+    kw = dict(chunk_size=None, attention=attention, causal=causal, bias=bias, mask=mask)
+    _assert_matches_reference(q, k, v, bias, kw)
+    n_pieces = -(-(-(-L // 16)) // (piece // 16))
+    assert first == [((-(-L // 16) * n_pieces, 4, 1), True)], first
+    assert [g for g, _ in grids] == [(-(-L // 16) * n_pieces, 4, 2)], grids
 
 
 @pytest.mark.parametrize("attention,causal,bias_heads", all_pairs(
@@ -309,6 +335,10 @@ def test_tile_mode():
     assert kernel.tile_mode(128, 4000, False, False, 64, 64) == 1  # a ragged last chunk
     assert kernel.tile_mode(1024, 1000, False, False, 64, 64) == 1  # a chunk longer than the sequence
     assert kernel.tile_mode(96, 960, False, False, 64, 64) == 0
+    # a packed sequence (the slots' chunk rounded up to whole spans, the rows' counts anywhere): 2 unless causal
+    assert kernel.packed_tile_mode(1024, False, 64, 128, 128) == 2
+    assert kernel.packed_tile_mode(1024, True, 64, 128, 128) == 1
+    assert kernel.packed_tile_mode(96, False, 64, 64) == 0
 
 
 @pytest.mark.parametrize("attention,causal,bias_heads", all_pairs(

@@ -195,19 +195,23 @@ def test_full_mode_plan_on_a_gpu(monkeypatch, V, dv_pass_tiles, two_pass):
     assert plan["BLOCK_V"] == triton.next_power_of_2(V) and plan["BIAS_DIAG"]
 
 
-@pytest.mark.parametrize("causal,table,V", all_pairs(
+@pytest.mark.parametrize("causal,table,V,pieces", all_pairs(
     [pytest.param(False, id="bidir"), pytest.param(True, id="causal")],
     [pytest.param(None, id="no-bias"), pytest.param(153, id="table-M153<padded"),
      pytest.param(300, id="table-M300>padded")],
-    [pytest.param(40, id="V40-one-pass"), pytest.param(160, id="V160-two-pass")]))
-def test_packed_long_span_route(monkeypatch, causal, table, V):
+    [pytest.param(40, id="V40-one-pass"), pytest.param(160, id="V160-two-pass")],
+    [pytest.param(None, id="whole-range"), pytest.param(64, id="pieces-of-64")]))
+def test_packed_long_span_route(monkeypatch, causal, table, V, pieces):
     """SeqBoat-full's softmax attention over L > 128 runs as MEGA's full-length attention on the packed sequence
     (rows read and written through the slot index, one chunk of 256 slots, each row's count its length): forward
     and every gradient against the reference, with a row that has nothing activated and a ragged one; a bias
     table shorter than the chunk (zeros past it) and a longer one (sliced); values of 40 (dv in the one pass) and
-    160 (the dv pass)."""
+    160 (the dv pass), whose two passes take the query range whole or in pieces of 64 (`PACKED_PIECE_QUERIES`).
+    Bidirectional, no score is masked (`packed_tile_mode`): the keys past a row's count are left out in the tile
+    that holds the count."""
     from longmixer.ops.sparse_local_attention import kernel
 
+    monkeypatch.setattr(kernel.local_kernel, "PACKED_PIECE_QUERIES", pieces)
     fwd_rows, bwd_rows = [], []
     for name, seen in (("local_attention_fwd", fwd_rows), ("local_attention_bwd", bwd_rows)):
         launcher = getattr(kernel.local_kernel, name)

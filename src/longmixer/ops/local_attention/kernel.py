@@ -219,6 +219,9 @@ def _local_attention_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, stat_ptr, bias_ptr, 
             b_s = b_s + tl.load(p_tab + (n0 // BLOCK_N) * (BLOCK_M * BLOCK_N))
         b_s, m_valid = _bias_and_mask(b_s, o_m[:, None], o_n[None, :], i_b, i_h, L, C, r_hi, hi, bias_ptr,
                                       mask_ptr, CAUSAL, HAS_BIAS and not TABLE, BIAS_PER_HEAD, HAS_MASK, ALIGNED)
+        if PACKED and ALIGNED == 2:  # the tile holding the row's count: its keys past it (`packed_tile_mode`)
+            if n0 + BLOCK_N > hi:
+                b_s = tl.where(o_n[None, :] < hi, b_s, float("-inf"))
         if ATTN == 0:
             # online softmax; a row with no valid key so far keeps max -inf, guarded to avoid inf - inf
             b_s = tl.where(m_valid, b_s, float("-inf"))
@@ -320,15 +323,16 @@ def _weights_T(q_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, b_k, o_m, o_n, o_k, 
 
 @triton.jit
 def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, delta_ptr, bias_ptr, mask_ptr,
-                                idx_ptr, lens_ptr, dq_ptr, dk_ptr, dv_ptr, dbias_ptr, H, L, K, V, C, SPAN, scale,
-                                seed_ptr, p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                idx_ptr, lens_ptr, dq_ptr, dk_ptr, dv_ptr, dbias_ptr, H, L, K, V, C, SPAN, N_PIECES,
+                                PIECE, scale, seed_ptr, p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, PACKED: tl.constexpr,
                                 DROPOUT: tl.constexpr,
                                 FUSED: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
                                 ALIGNED: tl.constexpr, BIAS_GRAD: tl.constexpr, DQ_ATOMIC: tl.constexpr,
                                 SPAN_PART: tl.constexpr, CARRY: tl.constexpr, DS_TILES: tl.constexpr,
-                                DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                BLOCK_V: tl.constexpr, ONE_V: tl.constexpr, STAGGER: tl.constexpr):
+                                DV: tl.constexpr, DK_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                                ONE_V: tl.constexpr, STAGGER: tl.constexpr):
     # one key span [n0, n0 + SPAN) and one value block, tiles kept transposed ([keys, queries]) so that
     # dv += p^T do and dk += ds^T q take their left operand from registers. Every program adds its value block of
     # dv; the value-block-0 program also does dk, the bias gradient and, FUSED (the span holds whole chunks, so
@@ -342,7 +346,12 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
     # assumes STAGGER 1.
     # Not DV: dv is left to `_local_attention_bwd_dv_kernel` (one program per key span then takes every value
     # block: the grid has one).
-    i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Pieces (N_PIECES > 1, DQ_ATOMIC with the ds tiles or no bias gradient, dv left to the dv pass): a program
+    # takes one piece of PIECE query tiles of its key span's range and adds its dk by atomics (DK_ATOMIC) into a
+    # zeroed float32 buffer. Short programs keep the SMs evenly loaded where a packed row's count leaves a few long
+    # ones for the last wave (`PACKED_PIECE_QUERIES`).
+    i_s, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_p = i_s // N_PIECES, i_s % N_PIECES
     i_b, i_h = i_bh // H, i_bh % H
     n0 = i_n * SPAN
     o_n = n0 + tl.arange(0, BLOCK_N)
@@ -365,7 +374,7 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
     # C + BLOCK_N] buffer, the diagonal at (C - 1) - n0 % C + (j - i) (`fold_span_partials`). Else the
     # [H or 1, 2C-1] gradient, by atomics.
     if FUSED:
-        p_diag = dbias_ptr + (i_bh * tl.num_programs(0) + i_n) * 2 * BLOCK_N + BLOCK_N
+        p_diag = dbias_ptr + (i_bh * (tl.num_programs(0) // N_PIECES) + i_n) * 2 * BLOCK_N + BLOCK_N
         d_lo, d_hi = -BLOCK_N, BLOCK_N
         if BIAS_GRAD and (ONE_V or i_v == 0):
             tl.store(p_diag - BLOCK_N + tl.arange(0, 2 * BLOCK_N), tl.zeros([2 * BLOCK_N], dtype=tl.float32))
@@ -386,6 +395,8 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
         if PACKED:
             hi = tl.where(n0 < r_hi, tl.minimum(hi, r_hi), lo)
     n_iter = tl.cdiv(hi - lo, BLOCK_M)
+    t_lo = tl.minimum(i_p * PIECE, n_iter)  # this piece: query tiles t_lo .. t_lo + n_p - 1 of the range
+    n_p = tl.minimum(n_iter - t_lo, PIECE)
     # CARRY (BLOCK_N == BLOCK_M, split paths): each tile's wrap classes are w = 0 (jj >= c) and w = -1 (jj < c), and
     # class 0 of a tile holds the same diagonals, column by column, as class -1 of the tile BLOCK_M queries below.
     # So the rotated tile before (b_prev, queries prev_m0) is carried and one column sum of the two gives this
@@ -394,14 +405,14 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
     b_cls0 = tl.arange(0, BLOCK_N)[:, None] >= o_c[None, :]
     b_prev = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if DQ_ATOMIC:
-        prev_m0 = lo + ((i_n % tl.maximum(n_iter, 1)) - 1) * BLOCK_M  # n_iter is 0 for spans past a row's length
+        prev_m0 = lo + (t_lo + (i_n % tl.maximum(n_p, 1)) - 1) * BLOCK_M  # n_p is 0 for spans past a row's count
     else:
         prev_m0 = lo - BLOCK_M
-    for it in range(0, n_iter):
+    for it in range(0, n_p):
         if DQ_ATOMIC:
-            m0 = lo + ((it + i_n * STAGGER) % n_iter) * BLOCK_M
+            m0 = lo + (t_lo + (it + i_n * STAGGER) % n_p) * BLOCK_M
         else:
-            m0 = lo + it * BLOCK_M
+            m0 = lo + (t_lo + it) * BLOCK_M
         o_m = m0 + tl.arange(0, BLOCK_M)
         m_rows = o_m < hi
         b_q, b_do, b_stat, b_sT, m_valid, b_pT = _weights_T(
@@ -433,6 +444,9 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
                 b_dsT = b_pT * (b_dpT - b_delta[None, :])  # softmax: ds = p (dp - rowsum(do o))
             else:
                 b_dsT = tl.where(m_valid, _activation_grad(b_sT, ATTN, MU, SIGMA) * b_dpT, 0.)
+            if PACKED and ALIGNED == 2 and BIAS_GRAD:  # keys past the row's count, unmasked (`packed_tile_mode`)
+                if n0 + BLOCK_N > k_hi:
+                    b_dsT = tl.where(m_keys[:, None], b_dsT, 0.)
             if BIAS_GRAD and DS_TILES:  # the tile as it is, into its tile diagonal's slot (`fold_ds_tiles`)
                 # [BLOCK_M, BLOCK_M] slots one after another, T = cdiv(C, BLOCK_M) tiles a chunk: a key span of
                 # several query tiles' width adds its rows past the first BLOCK_M into the next slots, those of
@@ -481,24 +495,29 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
     if DV:
         tl.store(dv_ptr + (i_bh * L + r_n[:, None]) * V + o_v[None, :], b_dv.to(dv_ptr.dtype.element_ty),
                  mask=m_keys[:, None] & m_v[None, :])
-    if ONE_V or i_v == 0:
+    if DK_ATOMIC:
+        tl.atomic_add(dk_ptr + (i_bh * L + r_n[:, None]) * K + o_k[None, :], b_dk,
+                      mask=m_keys[:, None] & m_k[None, :] & (n_p > 0), sem="relaxed")
+    elif ONE_V or i_v == 0:
         tl.store(dk_ptr + (i_bh * L + r_n[:, None]) * K + o_k[None, :], b_dk.to(dk_ptr.dtype.element_ty),
                  mask=m_keys[:, None] & m_k[None, :])
 
 
 @triton.jit
 def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, idx_ptr, lens_ptr, dv_ptr, H,
-                                   L, K, V, C, scale, seed_ptr, p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr,
+                                   L, K, V, C, N_PIECES, PIECE, scale, seed_ptr, p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr,
                                    HAS_BIAS: tl.constexpr, BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr,
                                    PACKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                                    MU: tl.constexpr, SIGMA: tl.constexpr, ALIGNED: tl.constexpr, TABLE: tl.constexpr,
-                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                   BLOCK_V: tl.constexpr):
+                                   DV_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     # dv = p^T do for one key tile and one value block, the weights recomputed from q, k and the saved stat: the
     # second pass of the two-pass long-span backward (`dv_pass`), whose first pass does the rest without the
     # [keys, V] dv accumulator. Tiles transposed ([keys, queries]) as in `_local_attention_bwd_kernel`. TABLE:
     # bias_ptr is `bias_table` with each tile transposed, read as one contiguous block a tile, as the forward does.
-    i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Pieces as the first pass's: PIECE query tiles a program, dv added by atomics (DV_ATOMIC) into float32 zeros.
+    i_s, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_p = i_s // N_PIECES, i_s % N_PIECES
     i_b, i_h = i_bh // H, i_bh % H
     n0 = i_n * BLOCK_N
     o_n = n0 + tl.arange(0, BLOCK_N)
@@ -522,7 +541,9 @@ def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mas
     n_d = 2 * (C // BLOCK_N) - 1
     p_tab = (bias_ptr + ((i_h * n_d if BIAS_PER_HEAD else 0) + C // BLOCK_N - 1 + i_n) * (BLOCK_M * BLOCK_N)
              + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
-    for m0 in range(lo // BLOCK_M * BLOCK_M, hi, BLOCK_M):
+    m_lo = lo // BLOCK_M * BLOCK_M + i_p * PIECE * BLOCK_M
+    m_hi = tl.minimum(m_lo + PIECE * BLOCK_M, hi)
+    for m0 in range(m_lo, m_hi, BLOCK_M):
         o_m = m0 + tl.arange(0, BLOCK_M)
         b_tabT = 0.
         if HAS_BIAS and TABLE:
@@ -535,8 +556,12 @@ def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mas
             b_pT = b_pT * _dropout_scale(seed_ptr, p_drop, i_bh, L, o_m[None, :], o_n[:, None])
         b_dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=DOT_PREC)
     r_n = _row_offsets(idx_ptr, i_b, L, o_n, m_keys, PACKED)
-    tl.store(dv_ptr + (i_bh * L + r_n[:, None]) * V + o_v[None, :], b_dv.to(dv_ptr.dtype.element_ty),
-             mask=m_keys[:, None] & m_v[None, :])
+    if DV_ATOMIC:
+        tl.atomic_add(dv_ptr + (i_bh * L + r_n[:, None]) * V + o_v[None, :], b_dv,
+                      mask=m_keys[:, None] & m_v[None, :] & (m_lo < m_hi), sem="relaxed")
+    else:
+        tl.store(dv_ptr + (i_bh * L + r_n[:, None]) * V + o_v[None, :], b_dv.to(dv_ptr.dtype.element_ty),
+                 mask=m_keys[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -654,6 +679,27 @@ def tiles_in_one_chunk(C: int, BLOCK_M: int, BLOCK_N: int, span: int | None = No
     return C % BLOCK_M == 0 and C % BLOCK_N == 0 and (span is None or span % BLOCK_N == 0)
 
 
+def packed_tile_mode(C: int, causal: bool, BLOCK_M: int, BLOCK_N: int, span: int | None = None) -> int:
+    """`tile_mode` for a packed sequence (`local_attention_fwd`'s rows): 2 where not causal and every tile lies in
+    the one chunk, though a row's count need not end on a tile. No score is masked then. The rows past the count
+    are zero-weighted in the backward by their stat (+inf, the rows' loads being masked), and the forward
+    does not store them. Of the keys past the count, those the forward reads sit in the one tile holding the
+    count, which masks them (a branch on the tile, taken once a row). In the backward their dk and dv are not
+    stored, their k (0) adds nothing to dq, and the tile holding the count zeroes their ds before the bias gradient.
+    The per-score masks cost SeqBoat-full's packed route 21% (forward) and 14% (backward) of MEGA's time at
+    B2 L16384 on an H200 with every slot active (docs/benchmarks.md)."""
+    if not tiles_in_one_chunk(C, BLOCK_M, BLOCK_N, span):
+        return 0
+    return 1 if causal else 2
+
+
+def _tile_mode(C: int, L: int, causal: bool, mask, rows, BLOCK_M: int, BLOCK_N: int, span: int | None = None) -> int:
+    """The launchers' tile mode: `packed_tile_mode` for a packed sequence, else `tile_mode`."""
+    if rows is not None:
+        return packed_tile_mode(C, causal, BLOCK_M, BLOCK_N, span)
+    return tile_mode(C, L, causal, mask is not None, BLOCK_M, BLOCK_N, span)
+
+
 def tile_mode(C: int, L: int, causal: bool, has_mask: bool, BLOCK_M: int, BLOCK_N: int,
               span: int | None = None) -> int:
     """The kernels' ALIGNED flag: 0, tiles may straddle chunks; 1, every tile lies inside one chunk
@@ -699,6 +745,8 @@ def _fwd_config(C: int, K: int, V: int) -> dict:
 # many bytes of slots (16 MB at B2 L16384 or B8 L4096, one head). H200 (docs/benchmarks.md): MEGA's backward 1.070 ->
 # 0.987 ms at B8 L4096, 4.10 -> 3.65 ms at B2 L16384.
 DS_TILES_MAX_BYTES = 1 << 26
+# A packed sequence (SeqBoat-full's rows) runs both backward passes in pieces of this many queries a program.
+PACKED_PIECE_QUERIES = 2048
 LONG_SPAN_K64 = dict(span=128, BLOCK_M=64, BLOCK_V_MAX=256, num_warps=8, num_stages=1, dq_atomic=True,
                      ds_tiles=True, dv_pass=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V_MAX=256, num_warps=4, num_stages=2))
 # Spans of 64 with 4 warps, the tiles before: for float32 inputs, whose 128-key tiles need 256 KB of shared memory
@@ -811,8 +859,8 @@ def local_attention_fwd(q, k, v, bias, mask, *, attention: str, causal: bool, ch
                                       mask if mask is not None else stat, idx if idx is not None else stat,
                                       count if count is not None else stat, H, L, K, V, chunk, scale,
                                       _seed_arg(seed, dropout, stat), dropout, **flags,
-                                      ALIGNED=tile_mode(chunk, L, causal, mask is not None or rows is not None,
-                                                        cfg["BLOCK_M"], cfg["BLOCK_N"]), TABLE=table,
+                                      ALIGNED=_tile_mode(chunk, L, causal, mask, rows, cfg["BLOCK_M"],
+                                                         cfg["BLOCK_N"]), TABLE=table,
                                       **cfg)
     return o, stat
 
@@ -827,6 +875,9 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     elsewhere, dq left in float32 for the caller's one cast. A `dv_pass` entry's `table=False` makes the dv pass
     gather its bias as the first pass does, and with the ds tiles a config's `stagger` (default span / BLOCK_M + 1)
     makes key span i start its walk over the query blocks at block stagger x i (the A/Bs of docs/benchmarks.md).
+    A config's `piece_queries` (by default `PACKED_PIECE_QUERIES` with rows, else None: the whole range) runs both
+    passes of the one-chunk, two-pass path in pieces of that many queries a program, dk and dv then by float32
+    atomics (with the ds tiles or no bias gradient); a `dv_pass` entry's own `piece_queries` sets the dv pass's.
     Returns dq, dk, dv (input dtype) and dbias [H or 1, 2C-1] float32 (None without a bias, or when bias_grad is
     False)."""
     B, H, L, K = q.shape
@@ -865,6 +916,18 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
                 and (chunk % BLOCK_N == 0 or chunk >= L)
                 and _ds_slot_bytes(B * H, chunk, BLOCK_M) <= DS_TILES_MAX_BYTES)
     carry = square and not ds_tiles
+    # pieces of the query range (full length, both passes, dk and dv by atomics): `piece_queries` in the config, by
+    # default `PACKED_PIECE_QUERIES` for a packed sequence and none otherwise
+    piece_q = cfg.get("piece_queries", PACKED_PIECE_QUERIES if rows is not None else None)
+    n_pieces = triton.cdiv(triton.cdiv(L, BLOCK_M), max(1, (piece_q or L) // BLOCK_M))
+    pieces = (piece_q is not None and n_pieces > 1 and dq_atomic and dv_cfg is not None and chunk >= L
+              and (ds_tiles or not bias_grad))
+    if pieces:
+        dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+        dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    else:
+        n_pieces = 1
+    piece = triton.cdiv(L, BLOCK_M) if n_pieces == 1 else max(1, piece_q // BLOCK_M)  # query tiles a program
     span_part = (bias_grad and not fused and not ds_tiles and BLOCK_N == span
                  and (chunk % span == 0 or chunk >= L))
     dbias = None
@@ -883,7 +946,6 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     bias_arg = bias if bias is not None else stat
     mask_arg = mask if mask is not None else stat
     rows_args = (idx, count) if rows is not None else (stat, stat)
-    has_mask = mask is not None or rows is not None  # either makes some pairs invalid (`tile_mode`)
     delta = stat
     if not fused:
         delta = torch.empty_like(stat) if attention == "softmax" else stat
@@ -895,13 +957,14 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
         _local_attention_bwd_dq_kernel[(triton.cdiv(L, BLOCK_M), B * H)](
             q, k, v, o, do, stat, delta, bias_arg, mask_arg, dq, H, L, K, V, chunk, scale, seed_arg, dropout,
             **{f: x for f, x in flags.items() if f != "PACKED"},  # never packed (refused above)
-            ALIGNED=tile_mode(chunk, L, causal, has_mask, BLOCK_M, BLOCK_N), BLOCK_M=BLOCK_M,
+            ALIGNED=_tile_mode(chunk, L, causal, mask, rows, BLOCK_M, BLOCK_N), BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _local_attention_bwd_kernel[(n_spans, B * H, 1 if dv_cfg is not None else triton.cdiv(V, BLOCK_V))](
+    _local_attention_bwd_kernel[(n_spans * n_pieces, B * H, 1 if dv_cfg is not None else triton.cdiv(V, BLOCK_V))](
         q, k, v, o, do, stat, delta, bias_arg, mask_arg, *rows_args, dq, dk, dv, dbias if dbias is not None else stat,
-        H, L, K, V, chunk, span, scale, seed_arg, dropout, **flags, FUSED=fused,
-        ALIGNED=tile_mode(chunk, L, causal, has_mask, BLOCK_M, BLOCK_N, span), BIAS_GRAD=bias_grad,
-        DQ_ATOMIC=dq_atomic, SPAN_PART=span_part, CARRY=carry, DS_TILES=ds_tiles, DV=dv_cfg is None, BLOCK_M=BLOCK_M,
+        H, L, K, V, chunk, span, n_pieces, piece, scale, seed_arg, dropout, **flags, FUSED=fused,
+        ALIGNED=_tile_mode(chunk, L, causal, mask, rows, BLOCK_M, BLOCK_N, span), BIAS_GRAD=bias_grad,
+        DQ_ATOMIC=dq_atomic, SPAN_PART=span_part, CARRY=carry, DS_TILES=ds_tiles, DV=dv_cfg is None,
+        DK_ATOMIC=pieces, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, ONE_V=V <= BLOCK_V,
         STAGGER=cfg.get("stagger", BLOCK_N // BLOCK_M + 1) if ds_tiles else 1, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
@@ -913,12 +976,20 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
         # (docs/benchmarks.md); the one-pass and dk/dv kernels gained nothing from it
         table = bias is not None and use_bias_table(chunk, BM2, BN2) and dv_cfg.get("table", True)
         dv_bias = bias_table(bias, chunk, BM2, BN2, transposed=True) if table else bias_arg
-        _local_attention_bwd_dv_kernel[(triton.cdiv(L, BN2), B * H, triton.cdiv(V, BV2))](
-            q, k, do, stat, dv_bias, mask_arg, *rows_args, dv, H, L, K, V, chunk, scale, seed_arg, dropout, **flags,
-            ALIGNED=tile_mode(chunk, L, causal, has_mask, BM2, BN2), TABLE=table, BLOCK_M=BM2, BLOCK_N=BN2,
+        # pieces of the query range (where the first pass has them), in this pass's query tiles: the dv pass's own
+        # `piece_queries` (None: the whole range), else the first pass's
+        piece_q2 = dv_cfg.get("piece_queries", piece_q) if pieces else None
+        piece2 = triton.cdiv(L, BM2) + 1 if piece_q2 is None else max(1, piece_q2 // BM2)
+        n_pieces2 = triton.cdiv(triton.cdiv(L, BM2), piece2)
+        _local_attention_bwd_dv_kernel[(triton.cdiv(L, BN2) * n_pieces2, B * H, triton.cdiv(V, BV2))](
+            q, k, do, stat, dv_bias, mask_arg, *rows_args, dv, H, L, K, V, chunk, n_pieces2, piece2, scale, seed_arg,
+            dropout, **flags, ALIGNED=_tile_mode(chunk, L, causal, mask, rows, BM2, BN2), TABLE=table,
+            DV_ATOMIC=n_pieces2 > 1, BLOCK_M=BM2, BLOCK_N=BN2,
             BLOCK_K=BLOCK_K, BLOCK_V=BV2, num_warps=dv_cfg["num_warps"], num_stages=dv_cfg["num_stages"])
     if dq_atomic and rows is None:
         dq = dq.to(q.dtype)
+    if pieces:
+        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     if ds_tiles:  # the taps of a chunk of n_t whole tiles; C's are the middle 2C - 1
         dbias = fold_ds_tiles(dbias, B, bias.shape[0] > 1)[:, n_t * BLOCK_M - chunk:n_t * BLOCK_M + chunk - 1]
     if span_part:
