@@ -240,6 +240,30 @@ def _route_matches_reference(q, k, v, active, bias, causal):
     return results["triton"][0]
 
 
+def test_packed_long_span_without_ds_tiles(monkeypatch):
+    """With the ds tiles off (`DS_TILES_MAX_BYTES` = 0, as for many rows at long lengths) the route's bias gradient
+    takes the carried tile and per-program partials, whose unmasked scores (bidirectional, `packed_tile_mode`) get
+    the keys past each row's count zeroed there too; the pieces, which need the ds tiles, stay off."""
+    from longmixer.ops.sparse_local_attention import kernel
+
+    monkeypatch.setattr(kernel.local_kernel, "DS_TILES_MAX_BYTES", 0)
+    monkeypatch.setattr(kernel.local_kernel, "PACKED_PIECE_QUERIES", 64)
+    folds, launches = [], []
+    fold, jit = kernel.local_kernel.fold_span_partials, kernel.local_kernel._local_attention_bwd_kernel
+    monkeypatch.setattr(kernel.local_kernel, "fold_span_partials", lambda *a: folds.append(a[-1]) or fold(*a))
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, kw["CARRY"], kw["ALIGNED"])) or jit[grid](*args, **kw)
+
+    monkeypatch.setattr(kernel.local_kernel, "_local_attention_bwd_kernel", Spy())
+    B, L, K, V = 2, 150, 16, 160
+    q, k, v, active, _ = _inputs(B, L, K, V, 0.7, seed=11)
+    bias = torch.randn(2 * 160 - 1, generator=torch.Generator().manual_seed(3)) * 0.5
+    _route_matches_reference(q, k, v, active, bias, False)
+    assert folds == [64] and launches == [((3, B, 1), True, 2)], (folds, launches)  # spans of 64 over L
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 def test_packed_long_span_bias_table_and_whole_rows(monkeypatch, causal):
     """The route at L = 200 (one chunk of 256: the forward and the backward's dv pass read their bias from the tile
