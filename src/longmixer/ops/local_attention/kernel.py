@@ -324,7 +324,8 @@ def _weights_T(q_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, b_k, o_m, o_n, o_k, 
 @triton.jit
 def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, delta_ptr, bias_ptr, mask_ptr,
                                 idx_ptr, lens_ptr, dq_ptr, dk_ptr, dv_ptr, dbias_ptr, H, L, K, V, C, SPAN, N_PIECES,
-                                PIECE, scale, seed_ptr, p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                PIECE, scale, seed_ptr, p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr,
+                                HAS_BIAS: tl.constexpr,
                                 BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr, PACKED: tl.constexpr,
                                 DROPOUT: tl.constexpr,
                                 FUSED: tl.constexpr, DOT_PREC: tl.constexpr, MU: tl.constexpr, SIGMA: tl.constexpr,
@@ -505,7 +506,8 @@ def _local_attention_bwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stat_ptr, de
 
 @triton.jit
 def _local_attention_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, stat_ptr, bias_ptr, mask_ptr, idx_ptr, lens_ptr, dv_ptr, H,
-                                   L, K, V, C, N_PIECES, PIECE, scale, seed_ptr, p_drop, ATTN: tl.constexpr, CAUSAL: tl.constexpr,
+                                   L, K, V, C, N_PIECES, PIECE, scale, seed_ptr, p_drop, ATTN: tl.constexpr,
+                                   CAUSAL: tl.constexpr,
                                    HAS_BIAS: tl.constexpr, BIAS_PER_HEAD: tl.constexpr, HAS_MASK: tl.constexpr,
                                    PACKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                                    MU: tl.constexpr, SIGMA: tl.constexpr, ALIGNED: tl.constexpr, TABLE: tl.constexpr,
@@ -686,8 +688,8 @@ def packed_tile_mode(C: int, causal: bool, BLOCK_M: int, BLOCK_N: int, span: int
     does not store them. Of the keys past the count, those the forward reads sit in the one tile holding the
     count, which masks them (a branch on the tile, taken once a row). In the backward their dk and dv are not
     stored, their k (0) adds nothing to dq, and the tile holding the count zeroes their ds before the bias gradient.
-    The per-score masks cost SeqBoat-full's packed route 21% (forward) and 14% (backward) of MEGA's time at
-    B2 L16384 on an H200 with every slot active (docs/benchmarks.md)."""
+    With every slot active the masked route took 1.21x (forward) and 1.14x (backward) of MEGA's time at B2 L16384
+    on an H200; without the masks its forward went from 1.185 to 1.056 ms (docs/benchmarks.md)."""
     if not tiles_in_one_chunk(C, BLOCK_M, BLOCK_N, span):
         return 0
     return 1 if causal else 2
