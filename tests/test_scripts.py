@@ -197,6 +197,38 @@ def test_long_span_skips_without_a_gpu(monkeypatch, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
+def test_long_span_times_every_seqboat_full_path(monkeypatch):
+    """long_span.py's SeqBoat-full paths run the op each way (the Triton interpreter, L 136 > 128 so the packed
+    route's three paths take it, V 160 for the dv pass; the timers stubbed), and the module settings they change
+    are restored."""
+    import torch
+    import triton.testing
+
+    from longmixer.ops.local_attention import kernel as local_kernel
+    from longmixer.ops.sparse_local_attention import kernel as sparse_kernel
+
+    script = _bench_script("long_span")
+    settings = []  # what each timed call ran with: the route, its pieces and a bidirectional packed tile's mode
+
+    def bench(fn):
+        settings.append((sparse_kernel.PACKED_LONG_SPAN, local_kernel.PACKED_PIECE_QUERIES,
+                         local_kernel.packed_tile_mode(256, False, 64, 128, 128)))
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(triton.testing, "do_bench", bench)
+    monkeypatch.setattr(script, "kernel_ms", lambda fn: 1.0)
+    monkeypatch.setattr(script, "ROWS", [])
+    before = (local_kernel.PACKED_PIECE_QUERIES, local_kernel.packed_tile_mode, sparse_kernel.PACKED_LONG_SPAN,
+              sparse_kernel.DV_PASS_TILES, set(sparse_kernel.FUSED_BWD_MODES))
+    script.seqboat_full(torch.device("cpu"), 1, 136, 0.7, backend="triton", K=16, V=160)
+    assert [r["path"] for r in script.ROWS[::3]] == ["split", "one-pass", "fused", "packed-masked", "pieces-masked",
+                                                     "default"]
+    assert settings[6::2] == [(True, None, 1), (True, 2048, 1), (True, 2048, 2)], settings
+    assert (local_kernel.PACKED_PIECE_QUERIES, local_kernel.packed_tile_mode, sparse_kernel.PACKED_LONG_SPAN,
+            sparse_kernel.DV_PASS_TILES, set(sparse_kernel.FUSED_BWD_MODES)) == before
+
+
 def test_seqboat_script_runs_the_sections_asked_for():
     """`--sections` splits the script (whole, it runs past a ten-minute GPU call); only those tables print."""
     import os

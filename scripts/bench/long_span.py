@@ -12,9 +12,12 @@
      atomics), the bias gradient on and off;
    - SeqBoat-full (K 64, V 256, the compressed bias): forward and forward + backward of the op with all tokens
      active and with 78% (what SeqBoat-full Text's router activated at 16K from seed 0): the default (MEGA's
-     full-length kernels on the packed sequence, `PACKED_LONG_SPAN`), the fused sparse kernels it replaced
-     (the one-kernel backward without dv, then a dv pass), their one-pass backward (`DV_PASS_TILES = None`) and
-     the split path (`FUSED_BWD_MODES` emptied, which also restores the 64-wide forward).
+     full-length kernels on the packed sequence, `PACKED_LONG_SPAN`, the backward in pieces of the query range
+     without per-score masks), that route with its scores masked one by one (`packed_tile_mode` giving tile mode 1)
+     and the whole query range a program (`PACKED_PIECE_QUERIES = None`) as before the pieces ("packed-masked"), or
+     in pieces with the masks ("pieces-masked"), the fused sparse kernels it replaced (the one-kernel backward
+     without dv, then a dv pass), their one-pass backward (`DV_PASS_TILES = None`) and the split path
+     (`FUSED_BWD_MODES` emptied, which also restores the 64-wide forward).
 
 GPU:  PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/bench/long_span.py [--csv rows.csv] [--skip-parity]
           [--ops mega seqboat-full]
@@ -157,11 +160,10 @@ def kernel_ms(fn, calls: int = 3) -> float:
     return sum(e.device_time_total for e in prof.key_averages()) / calls / 1e3
 
 
-def seqboat_full(device, B: int, L: int, share: float) -> None:
+def seqboat_full(device, B: int, L: int, share: float, backend: str = "auto", K: int = 64, V: int = 256) -> None:
     from triton.testing import do_bench
 
     g = torch.Generator().manual_seed(2)
-    K, V = 64, 256
     q, k = (torch.randn(B, L, K, generator=g).to(device, torch.bfloat16).requires_grad_() for _ in range(2))
     v = torch.randn(B, L, V, generator=g).to(device, torch.bfloat16).requires_grad_()
     active = (torch.rand(B, L, generator=g) < share).to(device)
@@ -169,7 +171,7 @@ def seqboat_full(device, B: int, L: int, share: float) -> None:
     shape = f"B{B} L{L} {share:.0%}"
 
     def fwd():
-        return sparse_local_attention(q, k, v, active, bias, window=None, rel_pos="compressed")
+        return sparse_local_attention(q, k, v, active, bias, window=None, rel_pos="compressed", backend=backend)
 
     def step():
         out = fwd()
@@ -178,13 +180,22 @@ def seqboat_full(device, B: int, L: int, share: float) -> None:
             t.grad = None
     modes = set(sparse_kernel.FUSED_BWD_MODES)
     dv_pass, packed_default = sparse_kernel.DV_PASS_TILES, sparse_kernel.PACKED_LONG_SPAN
+    pieces, tile_mode = local_kernel.PACKED_PIECE_QUERIES, local_kernel.packed_tile_mode
+
+    def masked(C, causal, BLOCK_M, BLOCK_N, span=None):  # tile mode 1: every score tested against the bounds
+        return min(tile_mode(C, causal, BLOCK_M, BLOCK_N, span), 1)
+
+    paths = (("split", set(), dv_pass, False, pieces, tile_mode), ("one-pass", modes, None, False, pieces, tile_mode),
+             ("fused", modes, dv_pass, False, pieces, tile_mode), ("packed-masked", modes, dv_pass, True, None, masked),
+             ("pieces-masked", modes, dv_pass, True, pieces, masked),
+             ("default", modes, dv_pass, True, pieces, tile_mode))
     try:
-        for path, fused, second, packed in (("split", set(), dv_pass, False), ("one-pass", modes, None, False),
-                                            ("fused", modes, dv_pass, False), ("default", modes, dv_pass, True)):
+        for path, fused, second, packed, piece_queries, packed_mode in paths:
             sparse_kernel.FUSED_BWD_MODES.clear()
             sparse_kernel.FUSED_BWD_MODES.update(fused)
             sparse_kernel.DV_PASS_TILES = second
             sparse_kernel.PACKED_LONG_SPAN = packed
+            local_kernel.PACKED_PIECE_QUERIES, local_kernel.packed_tile_mode = piece_queries, packed_mode
             with torch.no_grad():
                 add("seqboat-full", shape, path, "forward", do_bench(fwd))
             add("seqboat-full", shape, path, "forward + backward", do_bench(step))
@@ -194,6 +205,7 @@ def seqboat_full(device, B: int, L: int, share: float) -> None:
         sparse_kernel.FUSED_BWD_MODES.update(modes)
         sparse_kernel.DV_PASS_TILES = dv_pass
         sparse_kernel.PACKED_LONG_SPAN = packed_default
+        local_kernel.PACKED_PIECE_QUERIES, local_kernel.packed_tile_mode = pieces, tile_mode
 
 
 def markdown(rows: list[dict]) -> str:
