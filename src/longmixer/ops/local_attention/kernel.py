@@ -804,6 +804,17 @@ def _default_bwd_tiles(C: int, L: int, K: int, V: int, dtype: torch.dtype, bh: i
     return cfg
 
 
+def _query_pieces(L: int, block: int, piece_queries: int | None) -> tuple[int, int]:
+    """The backward kernels' N_PIECES and PIECE over L's query tiles of `block`: pieces of `piece_queries` queries
+    (at least one tile), or where it is None one piece of every tile, with one to spare for a range that starts on
+    the tile below its first row (the dv pass rounds it down)."""
+    tiles = triton.cdiv(L, block)
+    if piece_queries is None:
+        return 1, tiles + 1
+    piece = max(1, piece_queries // block)
+    return triton.cdiv(tiles, piece), piece
+
+
 def _flag_args(q, v, attention, causal, bias, mask, rows, dropout) -> dict:
     return _flags(attention, causal, bias is not None, bias is not None and bias.shape[0] > 1, mask is not None,
                   rows is not None, dropout > 0, q.dtype == torch.float32)
@@ -903,7 +914,6 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     dv_cfg = cfg.get("dv_pass") if dq_atomic else None
     # dq_atomic: dq is summed in float32 by atomics, then cast
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_atomic else torch.empty_like(q)
-    dk, dv = (torch.empty_like(k), torch.empty_like(v)) if rows is None else (torch.zeros_like(k), torch.zeros_like(v))
     # split paths: a partial per program where the spans tile every chunk or one chunk holds the sequence (else
     # atomics), and where query and key tiles are of one size the ds tiles (dq by atomics, `fold_ds_tiles`) or else
     # the carried tile (`_local_attention_bwd_kernel`)
@@ -921,15 +931,15 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
     # pieces of the query range (full length, both passes, dk and dv by atomics): `piece_queries` in the config, by
     # default `PACKED_PIECE_QUERIES` for a packed sequence and none otherwise
     piece_q = cfg.get("piece_queries", PACKED_PIECE_QUERIES if rows is not None else None)
-    n_pieces = triton.cdiv(triton.cdiv(L, BLOCK_M), max(1, (piece_q or L) // BLOCK_M))
-    pieces = (piece_q is not None and n_pieces > 1 and dq_atomic and dv_cfg is not None and chunk >= L
-              and (ds_tiles or not bias_grad))
+    n_pieces, piece = _query_pieces(L, BLOCK_M, piece_q)
+    pieces = n_pieces > 1 and dq_atomic and dv_cfg is not None and chunk >= L and (ds_tiles or not bias_grad)
     if pieces:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
     else:
-        n_pieces = 1
-    piece = triton.cdiv(L, BLOCK_M) if n_pieces == 1 else max(1, piece_q // BLOCK_M)  # query tiles a program
+        n_pieces, piece = _query_pieces(L, BLOCK_M, None)
+        dk, dv = ((torch.empty_like(k), torch.empty_like(v)) if rows is None
+                  else (torch.zeros_like(k), torch.zeros_like(v)))
     span_part = (bias_grad and not fused and not ds_tiles and BLOCK_N == span
                  and (chunk % span == 0 or chunk >= L))
     dbias = None
@@ -980,9 +990,7 @@ def local_attention_bwd(q, k, v, o, stat, do, bias, mask, *, attention: str, cau
         dv_bias = bias_table(bias, chunk, BM2, BN2, transposed=True) if table else bias_arg
         # pieces of the query range (where the first pass has them), in this pass's query tiles: the dv pass's own
         # `piece_queries` (None: the whole range), else the first pass's
-        piece_q2 = dv_cfg.get("piece_queries", piece_q) if pieces else None
-        piece2 = triton.cdiv(L, BM2) + 1 if piece_q2 is None else max(1, piece_q2 // BM2)
-        n_pieces2 = triton.cdiv(triton.cdiv(L, BM2), piece2)
+        n_pieces2, piece2 = _query_pieces(L, BM2, dv_cfg.get("piece_queries", piece_q) if pieces else None)
         _local_attention_bwd_dv_kernel[(triton.cdiv(L, BN2) * n_pieces2, B * H, triton.cdiv(V, BV2))](
             q, k, do, stat, dv_bias, mask_arg, *rows_args, dv, H, L, K, V, chunk, n_pieces2, piece2, scale, seed_arg,
             dropout, **flags, ALIGNED=_tile_mode(chunk, L, causal, mask, rows, BM2, BN2), TABLE=table,
