@@ -724,7 +724,8 @@ def _flags(attention: str, causal: bool, has_bias: bool, per_head: bool, has_mas
 def _fwd_config(C: int, K: int, V: int) -> dict:
     """Forward tiles: 64 x 64 score tiles, values in blocks of up to 128 (the best or within 8% of it for K, V in
     64-256 at C = 128 on the H200, docs/benchmarks.md). Long spans with wide values (MEGA's full attention, K 64,
-    V 256) take 128 queries and the whole value row per program: 0.40 vs 0.68 ms at B8 L4096 on an H100."""
+    V 256) take 64 queries and the whole value row per program: 0.40 vs 0.68 ms at B8 L4096 on an H100 (128 queries
+    with 8 warps took 0.407 ms against 0.366, docs/benchmarks.md, "Long-span attention backward")."""
     if C > 128 and K <= 64 and V >= 256:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_V=256, num_warps=4,
                     num_stages=2)
