@@ -125,6 +125,26 @@ def test_a_prepared_file_that_is_gone_is_rebuilt_by_the_command_setup_names(prep
     assert again.manifest["splits"]["test"]["labels"] == {"2": 1, "4": 1, "5": 1}
 
 
+def test_a_prepare_killed_while_writing_its_manifest_is_completed_by_the_next_run(tmp_path):
+    """Regression: a prepare killed while it wrote `manifest.json.tmp` (the manifest's scratch copy, renamed over
+    `manifest.json` when complete) left that file behind, and the next prepare hashed it into the manifest it then
+    wrote as one of the data's files: the rename removed it, so the fresh data read as incomplete ("missing
+    ['manifest.json.tmp']") and `prepare_data.py` failed its own check until a second rebuild."""
+    from scripts import prepare_data
+
+    src = write_listops(tmp_path / "src")
+    dm = ListOps(data_dir=tmp_path / "data", source_dir=src)
+    dm.root.mkdir(parents=True)
+    (dm.root / "train.tokens.npy").write_bytes(b"\x93NUMPY half an array")
+    (dm.root / "manifest.json.tmp").write_text('{"version": 2, "splits": {"tr')  # what the kill left
+    args = ["listops", f"paths.data_dir={dm.data_dir}", f"data.source_dir={src}"]
+    assert prepare_data.main(args) == 0
+    again = ListOps(data_dir=tmp_path / "data", source_dir=src)
+    again.setup()
+    assert "manifest.json.tmp" not in again.manifest["files"] and again.verify() == len(again.manifest["files"])
+    assert sorted(p.name for p in dm.root.iterdir() if p.name.startswith("manifest")) == ["manifest.json"]
+
+
 def test_non_utf8_byte_names_file_line_and_column(tmp_path):
     folder = write_listops(tmp_path / "src")
     path = folder / "basic_val.tsv"

@@ -96,6 +96,10 @@ def write_manifest(root: Path, splits: Mapping[str, Mapping[str, Any]], meta: Ma
     every file in `root` (the manifest itself excluded), the shape and dtype of every `.npy` array, and a digest
     of all of it. Written last and atomically, so a manifest means the data is complete; `check`, given the manifest
     before it is written, may refuse it by raising (then nothing is written)."""
+    tmp = root / (MANIFEST + ".tmp")
+    # a scratch copy left by a kill while an earlier manifest was written: not data, and the rename below removes
+    # it, so listing it would make the new manifest name a file that is gone
+    tmp.unlink(missing_ok=True)
     paths = [p for p in sorted(root.iterdir()) if p.is_file() and p.name not in (MANIFEST, ".lock")]
     files = {p.name: sha256_of(p) for p in paths}
     arrays = {}
@@ -108,7 +112,6 @@ def write_manifest(root: Path, splits: Mapping[str, Mapping[str, Any]], meta: Ma
     manifest["digest"] = manifest_digest(manifest)
     if check is not None:
         check(manifest)
-    tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
     os.replace(tmp, root / MANIFEST)
     return manifest
