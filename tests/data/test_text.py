@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from longmixer.data.base import DatasetNotPreparedError
+from longmixer.data.integrity import SourceFileError
 from longmixer.data.text import IMDB, byte_ids
 from tests.data.fixtures import REVIEWS, write_text_fixture
 
@@ -79,3 +80,34 @@ def test_bad_labels_are_rejected(tmp_path):
 def test_config_mismatch_is_rejected(tmp_path, key, value):
     with pytest.raises(ValueError, match=f"data.{key}"):
         IMDB(data_dir=tmp_path, **{key: value})
+
+
+@pytest.mark.parametrize("damage", [pytest.param(lambda b: b[:len(b) // 2], id="cut"),
+                                    pytest.param(lambda b: b"", id="zero-bytes"),
+                                    pytest.param(lambda b: b"text\tlabel\nGreat\t1\n", id="not-parquet")])
+def test_an_unreadable_parquet_file_is_named(tmp_path, damage):
+    """Regression: a cut, empty or non-parquet file in data.source_dir stopped in `datasets` with "An error occurred
+    while generating the dataset" (a traceback from prepare_data.py), naming neither the file nor the fix."""
+    from scripts import prepare_data
+
+    source = write_text_fixture(tmp_path / "raw")["source_dir"]
+    path = tmp_path / "raw" / "imdb" / "plain_text" / "test-00000-of-00001.parquet"
+    path.write_bytes(damage(path.read_bytes()))
+    dm = IMDB(data_dir=tmp_path / "data", source_dir=source)
+    with pytest.raises(SourceFileError, match=rf"{path} is not a readable parquet file .*data.source_dir"):
+        dm.prepare_data()
+    assert not (dm.root / "manifest.json").exists()
+    assert prepare_data.main(["text", f"paths.data_dir={tmp_path / 'data'}", f"data.source_dir={source}"]) == 2
+
+
+def test_a_split_without_rows_is_named(tmp_path):
+    """Regression: a test parquet file with the columns but no rows failed inside `datasets` ("An error occurred
+    while generating the dataset"); it is an empty split, named with its files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = write_text_fixture(tmp_path / "raw")["source_dir"]
+    path = tmp_path / "raw" / "imdb" / "plain_text" / "test-00000-of-00001.parquet"
+    pq.write_table(pa.table({"text": pa.array([], pa.string()), "label": pa.array([], pa.int64())}), path)
+    with pytest.raises(SourceFileError, match=rf"test split is empty \(no rows in {path}\)"):
+        IMDB(data_dir=tmp_path / "data", source_dir=source).prepare_data()

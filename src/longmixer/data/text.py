@@ -19,6 +19,7 @@ import numpy as np
 
 from longmixer.data.base import RaggedDataset, SequenceDataModule, label_counts, save_ragged
 from longmixer.data.download import DataDownloadError, download_hint
+from longmixer.data.integrity import SourceFileError
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,37 @@ def check_vocab(name: str, vocab_size: int, num_classes: int, classes: int) -> N
                          f"set data.num_classes={classes}")
 
 
+def check_parquet(split: str, paths: list[Path]) -> None:
+    """Read the footer of each of a split's parquet files, before `datasets` reads them: it reports a damaged file
+    as "An error occurred while generating the dataset", naming neither the file nor the fix.
+
+    Raises:
+        SourceFileError: a file that is not a readable parquet file (cut, empty, another format), or a split whose
+            files hold no rows.
+    """
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    rows = 0
+    for path in paths:
+        try:
+            rows += pq.ParquetFile(path).metadata.num_rows
+        except (pyarrow.ArrowException, OSError) as err:
+            raise SourceFileError(f"{path} is not a readable parquet file ({' '.join(str(err).split())}): a cut or "
+                                  f"damaged copy; replace it with the {HF_NAME} file of that name in "
+                                  "data.source_dir, or set data.source_dir to null to download") from None
+    if rows == 0:
+        raise SourceFileError(f"the IMDB {split} split is empty (no rows in {', '.join(map(str, paths))}); put the "
+                              f"{HF_NAME} {split} files in data.source_dir, or set it to null to download")
+
+
 def load_imdb(source_dir: Path | None, cache_dir: Path) -> dict[str, tuple[list[str], list[int]]]:
     """{"train", "test"} -> (texts, labels) from the hub (or a folder of its parquet files).
 
     Raises:
         DataDownloadError: the hub cannot be reached (one line, as scripts/prepare_data.py prints it).
         FileNotFoundError: `source_dir` holds no `train-*.parquet` / `test-*.parquet`.
+        SourceFileError: one of them is not a readable parquet file, or a split's files hold no rows.
         ValueError: a row has no `text`/`label` column or a label outside {0, 1}.
     """
     import datasets  # only needed to prepare the data
@@ -60,6 +86,8 @@ def load_imdb(source_dir: Path | None, cache_dir: Path) -> dict[str, tuple[list[
         if empty:
             raise FileNotFoundError(f"data.source_dir={source_dir} holds no {empty[0]}-*.parquet; point it at the "
                                     f"folder of the {HF_NAME} parquet files or set it to null to download")
+        for split, paths in files.items():
+            check_parquet(split, [Path(p) for p in paths])
         ds = datasets.load_dataset("parquet", data_files=files, cache_dir=str(cache_dir))
     else:
         try:
