@@ -104,3 +104,17 @@ def test_a_corrupt_wav_is_named_in_one_line(tmp_path):
     with pytest.raises(SourceFileError, match=f"{bad} is not a readable WAV file") as caught:
         SpeechCommands(data_dir=tmp_path / "data", **overrides).prepare_data()
     assert "\n" not in str(caught.value)
+
+
+def test_a_cut_wav_is_named_not_dropped_as_a_short_clip(tmp_path):
+    """Regression: a full-length clip cut short (an interrupted copy into data.source_dir) still opened, with the
+    samples that were left, so it was dropped with the dataset's genuinely short clips ("dropped N shorter ones")
+    and the data was prepared without it. Its header declares more audio than the file holds: it is named."""
+    overrides = write_sc10_fixture(tmp_path / "raw")
+    cut = tmp_path / "raw" / "go" / "00000004_nohash_0.wav"
+    cut.write_bytes(cut.read_bytes()[:-1000])
+    dm = SpeechCommands(data_dir=tmp_path / "data", **overrides)
+    with pytest.raises(SourceFileError, match=rf"{cut} is cut short: its header declares 32000 bytes of audio, the "
+                                              "file holds 31000"):
+        dm.prepare_data()
+    assert not (dm.root / "manifest.json").exists()

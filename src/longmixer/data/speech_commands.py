@@ -41,20 +41,49 @@ SPLITS = ("stratified", "official")
 STRATIFIED_FRACTIONS = (0.70, 0.15)  # train, val; test is the rest
 
 
+REPLACE_WAV = ("replace it with the archive's copy (delete the folder and prepare again to re-extract it, or correct "
+               "data.source_dir)")
+STREAMING_SIZES = (0, 0xFFFFFFFF)  # what writers that cannot seek back put in a size field: "unknown", not a length
+
+
+def wav_data_sizes(path: Path) -> tuple[int, int] | None:
+    """(bytes of audio its `data` chunk declares, bytes the file holds after that chunk's header) of a RIFF/WAVE
+    file; None where the file is not one or has no `data` chunk (soundfile then names the fault)."""
+    with open(path, "rb") as f:
+        head = f.read(12)
+        if len(head) < 12 or head[:4] != b"RIFF" or head[8:] != b"WAVE":
+            return None
+        size = Path(path).stat().st_size
+        while header := f.read(8):
+            if len(header) < 8:
+                return None
+            length = int.from_bytes(header[4:], "little")
+            if header[:4] == b"data":
+                return length, size - f.tell()
+            f.seek(length + (length & 1), 1)  # chunks are padded to an even length
+    return None
+
+
 def read_wav(path: Path) -> tuple[np.ndarray, int]:
     """A WAV file -> (int16 samples [T] of the first channel, sample rate).
 
     Raises:
-        SourceFileError: the file is not a readable audio file, naming it and the fix.
+        SourceFileError: the file is not a readable audio file, or it is cut short (its `data` chunk declares more
+            audio than it holds), naming it and the fix.
     """
     import soundfile  # the `data` extra; imported here so that importing this module needs nothing
 
     try:
         samples, rate = soundfile.read(str(path), dtype="int16", always_2d=True)
     except (soundfile.SoundFileError, RuntimeError) as err:
-        raise SourceFileError(f"{path} is not a readable WAV file ({' '.join(str(err).split())}); replace it with "
-                              "the archive's copy (delete the folder and prepare again to re-extract it, or "
-                              "correct data.source_dir)") from None
+        raise SourceFileError(f"{path} is not a readable WAV file ({' '.join(str(err).split())}); "
+                              f"{REPLACE_WAV}") from None
+    # libsndfile reads a cut file's remaining samples without an error; the clip would then pass for one of the
+    # dataset's genuinely short clips and be dropped with them, so a cut copy is told by its header
+    sizes = wav_data_sizes(path)
+    if sizes is not None and sizes[0] not in STREAMING_SIZES and sizes[0] > sizes[1]:
+        raise SourceFileError(f"{path} is cut short: its header declares {sizes[0]} bytes of audio, the file holds "
+                              f"{sizes[1]}; {REPLACE_WAV}")
     return samples[:, 0], int(rate)
 
 
