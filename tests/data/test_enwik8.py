@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from longmixer.data.enwik8 import Enwik8
-from longmixer.data.integrity import SourceFileMissingError
+from longmixer.data.integrity import SourceFileError, SourceFileMissingError
 from tests.data.fixtures_extra import ENWIK8_BYTES, ENWIK8_EVAL, LM_SEQ_LEN, enwik8_bytes, write_enwik8_fixture
 
 
@@ -87,3 +87,15 @@ def test_runs_at_two_split_sizes_keep_their_own_data_and_share_the_download(tmp_
         again.prepare_data()
     assert "rebuilding" not in caplog.text and (again.root / "manifest.json").read_text() == manifest
     assert sorted(p.name for p in raw.parent.iterdir()) == ["eval1000", "eval600", "manifest.json", "raw"]
+
+
+@pytest.mark.parametrize("size", [pytest.param(0, id="zero-bytes"), pytest.param(900, id="cut")])
+def test_a_byte_file_too_short_for_its_splits_is_named(tmp_path, size):
+    """Regression: an `enwik8` cut to zero bytes (or to fewer than two evaluation splits) stopped with "the byte file
+    has 0 bytes", naming neither the file nor the fix."""
+    overrides = write_enwik8_fixture(tmp_path / "raw")
+    path = tmp_path / "raw" / "enwik8"
+    path.write_bytes(enwik8_bytes(size))
+    with pytest.raises(SourceFileError, match=rf"{path} has {size} bytes, too few for .*data.eval_bytes="
+                                              rf"{ENWIK8_EVAL}.*enwik8.zip"):
+        Enwik8(data_dir=tmp_path / "data", batch_size=2, **overrides).prepare_data()

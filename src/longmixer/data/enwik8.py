@@ -27,11 +27,16 @@ ENWIK8_BYTES = 100_000_000
 SPLIT_BYTES = 5_000_000
 
 
-def split_bytes(data: np.ndarray, eval_bytes: int) -> dict[str, np.ndarray]:
-    """First len - 2 * eval_bytes to train, the next eval_bytes to val, the last eval_bytes to test."""
+def split_bytes(data: np.ndarray, eval_bytes: int, path: Path, fix: str) -> dict[str, np.ndarray]:
+    """First len - 2 * eval_bytes to train, the next eval_bytes to val, the last eval_bytes to test.
+
+    Raises:
+        SourceFileError: `data` (read from `path`) leaves no training bytes, naming the file and `fix`.
+    """
     if data.size <= 2 * eval_bytes:
-        raise SourceFileError(f"the byte file has {data.size} bytes, too few for two evaluation splits of "
-                         f"data.eval_bytes={eval_bytes}")
+        raise SourceFileError(f"{path} has {data.size} bytes, too few for two evaluation splits of "
+                              f"data.eval_bytes={eval_bytes} and a training split (enwik8 is {ENWIK8_BYTES:,} "
+                              f"bytes): {fix}, or lower data.eval_bytes")
     n_train = data.size - 2 * eval_bytes
     return {"train": data[:n_train], "val": data[n_train:n_train + eval_bytes], "test": data[n_train + eval_bytes:]}
 
@@ -92,8 +97,10 @@ class Enwik8(LMDataModule):
                                          f"{raw.parent}): point data.source_dir at the folder of the unzipped "
                                          "enwik8.zip, or leave it unset to download it")
         data = np.fromfile(raw, dtype=np.uint8)
+        fix = (f"put the file from enwik8.zip in data.source_dir={self.source_dir}" if self.source_dir is not None
+               else f"delete {raw.parent} and prepare again to download it afresh")
         splits = {}
-        for split, part in split_bytes(data, self.eval_bytes).items():
+        for split, part in split_bytes(data, self.eval_bytes, raw, fix).items():
             np.save(root / f"{split}.npy", part.astype(np.int16) + 1)
             splits[split] = {"count": int(part.size)}
         return splits, {"vocab_size": 257, "tokenizer": "bytes+1", "total_bytes": int(data.size)}
