@@ -736,6 +736,27 @@ def test_a_row_cut_short_is_set_aside_and_the_history_kept(tmp_path):
         assert (metrics.parent / "metrics.dropped.csv").read_text().splitlines()[1].endswith(",cut short")
 
 
+def test_a_row_cut_short_after_the_checkpoint_is_set_aside_by_the_rewind_too(tmp_path):
+    """A resume rewinds metrics.csv before its logger reads the file. A last row cut short by a kill that also left
+    rows after the checkpoint (a flush between checkpoints) was kept by the rewind, its step being missing or cut,
+    and written back as a whole row of blanks and partial values, which then stayed in the history for good."""
+    from longmixer.runs.loggers import ResumableCSVLogger
+
+    metrics = tmp_path / "csv" / "metrics.csv"
+    metrics.parent.mkdir()
+    for partial, set_aside in (("0,0.2", "0,0.2,,cut short"), ("0,0.2,1", "0,0.2,1,cut short")):
+        # cut before the step, or inside it ("1" of "17")
+        metrics.write_text(f"epoch,loss,step\n0,0.5,1\n0,0.4,3\n0,0.3,5\n{partial}")
+        (metrics.parent / "metrics.dropped.csv").unlink(missing_ok=True)
+        logger = ResumableCSVLogger(save_dir=str(tmp_path), name="csv", version="")
+        assert logger.rewind(3) == 2
+        logger.log_metrics({"loss": 0.35}, step=3)  # the resumed run logs the rewound steps again
+        logger.save()
+        assert metrics.read_text().splitlines() == ["epoch,loss,step", "0,0.5,1", ",0.35,3"]
+        dropped = (metrics.parent / "metrics.dropped.csv").read_text().splitlines()
+        assert dropped == ["epoch,loss,step,rewound_to", set_aside, "0,0.4,3,3", "0,0.3,5,3"]
+
+
 def test_a_header_rewrite_cut_short_keeps_the_history(tmp_path, monkeypatch):
     """A new column rewrites metrics.csv with the wider header; Lightning truncates the file first, so a kill
     during the rewrite lost every row. It is written aside and moved into place."""

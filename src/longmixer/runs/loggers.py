@@ -26,17 +26,7 @@ class _AppendingWriter(ExperimentWriter):
         self._written: set[tuple] = set()
         path = Path(self.metrics_file_path)
         if path.is_file():
-            fields, rows = _read_csv(path)
-            good = [r for r in rows if None not in r and None not in r.values()]
-            if len(good) != len(rows) or not _ends_a_line(path):
-                # a row cut short (a kill or a full disk during an append) would have the next row glued onto it:
-                # it goes to metrics.dropped.csv, and the whole rows are rewritten atomically
-                cut = [{k: v for k, v in r.items() if k is not None} for r in rows if r not in good]
-                if good and not _ends_a_line(path) and rows and rows[-1] in good:
-                    cut.append(good.pop())
-                _append_dropped(path, fields, [{**r, "rewound_to": "cut short"} for r in cut])
-                _write_csv(path, fields, good)
-                rows = good
+            fields, rows = _whole_rows(path)
             self.metrics_keys = sorted(fields)
             self._written = {_row_key(row) for row in rows}
 
@@ -84,7 +74,9 @@ class ResumableCSVLogger(CSVLogger):
         path = Path(self.log_dir) / _ExperimentWriter.NAME_METRICS_FILE
         if not path.is_file():
             return 0
-        fields, rows = _read_csv(path)
+        # the rewind runs before the writer reads the file: a row cut short must not be taken for a whole row
+        # (its step missing or cut) and written back whole
+        fields, rows = _whole_rows(path)
         kept = [r for r in rows if r.get("step") in (None, "") or int(float(r["step"])) < step]
         if len(kept) != len(rows):
             # the dropped rows first: a kill between the two writes loses nothing
@@ -100,6 +92,21 @@ def _read_csv(path: Path) -> tuple[list[str], list[dict]]:
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         return list(reader.fieldnames or []), list(reader)
+
+
+def _whole_rows(path: Path) -> tuple[list[str], list[dict]]:
+    """metrics.csv's header and whole rows. A row cut short (a kill or a full disk during an append) would have the
+    next row glued onto it: it goes to metrics.dropped.csv (`rewound_to` = `cut short`), and the whole rows are
+    rewritten atomically."""
+    fields, rows = _read_csv(path)
+    good = [r for r in rows if None not in r and None not in r.values()]
+    if len(good) != len(rows) or not _ends_a_line(path):
+        cut = [{k: v for k, v in r.items() if k is not None} for r in rows if r not in good]
+        if good and not _ends_a_line(path) and rows and rows[-1] in good:
+            cut.append(good.pop())
+        _append_dropped(path, fields, [{**r, "rewound_to": "cut short"} for r in cut])
+        _write_csv(path, fields, good)
+    return fields, good
 
 
 def _ends_a_line(path: Path) -> bool:
