@@ -757,6 +757,38 @@ def test_a_row_cut_short_after_the_checkpoint_is_set_aside_by_the_rewind_too(tmp
         assert dropped == ["epoch,loss,step,rewound_to", set_aside, "0,0.4,3,3", "0,0.3,5,3"]
 
 
+def test_the_rows_a_checkpoint_covers_are_on_disk_before_it_is(tmp_path):
+    """The rows logged before a checkpoint were flushed only after it was in place: a SIGKILL in between (rank 0
+    waiting at the checkpoint's barrier for the other ranks, or during the append itself) lost them for good, since
+    the run resumed from that checkpoint does not log them again."""
+    from longmixer.callbacks.checkpoint import AtomicModelCheckpoint
+    from longmixer.runs.loggers import ResumableCSVLogger
+
+    class _Killed(BaseException):
+        pass
+
+    logger = ResumableCSVLogger(save_dir=str(tmp_path), name="csv", version="")
+
+    class _Trainer:
+        is_global_zero, global_step, loggers = True, 4, [logger]
+
+        class strategy:
+            @staticmethod
+            def barrier(name):
+                raise _Killed  # the kill, with last.ckpt in place
+
+        @staticmethod
+        def save_checkpoint(path, weights_only=False):
+            torch.save({"global_step": 4}, path)
+
+    logger.log_metrics({"loss": 0.5}, step=3)  # the row of the step the checkpoint ends
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(_Killed):
+        AtomicModelCheckpoint(dirpath=str(tmp_path / "checkpoints"))._save_last(_Trainer())
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "csv" / "metrics.csv").read_text().splitlines() == ["loss,step", "0.5,3"]
+
+
 def test_a_header_rewrite_cut_short_keeps_the_history(tmp_path, monkeypatch):
     """A new column rewrites metrics.csv with the wider header; Lightning truncates the file first, so a kill
     during the rewrite lost every row. It is written aside and moved into place."""

@@ -252,7 +252,13 @@ class AtomicModelCheckpoint(ModelCheckpoint):
             _check_writable(self.dirpath)  # now, not at the first save after an hour of training
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
-        # ModelCheckpoint._save_checkpoint (Lightning 2.6) with the write redirected to a temporary file
+        # ModelCheckpoint._save_checkpoint (Lightning 2.6) with the write redirected to a temporary file.
+        # The rows logged so far go to disk before the checkpoint does: a run resumed from it does not log them
+        # again, so a kill between the checkpoint and their flush would lose them, where a kill before the
+        # checkpoint leaves the previous one, and the rewind moves the rows logged after that aside
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.save()
         tmp = filepath + ".tmp"
         trainer.save_checkpoint(tmp, self.save_weights_only)
         if trainer.is_global_zero:

@@ -54,8 +54,9 @@ def _row_key(row: dict) -> tuple:
 
 class ResumableCSVLogger(CSVLogger):
     """`CSVLogger` for a run dir that may be resumed: the history is kept, rows are flushed whenever a checkpoint
-    is written (so a killed run loses no row its checkpoint covers), and `rewind(step)` moves the rows a killed
-    run logged after its checkpoint to metrics.dropped.csv (the resumed run logs them again)."""
+    is written (before it, by `AtomicModelCheckpoint`, so a killed run loses no row its checkpoint covers), and
+    `rewind(step)` moves the rows a killed run logged after its checkpoint to metrics.dropped.csv (the resumed run
+    logs them again)."""
 
     @property
     @rank_zero_experiment
