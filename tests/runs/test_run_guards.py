@@ -789,6 +789,19 @@ def test_the_rows_a_checkpoint_covers_are_on_disk_before_it_is(tmp_path):
     assert (tmp_path / "csv" / "metrics.csv").read_text().splitlines() == ["loss,step", "0.5,3"]
 
 
+@pytest.mark.parametrize("content", ["", "\n"], ids=["zero-byte", "blank"])
+def test_a_wandb_id_file_left_empty_gets_an_id(tmp_path, content):
+    """A kill while wandb_id.txt was first written leaves it empty: every later attempt passed W&B the empty id and
+    stopped in W&B's "Run ID cannot be empty". No W&B run was started with the lost id (the file is written before
+    the run starts), so the run dir gets a new one, kept for the next attempts."""
+    from longmixer.runs.loggers import WANDB_ID, wandb_run_id
+
+    (tmp_path / WANDB_ID).write_text(content)
+    run_id = wandb_run_id(tmp_path)
+    assert re.fullmatch(r"[0-9a-f]{12}", run_id)
+    assert (tmp_path / WANDB_ID).read_text() == run_id and wandb_run_id(tmp_path) == run_id
+
+
 def test_a_header_rewrite_cut_short_keeps_the_history(tmp_path, monkeypatch):
     """A new column rewrites metrics.csv with the wider header; Lightning truncates the file first, so a kill
     during the rewrite lost every row. It is written aside and moved into place."""

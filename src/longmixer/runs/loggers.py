@@ -15,6 +15,8 @@ from lightning_fabric.loggers.logger import rank_zero_experiment
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 
+from longmixer.runs.resume import write_atomically
+
 log = logging.getLogger(__name__)
 
 
@@ -143,13 +145,15 @@ WANDB_ID = "wandb_id.txt"  # the run dir's W&B run id (`wandb_run_id`)
 
 def wandb_run_id(save_dir: str | Path) -> str:
     """The run dir's W&B id: read from `<save_dir>/wandb_id.txt`, or made and stored there, so a resumed run
-    (same run dir) continues the same W&B run."""
+    (same run dir) continues the same W&B run. An empty file (a kill while it was first written) gets a new id: the
+    file is written before the W&B run starts, so no run was started with the lost one."""
     path = Path(save_dir) / WANDB_ID
-    if path.exists():
-        return path.read_text().strip()
+    run_id = path.read_text().strip() if path.exists() else ""
+    if run_id:
+        return run_id
     path.parent.mkdir(parents=True, exist_ok=True)
     run_id = uuid.uuid4().hex[:12]
-    path.write_text(run_id)
+    write_atomically(path, run_id)
     return run_id
 
 
