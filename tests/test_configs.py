@@ -423,6 +423,19 @@ def test_a_value_its_constructor_cannot_take_fails_with_the_key(compose, overrid
         validate_config(cfg)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("optim.weight_decay=-1", r"^optim \(AdamW\): Invalid weight_decay value: -1; change optim.weight_decay=-1$"),
+    ("optim.eps=-1", r"^optim \(AdamW\): Invalid epsilon value: -1; change optim.eps=-1$"),
+    ("optim=adam optim.betas=[0.9,1.5]", r"^optim \(Adam\): Invalid beta parameter at index 1: 1.5; change optim.betas"),
+    ("optim=sgd_nesterov optim.momentum=-1", r"^optim \(SGD\): Invalid momentum value: -1; change optim.momentum=-1$"),
+])
+def test_a_value_the_optimizer_refuses_fails_at_compose_time_with_the_key(compose, override, message):
+    """Bug: the optimizer is built inside Lightning's fit, so a value its constructor refuses
+    (`optim.weight_decay=-1`) passed the config checks and ended the run with a traceback naming no key."""
+    with pytest.raises(ConfigError, match=message):
+        validate_config(compose(override.split()))
+
+
 @pytest.mark.parametrize("override", ["model.d_ffn=null", "model=seqboat model.mixer.window=null", "model.dropout=0",
                                       "trainer.val_check_interval=0.5", "trainer.gradient_clip_val=1",
                                       "trainer.enable_progress_bar=false", "scheduler.warmup_steps=0"])

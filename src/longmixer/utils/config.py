@@ -213,6 +213,7 @@ def validate_config(cfg: DictConfig) -> None:
         if path.startswith("hydra"):
             continue
         _check_target_keys(path, node)
+    _check_optimizer(cfg)
     _check_scheduler(cfg)
 
 
@@ -276,6 +277,41 @@ def _check_target_keys(path: str, node: DictConfig) -> None:
             null = " or null" if kinds and "None" in kinds else ""
             raise ConfigError(f"{path}.{key}={value}: a size of the model must be >= 1{null} ({name} takes "
                               f"{key}: {' | '.join(k for k in _SCALARS.values() if k in kinds) if kinds else 'int'})")
+
+
+# words torch's optimizers use in their refusals for the keys of the `optim` group ("Invalid epsilon value: -1")
+_OPTIM_WORDS = {"epsilon": "eps", "beta": "betas"}
+
+
+def _check_optimizer(cfg: DictConfig) -> None:
+    """Build the optimizer once on a stand-in parameter, so that a value its constructor refuses
+    (`optim.weight_decay=-1`, `optim.eps=-1`, `optim.betas=[0.9,1.5]`, `optim.momentum=-1`) stops here with the key:
+    the task builds it only inside Lightning's fit, where the refusal came as a traceback naming no key."""
+    node = cfg.get("optim")
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        return
+    import re
+
+    import torch
+    from hydra.utils import instantiate
+
+    name = node["_target_"].rsplit(".", 1)[-1]
+    try:
+        optimizer = instantiate(node)
+        optimizer([torch.zeros(1, requires_grad=True)])
+    except UserFacingError:
+        raise
+    except Exception as err:  # noqa: BLE001 - hydra wraps the constructor's error; its message names the argument
+        cause = err
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        if not isinstance(cause, (ValueError, TypeError)) or not raised_by_a_check(cause):
+            raise  # a bug in the optimizer keeps its traceback
+        words = set(re.findall(r"[a-z_]+", str(cause).lower()))
+        keys = [f"optim.{key}={OmegaConf.to_container(node, resolve=True)[key]}" for key in node.keys()
+                if key not in HYDRA_KEYS and (key in words or key in {_OPTIM_WORDS.get(w) for w in words})]
+        raise ConfigError(f"optim ({name}): {' '.join(str(cause).split())}"
+                          + (f"; change {' or '.join(keys)}" if keys else "")) from err
 
 
 def _check_scheduler(cfg: DictConfig) -> None:
