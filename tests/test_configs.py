@@ -436,9 +436,22 @@ def test_a_value_the_optimizer_refuses_fails_at_compose_time_with_the_key(compos
         validate_config(compose(override.split()))
 
 
+@pytest.mark.parametrize("override, message", [
+    ("trainer.accumulate_grad_batches=0", r"^trainer.accumulate_grad_batches=0 must be >= 1 \(the batches of one"),
+    ("trainer.accumulate_grad_batches=-2", r"^trainer.accumulate_grad_batches=-2 must be >= 1"),
+    ("trainer.check_val_every_n_epoch=0", r"^trainer.check_val_every_n_epoch=0 must be >= 1 \(.*or null"),
+])
+def test_a_trainer_count_below_one_fails_with_the_key(compose, override, message):
+    """Bug: `trainer.accumulate_grad_batches=0` and `trainer.check_val_every_n_epoch=0` passed the config checks and
+    ended the run with a ZeroDivisionError inside Lightning's fit; a negative accumulation trained silently."""
+    with pytest.raises(ConfigError, match=message):
+        validate_config(compose(override.split()))
+
+
 @pytest.mark.parametrize("override", ["model.d_ffn=null", "model=seqboat model.mixer.window=null", "model.dropout=0",
                                       "trainer.val_check_interval=0.5", "trainer.gradient_clip_val=1",
-                                      "trainer.enable_progress_bar=false", "scheduler.warmup_steps=0"])
+                                      "trainer.enable_progress_bar=false", "scheduler.warmup_steps=0",
+                                      "trainer.check_val_every_n_epoch=null", "trainer.accumulate_grad_batches=1"])
 def test_values_the_constructors_take_pass_the_type_checks(compose, override):
     validate_config(compose(override.split()))
 

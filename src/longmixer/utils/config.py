@@ -155,6 +155,10 @@ def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
 # numeric keys a typo'd value reaches deep inside Lightning or a scheduler from (a TypeError there names no key)
 INTEGER_KEYS = ("trainer.max_steps", "trainer.max_epochs", "trainer.min_steps", "trainer.accumulate_grad_batches",
                 "trainer.check_val_every_n_epoch", "trainer.log_every_n_steps", "data.batch_size", "data.seq_len")
+# counts Lightning divides by (a ZeroDivisionError inside fit at 0) or silently misreads below 0
+COUNT_KEYS = {"trainer.accumulate_grad_batches": "the batches of one optimizer step; 1: a step per batch",
+              "trainer.check_val_every_n_epoch": "validate every N epochs; or null to count "
+                                                 "trainer.val_check_interval across epochs"}
 NUMBER_KEYS = ("optim.weight_decay", "trainer.gradient_clip_val", "trainer.val_check_interval",
                "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.limit_test_batches")
 # the model's sizes (its own and its mixer's): a count or width below 1 reaches a constructor as a tensor of negative
@@ -196,6 +200,10 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.lr={lr!r} must be > 0")
     for key in INTEGER_KEYS:
         _number(cfg, key, int)
+    for key, meaning in COUNT_KEYS.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1 ({meaning})")
     for key in NUMBER_KEYS:
         _number(cfg, key, float)
     interval = OmegaConf.select(cfg, "trainer.val_check_interval")
