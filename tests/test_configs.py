@@ -448,6 +448,14 @@ def test_a_trainer_count_below_one_fails_with_the_key(compose, override, message
         validate_config(compose(override.split()))
 
 
+def test_a_negative_gradient_clip_fails_with_the_key(compose):
+    """Bug: `trainer.gradient_clip_val=-1` passed every check and trained with every gradient's sign flipped (the
+    clipping coefficient max_norm / norm is negative), so the optimizer climbed the loss without a word."""
+    with pytest.raises(ConfigError, match=r"^trainer.gradient_clip_val=-1 must be >= 0: .*0 or null: no clipping$"):
+        validate_config(compose(["trainer.gradient_clip_val=-1"]))
+    validate_config(compose(["trainer.gradient_clip_val=0"]))
+
+
 @pytest.mark.parametrize("override", ["model.d_ffn=null", "model=seqboat model.mixer.window=null", "model.dropout=0",
                                       "trainer.val_check_interval=0.5", "trainer.gradient_clip_val=1",
                                       "trainer.enable_progress_bar=false", "scheduler.warmup_steps=0",

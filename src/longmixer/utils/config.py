@@ -206,6 +206,12 @@ def validate_config(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value} must be >= 1 ({meaning})")
     for key in NUMBER_KEYS:
         _number(cfg, key, float)
+    clip = OmegaConf.select(cfg, "trainer.gradient_clip_val")
+    if clip is not None and clip < 0:
+        # neither Lightning nor torch refuses it: the clipping coefficient max_norm / norm turns negative and flips
+        # every gradient, so the optimizer climbs the loss
+        raise ConfigError(f"trainer.gradient_clip_val={clip} must be >= 0: the largest gradient norm (e.g. 1.0); "
+                          "0 or null: no clipping")
     interval = OmegaConf.select(cfg, "trainer.val_check_interval")
     if interval is not None and not interval > 0:
         raise ConfigError(f"trainer.val_check_interval={interval!r} must be > 0: a number of training batches (e.g. "
