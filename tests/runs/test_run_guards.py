@@ -252,6 +252,15 @@ def test_validation_switched_off_is_refused_with_its_own_fix(compose):
     assert "Raise trainer.max_steps" not in str(err.value)
 
 
+def test_max_steps_zero_is_refused_before_training(compose):
+    """Bug: `trainer.max_steps=0` passed the schedule check (which takes the step at max_steps to be validated),
+    fit ran no step, and the run ended in a RuntimeError ("no best checkpoint was written") after the data was set
+    up, naming neither the key nor its fix."""
+    with pytest.raises(ValueError, match=r"^trainer.max_steps=0 trains no step: no validation, so no best checkpoint, "
+                                         r"before training stops. Set trainer.max_steps"):
+        train(compose([*BASE, "trainer.max_steps=0"]))
+
+
 def test_max_steps_inside_the_first_validating_epoch_is_validated_there(compose):
     # validation every second epoch (4 steps each): max_steps 6 stops inside the second, which validates the stop
     results = train(compose([*BASE, "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=2",

@@ -288,7 +288,10 @@ def check_validation_reachable(cfg: DictConfig, epoch_batches: Callable[[], int 
                               f"validations by epoch: use trainer.val_check_interval={batches} or less, or "
                               "trainer.check_val_every_n_epoch=null to count the interval across epochs")
     fix = "Raise trainer.max_steps or validate earlier (trainer.val_check_interval=<batches>)"
-    if cfg.trainer.get("limit_val_batches") == 0:
+    if max_steps == 0:  # "the step at max_steps is validated" below needs a step: fit ends before the first
+        problem = "trainer.max_steps=0 trains no step"
+        fix = "Set trainer.max_steps to the optimizer steps to train (or -1: trainer.max_epochs decides)"
+    elif cfg.trainer.get("limit_val_batches") == 0:
         problem = "trainer.limit_val_batches=0 disables validation"
         fix = "Leave trainer.limit_val_batches out (or give it a number of batches > 0)"
     elif cfg.trainer.get("check_val_every_n_epoch", 1) in (None, 1):
