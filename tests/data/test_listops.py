@@ -64,6 +64,15 @@ def test_tree_depth_is_bounded():
     assert max(depths) == SPEC.max_depth - 1  # a node at depth max_depth is forced to be a leaf
 
 
+@pytest.mark.parametrize("cls", [ListOps, GeneratedListOps])
+@pytest.mark.parametrize("seq_len", [0, -5])
+def test_a_seq_len_below_one_is_refused(tmp_path, cls, seq_len):
+    """Bug: ListOps took `data.seq_len=-5` and cut 5 tokens off the end of every example (`seq[:-5]`), and 0 emptied
+    them; a run on a family with no kernel of that length (the Transformer, LaS, LongVQ) trained on them silently."""
+    with pytest.raises(ValueError, match=rf"^data.seq_len={seq_len} must be positive \(LRA: 2000\)$"):
+        cls(data_dir=tmp_path, seq_len=seq_len)
+
+
 def test_tokenization_drops_parens_and_renames_close():
     ids = tokenize("( ( ( [MAX 2 ) 9 ) ] )")
     assert [VOCAB[i] for i in ids] == ["[MAX", "2", "9", "X"]

@@ -74,6 +74,8 @@ class ListOps(SequenceDataModule):
                              f"set data.vocab_size={len(VOCAB)}")
         if num_classes != 10:
             raise ValueError(f"data.num_classes={num_classes}: ListOps has 10 classes")
+        if seq_len < 1:  # a negative one would slice tokens off each example's end (`seq[:seq_len]`)
+            raise ValueError(f"data.seq_len={seq_len} must be positive (LRA: 2000)")
         self.seq_len, self.vocab_size, self.num_classes = seq_len, vocab_size, num_classes
         self.source_dir = source_dir
 
