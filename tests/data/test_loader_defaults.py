@@ -37,6 +37,15 @@ def test_explicit_values_win_and_are_checked():
         ListOps(num_workers=-1)
 
 
+@pytest.mark.parametrize("eval_batch_size", [0, -3])
+def test_an_eval_batch_size_below_one_is_refused(eval_batch_size):
+    """Bug: `data.eval_batch_size=0` was read as "unset" and evaluated with data.batch_size, and -3 reached the
+    DataLoader at the first validation, after training, as torch's ValueError with a traceback."""
+    with pytest.raises(ValueError, match=rf"^data.eval_batch_size={eval_batch_size} must be >= 1 \(or null"):
+        ListOps(eval_batch_size=eval_batch_size)
+    assert ListOps(batch_size=8).eval_batch_size == 8 and ListOps(batch_size=8, eval_batch_size=2).eval_batch_size == 2
+
+
 @pytest.mark.parametrize("data", ["listops", "text_1k", "pathx_gen", "wikitext103"])
 def test_every_data_config_shares_one_loader_default(data):
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):

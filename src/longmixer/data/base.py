@@ -376,6 +376,8 @@ class SequenceDataModule(pl.LightningDataModule):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"data.batch_size={batch_size} must be >= 1")
+        if eval_batch_size is not None and eval_batch_size < 1:
+            raise ValueError(f"data.eval_batch_size={eval_batch_size} must be >= 1 (or null: data.batch_size)")
         if pad_multiple is not None and pad_multiple < 1:
             raise ValueError(f"data.pad_multiple={pad_multiple} must be >= 1 (or null: pad to the batch's longest)")
         # variable-length batches padded to a multiple of this many tokens (at most data.seq_len): a handful of
@@ -385,7 +387,8 @@ class SequenceDataModule(pl.LightningDataModule):
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"data.num_workers={num_workers} must be >= 0 (or null for the default)")
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
-        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
+        self.batch_size = batch_size
+        self.eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
         gpu = torch.cuda.is_available()
         self.num_workers = default_num_workers(gpu) if num_workers is None else num_workers
         self.pin_memory = gpu if pin_memory is None else pin_memory
