@@ -19,6 +19,14 @@ def test_width_must_divide_heads():
         Transformer(16, n_heads=3)
 
 
+@pytest.mark.parametrize("p", [5.0, -0.1, 1.0])
+def test_attention_dropout_outside_zero_one_is_refused(p):
+    """Bug: `model.mixer.attention_dropout=5` built the model and failed in the first training step, inside SDPA
+    (the materialized path in F.dropout), with a traceback naming no key."""
+    with pytest.raises(ValueError, match=rf"^model.mixer.attention_dropout={p} must be in \[0, 1\)$"):
+        Transformer(64, 4, attention_dropout=p)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_materialized_equals_sdpa(causal):
     torch.manual_seed(0)

@@ -35,6 +35,8 @@ class Transformer(nn.Module):
         self.implementation = implementation
         if d_model % n_heads:
             raise ValueError(f"model.d_model={d_model} must be divisible by model.mixer.n_heads={n_heads}")
+        if not 0.0 <= attention_dropout < 1.0:  # SDPA refuses it only in the first training step
+            raise ValueError(f"model.mixer.attention_dropout={attention_dropout} must be in [0, 1)")
         self.n_heads, self.causal, self.attention_dropout = n_heads, causal, attention_dropout
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.out = nn.Linear(d_model, d_model, bias=bias)
