@@ -324,6 +324,17 @@ def test_out_naming_a_directory_is_refused_with_the_fix(tmp_path, capsys):
     assert "is a directory" in err and str(tmp_path / "model_bench.json") in err
 
 
+def test_an_unknown_model_is_refused_before_anything_is_written(tmp_path, capsys):
+    """Bug: `--models chelaa` matched no job, so the bench measured nothing, exited 0 and wrote an empty table over
+    --out (and its .md)."""
+    out = tmp_path / "b.json"
+    with pytest.raises(SystemExit) as info:
+        main(["--quick", "--models", "chelaa", "--out", str(out)])
+    assert info.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert "--models chelaa: no such model (did you mean chela?)" in err and "transformer_sdpa" in err
+
+
 @pytest.mark.parametrize("cuda, modes", [(True, ["none", "step-graph"]), (False, ["none"])])
 def test_default_compile_modes_are_eager_and_what_training_picks(monkeypatch, tmp_path, cuda, modes):
     """Without --compile, a GPU measures eager and `step-graph` (what task.compile=auto trains fixed-shape data with

@@ -27,6 +27,7 @@ The JSON's `environment` names the device, the host's CPU, the versions and the 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import math
@@ -575,6 +576,12 @@ def main(argv: list[str] | None = None) -> dict:
     if Path(args.out).is_dir():
         parser.error(f"--out {args.out} is a directory; give the JSON file to write, e.g. "
                      f"--out {Path(args.out) / 'model_bench.json'}")
+    known = sorted(dict.fromkeys(job["model"] for job in plan(quick=True)))
+    unknown = [name for name in args.models or () if name not in known]
+    if unknown:  # a typo measured nothing and wrote an empty table over --out
+        close = [difflib.get_close_matches(name, known, n=1) for name in unknown]
+        hint = "".join(f" (did you mean {c[0]}?)" for c in close if c) if len(unknown) == 1 else ""
+        parser.error(f"--models {' '.join(unknown)}: no such model{hint}; the models are {', '.join(known)}")
     if args.compile is None:
         args.compile = ["none", STEP_GRAPH] if torch.cuda.is_available() else ["none"]
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
