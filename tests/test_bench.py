@@ -335,6 +335,17 @@ def test_an_unknown_model_is_refused_before_anything_is_written(tmp_path, capsys
     assert "--models chelaa: no such model (did you mean chela?)" in err and "transformer_sdpa" in err
 
 
+@pytest.mark.parametrize("flag, value", [("--iters", "0"), ("--iters", "-2"), ("--warmup", "-1")])
+def test_a_step_count_below_its_least_is_refused(tmp_path, capsys, flag, value):
+    """Bug: `--iters 0` timed no step, exited 0 and put "error: ZeroDivisionError: float division by zero" in every
+    row of the table it wrote over --out."""
+    out = tmp_path / "b.json"
+    with pytest.raises(SystemExit) as info:
+        main(["--quick", "--models", "chela", "--settings", "text", flag, value, "--out", str(out)])
+    assert info.value.code == 2 and not out.exists()
+    assert f"argument {flag}: {value} must be >= {1 if flag == '--iters' else 0}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("cuda, modes", [(True, ["none", "step-graph"]), (False, ["none"])])
 def test_default_compile_modes_are_eager_and_what_training_picks(monkeypatch, tmp_path, cuda, modes):
     """Without --compile, a GPU measures eager and `step-graph` (what task.compile=auto trains fixed-shape data with

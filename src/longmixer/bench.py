@@ -542,6 +542,21 @@ def markdown(result: dict, claims: list[dict] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _count(least: int):
+    """An argparse type: a whole number >= `least` (`--iters 0` timed no step and filled every row with a
+    ZeroDivisionError)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {least}")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m longmixer.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny models and lengths (CPU smoke test)")
@@ -556,8 +571,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "captured whole (data-parallel, gradient accumulation, ...)")
     parser.add_argument("--profile-steps", type=int, default=3,
                         help="steps traced by torch.profiler for GPU-busy %% and kernels per step (CUDA only; 0: off)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=_count(0), default=2)
+    parser.add_argument("--iters", type=_count(1), default=5, help="timed steps per row (>= 1)")
     parser.add_argument("--top-kernels", type=int, default=0,
                         help="record the N most expensive GPU kernels of a profiled step in each JSON row")
     parser.add_argument("--models", nargs="*", default=None, help="only these models (e.g. transformer_sdpa chela)")
