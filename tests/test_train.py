@@ -34,6 +34,18 @@ def test_quickstart_two_steps(compose, tmp_path, caplog):
     assert "d_model:" in full and "max_steps: 2" in full and len(full.splitlines()) > 100
 
 
+def test_a_triton_backend_the_device_cannot_run_stops_before_training(compose, tmp_path, monkeypatch):
+    """Bug: `ops.backend=triton` on a CPU run (no Triton interpreter) built everything and failed at the first
+    forward, inside Lightning's fit, with a traceback and exit status 1; it is a setting, refused in one line."""
+    from longmixer.utils.config import ConfigError
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match=r"^ops.backend=triton runs the Triton kernels on CUDA tensors, and this run "
+                                          r"is on the cpu \(trainer.accelerator=auto\): set ops.backend=auto"):
+        train(compose([*TINY_LISTOPS, *TINY_TRAINER, "ops.backend=triton"]))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def _crash_callback(step):
     """Simulates a killed process after `step` optimizer steps."""
     from pytorch_lightning.callbacks import Callback

@@ -56,7 +56,7 @@ from longmixer.utils.compose import (CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer
                                      run_explaining_refusals)
 from longmixer.utils.errors import UserFacingError
 from longmixer.utils.compile import release_cuda_graphs
-from longmixer.utils.config import check_task_and_data, validate_config
+from longmixer.utils.config import check_backend_on_device, check_task_and_data, validate_config
 from longmixer.utils.resolvers import register_resolvers
 
 log = logging.getLogger("longmixer")
@@ -157,6 +157,7 @@ def _train(cfg: DictConfig, run_dir: Path, record: HydraRecord) -> dict:
     # `trainer.max_time={hours: 1}` only as a dict, not as an OmegaConf DictConfig)
     trainer: pl.Trainer = instantiate_node(cfg.trainer, callbacks=callbacks, logger=loggers, _convert_="partial")
     check_not_launching_ranks_in_a_sweep(trainer)
+    check_backend_on_device(cfg, trainer.strategy.root_device.type)
     if cfg.train:
         check_validation_schedule(cfg, datamodule, trainer.world_size)
 

@@ -231,6 +231,30 @@ def validate_config(cfg: DictConfig) -> None:
     _check_scheduler(cfg)
 
 
+def check_backend_on_device(cfg: DictConfig, device_type: str) -> None:
+    """Raise `ConfigError` where `ops.backend=triton` cannot run on the run's device: the ops refuse it at the first
+    step, inside Lightning's fit, with a traceback (exit status 1). The same conditions as the ops' dispatch
+    (`ops/backend.py: resolve_backend`): Triton installed, and CUDA tensors or Triton's CPU interpreter.
+
+    Args:
+        cfg: the composed run config.
+        device_type: the type of the device the run trains on (`trainer.strategy.root_device.type`).
+    """
+    if OmegaConf.select(cfg, "ops.backend") != "triton":
+        return
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        raise ConfigError("ops.backend=triton but Triton is not installed: `pip install triton==3.6.0`, or set "
+                          "ops.backend=auto (the PyTorch reference where Triton cannot run)")
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ConfigError(f"ops.backend=triton runs the Triton kernels on CUDA tensors, and this run is on the "
+                          f"{device_type} (trainer.accelerator={OmegaConf.select(cfg, 'trainer.accelerator')}): set "
+                          "ops.backend=auto (Triton on a GPU, the PyTorch reference elsewhere) or torch, or "
+                          "TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter")
+
+
 LM_MODEL_KEYS = "model.num_classes=null model.causal=true model.pool=none model.head=lm_tied"
 
 
