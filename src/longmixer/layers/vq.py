@@ -5,8 +5,9 @@ The codebook is not a parameter: it is `sums / max(counts, clamp)`, two buffers 
 average (decay 0.99, LongVQ section 5) of the per-code counts and key sums of the real (unpadded) tokens.
 
 When the EMA step happens (the paper is silent; our choice): each training forward's statistics are added to
-pending buffers; they are applied once per optimizer step, when `set_progress(step, ...)` (called by the task before
-each training batch, forwarded by `SequenceModel`) reports a new step. So under gradient accumulation the statistics
+pending buffers; they are applied once per optimizer step, when `set_progress(step, ...)` (called by the task right
+after each optimizer step and before each training batch, forwarded by `SequenceModel`) reports a new step, so the
+codebook a checkpoint holds has every trained step's update. So under gradient accumulation the statistics
 of all micro-batches of one step form one EMA step, and under DDP they are all-reduced (summed over ranks) right
 before it. A quantizer that never receives `set_progress` (used outside the task) applies its statistics after
 each training forward instead; `apply_update()` applies them by hand.
@@ -194,7 +195,7 @@ class VectorQuantizer(nn.Module):
         self._has_pending = False
 
     def set_progress(self, step: int, total_steps: int) -> None:
-        """Called before each training batch: a new optimizer step applies the previous step's statistics."""
+        """Called after each optimizer step and before each training batch: a new step applies the pending ones."""
         if self._step is None:
             log.info("VectorQuantizer: codebook EMA applied once per optimizer step (set_progress)")
         if step != self._step:

@@ -268,8 +268,14 @@ class SequenceTask(pl.LightningModule):
     # callback that defines either.
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         if self.step_graph is None:
-            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        optimizer_closure()
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        else:
+            optimizer_closure()
+        # The step is complete: the model gets the next step's progress now, not at the next batch's start, so that
+        # what waits for the end of a step (LongVQ's codebook EMA of the step's statistics, `VectorQuantizer`) is in
+        # the state that callbacks, validation and checkpoints see. Lightning counts the step after this hook returns.
+        if hasattr(self.model, "set_progress"):
+            self.model.set_progress(self.global_step + 1, self.total_steps)
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         if self.step_graph is None:
