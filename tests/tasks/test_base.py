@@ -1,15 +1,19 @@
-"""What every task shares (`tasks/base.py`): the progress handed to scheduled layers around optimizer steps."""
+"""What every task shares (`tasks/base.py`): the progress handed to scheduled layers, after each optimizer step and
+when a checkpoint is loaded."""
 
 from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from longmixer.data.base import EpochSampler, ResumableLoader
+from longmixer.layers.sma import LatentConfigurator, gumbel_temperature
 from longmixer.mixers.longvq import LongVQ
+from longmixer.mixers.seqboat import SeqBoat
 from longmixer.models import SequenceModel
 from longmixer.tasks.classification import Classification
 from longmixer.utils.optim import Constant
@@ -53,3 +57,40 @@ def test_a_resumed_longvq_run_keeps_the_codebook_update_of_the_checkpoints_last_
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def _seqboat_gumbel_task() -> Classification:
+    torch.manual_seed(0)
+    model = SequenceModel(mixer=partial(SeqBoat, d_qk=8, d_v=16, ndim=2, window=8, max_len=32, router="gumbel",
+                                        backend="torch"),
+                          d_model=16, n_layers=1, vocab_size=20, num_classes=2)
+    return Classification(model, partial(torch.optim.AdamW, lr=1e-2), partial(Constant, warmup_steps=0),
+                          num_classes=2, compile="none")
+
+
+def _gumbel_tau(task) -> float:
+    return float(next(m for m in task.modules() if isinstance(m, LatentConfigurator)).gumbel_tau)
+
+
+def test_a_checkpoint_is_scored_at_the_progress_it_was_trained_to(tmp_path):
+    """Bug: the annealed Gumbel temperature of SeqBoat's gumbel router (A.4) is set from the training step and kept
+    in no checkpoint, so `evaluate` scored a checkpoint at step 0's temperature (2.0), and the test after fit scored
+    the best checkpoint at the last step's: one checkpoint, two test losses. Loading a checkpoint now sets the
+    model's progress to the checkpoint's step."""
+    trained = _seqboat_gumbel_task()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(trained, train_dataloaders=_loader())
+    path = tmp_path / "step.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["global_step"] = 200_000  # as a long run writes it: the temperature has annealed to 0.74
+    torch.save(checkpoint, path)
+    after_fit = trainer.test(trained, dataloaders=_loader(), ckpt_path=str(path), verbose=False)[0]
+    assert _gumbel_tau(trained) == pytest.approx(gumbel_temperature(200_000), rel=1e-6)
+    fresh = _seqboat_gumbel_task()  # what `evaluate` builds
+    scored = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path).test(fresh, dataloaders=_loader(), ckpt_path=str(path),
+                                                        verbose=False)[0]
+    assert _gumbel_tau(fresh) == pytest.approx(gumbel_temperature(200_000), rel=1e-6)
+    assert scored["test/loss"] == after_fit["test/loss"]

@@ -478,6 +478,12 @@ class SequenceTask(pl.LightningModule):
             _portable_optimizer_states(checkpoint, self.trainer.optimizers)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # the weights are scored at the progress they were trained to (SeqBoat's annealed Gumbel temperature, which
+        # no checkpoint holds): `evaluate` as the validation that saved them, and the test after fit at the best
+        # checkpoint's step, not at the last step's (a resumed fit sets it again before each batch)
+        step = checkpoint.get("global_step")
+        if step is not None and hasattr(self.model, "set_progress"):
+            self.model.set_progress(int(step), self.total_steps)
         state = checkpoint.get("longmixer")
         if state is None:
             return
