@@ -40,6 +40,24 @@ def test_materialized_equals_sdpa(causal):
         assert torch.allclose(fused(x, m)[0], written_out(x, m)[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_materialized_row_of_only_padding_outputs_zero_as_sdpa(causal):
+    """Bug: `implementation=materialized` filled masked scores with -inf, so a batch row that is all padding (no
+    real key) came out NaN, and the backward of a loss on the other rows alone made every weight's gradient NaN.
+    SDPA outputs 0 for such a row; the materialized path now does the same."""
+    torch.manual_seed(0)
+    fused = Transformer(16, n_heads=2, causal=causal).eval()
+    written_out = Transformer(16, n_heads=2, causal=causal, implementation="materialized").eval()
+    written_out.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 7, 16)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1] = False
+    y = written_out(x, mask)[0]
+    torch.testing.assert_close(y, fused(x, mask)[0], atol=1e-5, rtol=1e-5)
+    y[0].sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in written_out.parameters())
+
+
 def test_unmasked_batches_take_the_fused_kernels_fast_path(monkeypatch):
     """Without a key mask (fixed-length tasks, the language-model streams) SDPA gets no `attn_mask`, and a causal
     Transformer asks for `is_causal` instead of building an [L, L] mask: the paths PyTorch's fused kernels run

@@ -58,11 +58,16 @@ class Transformer(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, L, D)), {}
 
     def _materialized(self, q, k, v, keep, dropout):
-        """softmax(Q K^T / sqrt(d)) V with the [B, H, L, L] scores in memory (Vaswani et al. 2017, eq. 1)."""
+        """softmax(Q K^T / sqrt(d)) V with the [B, H, L, L] scores in memory (Vaswani et al. 2017, eq. 1). A query
+        with no key left (a row that is all padding) outputs 0, as SDPA does."""
         L = q.shape[2]
         scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, H, L, L]
         if keep is None and self.causal:
             keep = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
         if keep is not None:
-            scores = scores.masked_fill(~keep, float("-inf"))
-        return F.dropout(scores.softmax(-1), dropout, self.training) @ v  # [B, H, L, K]
+            # a finite fill: with -inf a query with no key would be softmax(-inf, ...) = NaN, in forward and backward
+            scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+        y = F.dropout(scores.softmax(-1), dropout, self.training) @ v  # [B, H, L, K]
+        if keep is not None:
+            y = y.masked_fill(~keep.any(-1, keepdim=True), 0.0)  # [B, H, L, K]: zero the queries with no key
+        return y
