@@ -53,3 +53,23 @@ def test_padding_leaves_the_statistics_alone_in_both_passes():
     expect = (valid - valid.mean(0)) / torch.sqrt(valid.var(0, unbiased=False) + norm.eps)
     assert torch.allclose(y[mask], expect, atol=1e-4)
     assert torch.allclose(norm.running_var, 0.9 + 0.1 * valid.var(0), rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_a_model_in_another_dtype_trains(dtype):
+    """Bug: the batch moments were float32 whatever the module's dtype, and `running_mean.lerp_` refused them, so a
+    model cast to bfloat16 / float16 / float64 (`trainer.precision=bf16-true`, `16-true`, `64-true`) with
+    `norm=batchnorm` failed at its first training step. The running statistics now stay in the module's dtype."""
+    torch.manual_seed(2)
+    x = torch.randn(3, 7, 5) * 2.0 + 1.0
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, 3:] = False
+    ref = MaskedBatchNorm(5).train()
+    y_ref = ref(x, mask)
+    norm = MaskedBatchNorm(5).to(dtype).train()
+    y = norm(x.to(dtype), mask)
+    assert y.dtype == dtype and norm.running_mean.dtype == dtype and norm.running_var.dtype == dtype
+    tol = 5e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5
+    assert torch.allclose(y[mask].float(), y_ref[mask], atol=tol)
+    assert torch.allclose(norm.running_var.float(), ref.running_var, rtol=tol)
+    assert torch.allclose(norm.running_mean.float(), ref.running_mean, atol=tol)

@@ -57,8 +57,10 @@ class MaskedBatchNorm(nn.Module):
         self.register_buffer("running_var", torch.ones(d_model))
 
     def forward(self, x, mask=None):
+        # moments in float32 at least (float64 stays float64); the running statistics keep the module's dtype
+        acc = torch.promote_types(x.dtype, torch.float32)
         if self.training:
-            xf = x.float()
+            xf = x.to(acc)
             w = torch.ones_like(xf[..., :1]) if mask is None else mask.unsqueeze(-1).to(xf.dtype)  # [B, L, 1]
             # two passes: the mean, then the variance about it. The one-pass E[x^2] - E[x]^2 cancels in float32
             # once |mean| / std reaches about 1,000 (the variance comes out 0 and the output is scaled by
@@ -69,11 +71,11 @@ class MaskedBatchNorm(nn.Module):
             var = self._reduce(((xf - mean).pow(2) * w).sum((0, 1))) / count
             with torch.no_grad():
                 unbiased = var * count / (count - 1).clamp_min(1.0)
-                self.running_mean.lerp_(mean, self.momentum)
-                self.running_var.lerp_(unbiased, self.momentum)
+                self.running_mean.lerp_(mean.to(self.running_mean.dtype), self.momentum)
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), self.momentum)
         else:
-            mean, var = self.running_mean, self.running_var
-        y = (x.float() - mean) * torch.rsqrt(var + self.eps)
+            mean, var = self.running_mean.to(acc), self.running_var.to(acc)
+        y = (x.to(acc) - mean) * torch.rsqrt(var + self.eps)
         return (y * self.weight + self.bias).type_as(x)
 
     def _reduce(self, moments: torch.Tensor) -> torch.Tensor:
