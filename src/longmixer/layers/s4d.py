@@ -40,11 +40,13 @@ class S4DKernel(nn.Module):
         self.c = nn.Parameter(torch.randn(channels, d_model, n, 2) * 0.5 ** 0.5)  # complex C as (re, im)
 
     def forward(self, length: int) -> Tensor:
-        """The kernel [channels, D, length] (float32)."""
-        dt = self.log_dt.exp().unsqueeze(-1)  # [c, D, 1]
-        a = torch.complex(-self.log_neg_re_a.exp(), self.im_a)  # [c, D, n]
+        """The kernel [channels, D, length], float32 (float64 for float64 parameters)."""
+        # torch has no bfloat16 complex and few complex-half ops: half-precision parameters are read in float32
+        acc = torch.promote_types(self.c.dtype, torch.float32)
+        dt = self.log_dt.to(acc).exp().unsqueeze(-1)  # [c, D, 1]
+        a = torch.complex(-self.log_neg_re_a.to(acc).exp(), self.im_a.to(acc))  # [c, D, n]
         dta = a * dt
-        c = torch.view_as_complex(self.c) * (dta.exp() - 1.0) / a  # ZOH: C B (exp(dt A) - 1) / A
+        c = torch.view_as_complex(self.c.to(acc)) * (dta.exp() - 1.0) / a  # ZOH: C B (exp(dt A) - 1) / A
         l = torch.arange(length, device=dt.device, dtype=torch.float32)
         vandermonde = torch.exp(dta.unsqueeze(-1) * l)  # [c, D, n, L]
         return 2.0 * torch.einsum("cdn,cdnl->cdl", c, vandermonde).real
