@@ -27,14 +27,18 @@ def test_attention_dropout_outside_zero_one_is_refused(p):
         Transformer(64, 4, attention_dropout=p)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_materialized_equals_sdpa(causal):
+def _sdpa_and_materialized(causal: bool) -> tuple[Transformer, Transformer, torch.Tensor, torch.Tensor]:
+    """The two implementations with the same weights, an input [2, 7, 16] and an all-true key mask."""
     torch.manual_seed(0)
     fused = Transformer(16, n_heads=2, causal=causal).eval()
     written_out = Transformer(16, n_heads=2, causal=causal, implementation="materialized").eval()
     written_out.load_state_dict(fused.state_dict())
-    x = torch.randn(2, 7, 16)
-    mask = torch.ones(2, 7, dtype=torch.bool)
+    return fused, written_out, torch.randn(2, 7, 16), torch.ones(2, 7, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_materialized_equals_sdpa(causal):
+    fused, written_out, x, mask = _sdpa_and_materialized(causal)
     mask[1, 5:] = False
     for m in (None, mask):
         assert torch.allclose(fused(x, m)[0], written_out(x, m)[0], atol=1e-5)
@@ -45,12 +49,7 @@ def test_materialized_row_of_only_padding_outputs_zero_as_sdpa(causal):
     """Bug: `implementation=materialized` filled masked scores with -inf, so a batch row that is all padding (no
     real key) came out NaN, and the backward of a loss on the other rows alone made every weight's gradient NaN.
     SDPA outputs 0 for such a row; the materialized path now does the same."""
-    torch.manual_seed(0)
-    fused = Transformer(16, n_heads=2, causal=causal).eval()
-    written_out = Transformer(16, n_heads=2, causal=causal, implementation="materialized").eval()
-    written_out.load_state_dict(fused.state_dict())
-    x = torch.randn(2, 7, 16)
-    mask = torch.ones(2, 7, dtype=torch.bool)
+    fused, written_out, x, mask = _sdpa_and_materialized(causal)
     mask[1] = False
     y = written_out(x, mask)[0]
     torch.testing.assert_close(y, fused(x, mask)[0], atol=1e-5, rtol=1e-5)
