@@ -544,3 +544,30 @@ def test_no_grad_path_equals_the_autograd_path():
         without = local_attention(q, k, v, **kw)
     assert without.grad_fn is None
     torch.testing.assert_close(without, with_grad.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attention", ["relu2", "laplace"])
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_float64_reference_divides_by_the_row_count_in_float64(attention, causal):
+    """The float64 reference against a loop over queries and keys, to float64's precision: element attention divides
+    each score by n (the chunk's real keys, or the position in the chunk + 1 when causal), and the reference's 1/n was
+    float32 (1/3 off by 1e-8 relative) whatever its inputs."""
+    from longmixer.ops.common import laplace
+    from longmixer.ops.local_attention.reference import default_scale, relu2
+
+    B, H, L, K, V, C = 2, 1, 7, 4, 3, 3
+    (q, k, v, bias), _ = _case(B, H, L, K, V, C, masked=False)
+    q, k, v, bias = (t.detach() for t in (q, k, v, bias))
+    mask = torch.tensor([[True] * 7, [True, True, False, True, True, True, False]])
+    phi = relu2 if attention == "relu2" else laplace
+    scale = default_scale(attention, K)
+    want = torch.zeros(B, H, L, V, dtype=torch.float64)
+    for b, i in itertools.product(range(B), range(L)):
+        start = i // C * C
+        keys = [j for j in range(start, min(start + C, L)) if mask[b, j] and (not causal or j <= i)]
+        n = i - start + 1 if causal else max(sum(bool(mask[b, j]) for j in range(start, min(start + C, L))), 1)
+        for j in keys:
+            s = (q[b, 0, i] @ k[b, 0, j]) * scale / n + bias[(C - 1) + j - i]
+            want[b, 0, i] += phi(s) * v[b, 0, j]
+    got = local_attention_ref(q, k, v, chunk_size=C, attention=attention, causal=causal, bias=bias, mask=mask)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)

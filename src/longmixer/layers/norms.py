@@ -21,7 +21,8 @@ class LayerNorm(nn.LayerNorm):
 
 
 class ScaleNorm(nn.Module):
-    """x * g / ||x|| with one learned scalar g (Nguyen & Salazar 2019; MEGA's scalenorm)."""
+    """x * g / RMS(x) = x * g * sqrt(D) / ||x|| with one learned scalar g (Nguyen & Salazar 2019, in the
+    root-mean-square form of MEGA's scalenorm)."""
 
     def __init__(self, d_model: int, eps: float = EPS):
         super().__init__()

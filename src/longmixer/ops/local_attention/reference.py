@@ -25,20 +25,21 @@ def default_scale(attention: str, head_dim: int) -> float:
 
 
 def row_norm(mask: torch.Tensor | None, B: int, L: int, C: int, causal: bool, attention: str,
-             device: torch.device) -> torch.Tensor:
-    """Per-query divisor of element attention, as 1/n [B, L] float32 (ones for softmax).
+             device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-query divisor of element attention, as 1/n [B, L] in `dtype` (ones for softmax): float32 for the kernels'
+    comparisons, float64 for a float64 reference, whose 1/3 would otherwise be float32's.
 
     n is the number of real keys in the query's chunk (at least 1); causal: the position in the chunk plus one,
     as the official code (lengths = attn_mask.sum(-1)), whatever the padding. A last chunk shorter than C counts
     only its own keys, which equals the official padding of L to a multiple of C with masked pad keys.
     """
     if attention == "softmax":
-        return torch.ones(B, L, device=device, dtype=torch.float32)
+        return torch.ones(B, L, device=device, dtype=dtype)
     pos = torch.arange(L, device=device)
     if causal:
-        return (1.0 / (pos % C + 1).float()).expand(B, L).contiguous()
+        return (1.0 / (pos % C + 1).to(dtype)).expand(B, L).contiguous()
     n_chunks = -(-L // C)
-    real = torch.ones(B, L, device=device, dtype=torch.float32) if mask is None else mask.float()
+    real = torch.ones(B, L, device=device, dtype=dtype) if mask is None else mask.to(dtype)
     counts = F.pad(real, (0, n_chunks * C - L)).view(B, n_chunks, C).sum(-1).clamp_min(1.0)  # [B, nc]
     return (1.0 / counts).repeat_interleave(C, dim=1)[:, :L].contiguous()
 
@@ -80,7 +81,8 @@ def local_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ch
     if causal:
         allowed = allowed & torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     if attention != "softmax":
-        inv_n = F.pad(row_norm(mask, B, L, C, causal, attention, q.device), (0, pad), value=1.0)
+        inv_n = F.pad(row_norm(mask, B, L, C, causal, attention, q.device, torch.promote_types(q.dtype, torch.float32)),
+                      (0, pad), value=1.0)
         s = s * inv_n.view(B, 1, nc, C, 1).to(s.dtype)
     if bias is not None:
         idx = (C - 1) + torch.arange(C, device=q.device)[None, :] - torch.arange(C, device=q.device)[:, None]
