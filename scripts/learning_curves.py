@@ -27,7 +27,9 @@ state travels in the checkpoint, so a resumed run stops at the same cumulative b
 test of a slice that a later call continues. A call that resumes runs (a `last.ckpt` under --logs) keeps the earlier
 calls' records and utilization samples in its outputs; a call that starts them afresh first renames the earlier
 summary and utilization CSV with their call's start time (`<task>_summary.<UTC time>.json`), so no history is
-overwritten.
+overwritten. The call exits 0 when every run exited 0, else with the status of a run that did not (one that
+failed before one stopped by a signal: 143 / 130, which the same command resumes), each such run named on stderr
+with its log.
 
 A machine that is given back between calls takes the run dirs with it. `--state-out DIR` packs the `--logs` folder
 (checkpoints, metrics, logs; and the outputs when `--out` lies inside it) into parts of at most 15 MiB in DIR after
@@ -176,7 +178,20 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(summary, indent=1))
     if args.state_out:
         carry_state(Path(args.logs), Path(args.state_out), args.state_max_parts)
+    for family, code in summary["exit_codes"].items():
+        if code != 0:
+            print(f"run {family} exited with status {code}; its log: {Path(args.logs) / f'{args.task}_{family}.log'}",
+                  file=sys.stderr)
     return summary
+
+
+def exit_status(exit_codes: dict[str, int | None]) -> int:
+    """The call's exit status from its runs': 0 when every run exited 0; else the first failed run's, or, when every
+    run that did not exit 0 was stopped by SIGTERM / SIGINT (143 / 130: the same command resumes it), that one."""
+    codes = [c for c in exit_codes.values() if c != 0]
+    failed = [c for c in codes if c not in (128 + signal.SIGTERM, 128 + signal.SIGINT)]
+    status = (failed or codes or [0])[0]
+    return status if isinstance(status, int) and 0 <= status < 256 else 1
 
 
 def run_minutes(started: dict[str, float], ended: dict[str, float], now: float) -> dict[str, float]:
@@ -330,4 +345,4 @@ def plot_only(args) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status(main().get("exit_codes", {})))

@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -196,3 +197,28 @@ def test_an_unreadable_summary_is_moved_aside_not_fatal(launched, tmp_path, caps
     kept = list(out.glob("listops_gpu_util.*.csv"))  # the samples of that history are kept beside the new ones
     assert len(kept) == 1 and kept[0].read_text().endswith("1,0.5,0,97,1000\n")
     assert not list(out.glob(".*.tmp"))  # every output was moved into place
+
+
+def test_a_call_whose_run_failed_exits_with_its_status(tmp_path):
+    """The script exited 0 when its runs had failed (a refused setting, a crash): a scheduler or a chained command
+    took the call for a success, and only `exit_codes` in the summary said otherwise. It now exits with the failed
+    run's status and names the run and its log on stderr."""
+    from tests.conftest import TINY_LISTOPS
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline"}
+    logs = tmp_path / "logs"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "learning_curves.py"), "--task", "listops",
+                           "--families", "chela", "--trainer", "cpu", "--minutes", "1", "--val-every", "2",
+                           "--no-test", "--out", str(tmp_path / "out"), "--logs", str(logs), *TINY_LISTOPS,
+                           f"paths.data_dir={tmp_path / 'data'}", "optim.lr=-1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert json.loads((tmp_path / "out" / "listops_summary.json").read_text())["exit_codes"] == {"chela": 2}
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"run chela exited with status 2; its log: {logs / 'listops_chela.log'}" in proc.stderr
+
+
+@pytest.mark.parametrize("codes, status", [({"a": 0, "b": 0}, 0), ({"a": 143, "b": 0}, 143),
+                                           ({"a": 143, "b": 1}, 1), ({"a": -9}, 1)],
+                         ids=["all-ok", "stopped-by-sigterm", "failed-beats-stopped", "killed"])
+def test_exit_status_prefers_a_failed_run(codes, status):
+    assert _load().exit_status(codes) == status
