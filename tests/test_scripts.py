@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -284,3 +289,21 @@ def test_optimizer_step_paths_agree():
     import torch
 
     assert _bench_script("optimizer_step").parity(torch.device("cpu")) < 1e-5
+
+
+def test_train_util_exits_with_the_training_runs_status(tmp_path):
+    """train_util.py exited 0 when the training run it measured had failed (a refused setting, a crash), so `make
+    bench`, which stops at a script's failure, went on as if the run had been measured. It now exits with the run's
+    status and names the command on stderr."""
+    tool = tmp_path / "bin" / "nvidia-smi"  # a GPU for the sampler, so the script runs the training command
+    tool.parent.mkdir()
+    tool.write_text('#!/bin/sh\ncase "$*" in *name*) echo "Fake GPU";; *) echo "40, 100";; esac\n')
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PATH": f"{tool.parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "train_util.py"), "--out",
+                           str(tmp_path / "out"), "--name", "refused", "--", "optim.lr=-1",
+                           f"paths.log_dir={tmp_path / 'logs'}", f"paths.data_dir={tmp_path / 'data'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert json.loads((tmp_path / "out" / "train_util_refused.json").read_text())["exit_code"] == 2
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "train_util: the training run exited with status 2" in proc.stderr

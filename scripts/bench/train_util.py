@@ -8,7 +8,9 @@ Written under --out: `train_util_<name>.csv` (t_s, util_pct, mem_mib) and `train
 GPU, exit code, the whole-run and steady-state means; see `gpu_monitor.summarize` for what "steady" excludes).
 Issue "speed"'s target is a steady figure >= 85% for `experiment=chela/listops trainer=gpu`; with no overrides
 that run is what this script measures (on generated ListOps, 4 minutes). Without `nvidia-smi` (no NVIDIA GPU) it
-says so and exits 0, so `make bench` runs on any machine.
+says so and exits 0, so `make bench` runs on any machine. Otherwise it exits with the training run's status (2 for a
+refused setting, 143 when a SIGTERM stopped it), written beside the figures, so `make bench` stops at a run that
+failed.
 """
 
 from __future__ import annotations
@@ -69,8 +71,17 @@ def main(argv: list[str] | None = None) -> dict:
         csv.writer(f).writerows([("t_s", "util_pct", "mem_mib"), *sampler.rows])
     (out / f"train_util_{name}.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
+    if code != 0:
+        print(f"train_util: the training run exited with status {code}: {summary['command']}", file=sys.stderr)
     return summary
 
 
+def exit_status(summary: dict) -> int:
+    """The script's exit status: the training run's (0 when nothing was measured); 1 for a run ended by a signal
+    it did not handle (a negative returncode)."""
+    code = summary.get("exit_code", 0)
+    return code if 0 <= code < 256 else 1
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status(main()))
