@@ -665,6 +665,35 @@ def test_settings_taken_from_mega_are_megas(compose, family):
     assert text.model.dropout > 0 and text.model.classifier_dropout == text.model.dropout
 
 
+# CHELA Table 7: depth, d_model, d_FFN, Attn-FN, Norm, Pre-norm, BSZ, LR, Dropout, WD, Epochs; and the training-set
+# size the epochs are counted over (SC10: 70 % per class of the 34,975 full-length clips, within a few of 24,482;
+# docs/data.md).
+CHELA_TABLE_7 = {
+    "listops": (6, 80, 160, "laplace", "batchnorm", False, 64, 1e-3, 0.1, 0.01, 60, 96_000),
+    "text": (4, 128, 256, "norm", "scalenorm", False, 50, 4e-3, 0.1, 0.01, 50, 25_000),
+    "retrieval": (6, 128, 256, "norm", "scalenorm", False, 64, 3e-3, 0.1, 0.04, 40, 147_086),
+    "image": (8, 160, 320, "laplace", "batchnorm", True, 50, 1e-2, 0.0, 0.02, 200, 45_000),
+    "scifar": (8, 160, 320, "laplace", "batchnorm", True, 50, 1e-2, 0.0, 0.02, 200, 45_000),  # appendix A.1
+    "pathfinder": (6, 128, 256, "laplace", "batchnorm", True, 128, 1e-2, 0.0, 0.01, 200, 160_000),
+    "pathx": (4, 64, 128, "laplace", "batchnorm", True, 128, 1e-2, 0.0, 0.01, 100, 160_000),
+    "sc10": (6, 60, 120, "laplace", "batchnorm", True, 20, 1e-2, 0.0, 0.01, 200, 24_482),
+}
+
+
+@pytest.mark.parametrize("task", sorted(CHELA_TABLE_7))
+def test_chela_recipes_are_table_7_rows(compose, task):
+    """Every value of CHELA's Table 7 row, and its epochs as steps (epochs x batches an epoch): SC10 ran MEGA's 250k
+    steps, 204 epochs of our split, against the table's 200."""
+    depth, width, ffn, attn, norm, prenorm, bsz, lr, dropout, wd, epochs, n_train = CHELA_TABLE_7[task]
+    cfg = compose([f"experiment=chela/{task}"])
+    m = cfg.model
+    assert (m.n_layers, m.d_model, m.d_ffn, m.mixer.attention, m.norm, m.prenorm) == (depth, width, ffn, attn, norm,
+                                                                                       prenorm)
+    assert cfg.data.batch_size * cfg.trainer.accumulate_grad_batches == bsz
+    assert (cfg.optim.lr, m.dropout, m.mixer.dropout, cfg.optim.weight_decay) == (lr, dropout, dropout, wd)
+    assert cfg.trainer.max_steps == epochs * -(-n_train // bsz)
+
+
 @pytest.mark.parametrize("task, width", [("listops", 160), ("text", 256), ("retrieval", 256), ("image", 320),
                                          ("pathfinder", 256), ("pathx", 256)])
 def test_seqboat_lra_recipes_carry_the_official_architecture_defaults(compose, task, width):
