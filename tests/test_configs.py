@@ -727,6 +727,14 @@ def test_seqboat_lra_recipes_carry_the_official_architecture_defaults(compose, t
     assert cfg.scheduler.warmup_power == (2.0 if task == "pathx" else 1.0)
 
 
+def test_seqboat_enwik8_drops_out_at_table_5s_rate_embedding_included(compose):
+    """SeqBoat Table 5: "Dropout 0.15", "Attention Dropout 0.0"; the official --dropout 0.15 drops out the token
+    embedding too (SeqBoatDecoderNoCrossAttn.embedding_dropout), as the LRA recipes' embedding dropout follows theirs."""
+    cfg = compose(["experiment=seqboat/enwik8"])
+    assert cfg.model.embed_dropout == cfg.model.mixer.dropout == 0.15
+    assert cfg.model.mixer.hidden_dropout == 0.0
+
+
 @pytest.mark.parametrize("override, hint", [
     ("trainer.max_step=2", "trainer.max_step is not a key of trainer (did you mean trainer.max_steps?)"),
     ("modle=chela", "modle is not a key of the config (did you mean model?)"),
