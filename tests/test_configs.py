@@ -644,6 +644,13 @@ def test_las_lra_recipes_train_as_s4_v1_configs(compose, task, patience):
     assert cfg.trainer.precision == "32-true" and cfg.trainer.gradient_clip_val is None
 
 
+def test_las_wikitext103_recipe_has_the_papers_shape(compose):
+    """LaS appendix C: 12 layers, width 768, context 512, causal; appendix A: 8 heads in all experiments."""
+    cfg = compose(["experiment=las/wikitext103"])
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.data.seq_len) == (12, 768, 512)
+    assert cfg.model.mixer.n_heads == 8 and cfg.model.causal is True
+
+
 def test_las_listops_recipe_leaves_the_token_embedding_undecayed(compose):
     """S4's parameter grouping, which LaS ran with: `nn.Embedding` gets no weight decay (recipe wd 0.01)."""
     from longmixer.utils.optim import build_param_groups
