@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> dict:
     if Path(args.out).is_dir():
         parser.error(f"--out {args.out} is a directory; give the JSON file to write, e.g. "
                      f"--out {Path(args.out) / 'model_bench.json'}")
-    known = sorted(dict.fromkeys(job["model"] for job in plan(quick=True)))
+    known = sorted(name for name, _ in model_specs("text", quick=True))  # every setting times these models
     unknown = [name for name in args.models or () if name not in known]
     if unknown:  # a typo measured nothing and wrote an empty table over --out
         close = [difflib.get_close_matches(name, known, n=1) for name in unknown]

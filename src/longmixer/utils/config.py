@@ -340,9 +340,7 @@ def _check_optimizer(cfg: DictConfig) -> None:
     except UserFacingError:
         raise
     except Exception as err:  # noqa: BLE001 - hydra wraps the constructor's error; its message names the argument
-        cause = err
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
+        cause = _innermost_cause(err)
         if not isinstance(cause, (ValueError, TypeError)) or not raised_by_a_check(cause):
             raise  # a bug in the optimizer keeps its traceback
         words = set(re.findall(r"[a-z_]+", str(cause).lower()))
@@ -350,6 +348,14 @@ def _check_optimizer(cfg: DictConfig) -> None:
                 if key not in HYDRA_KEYS and (key in words or key in {_OPTIM_WORDS.get(w) for w in words})]
         raise ConfigError(f"optim ({name}): {' '.join(str(cause).split())}"
                           + (f"; change {' or '.join(keys)}" if keys else "")) from err
+
+
+def _innermost_cause(err: BaseException) -> BaseException:
+    """The constructor's own error under hydra's `InstantiationException` wrappers: the end of the `__cause__`
+    chain."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err
 
 
 def _check_scheduler(cfg: DictConfig) -> None:
@@ -370,9 +376,7 @@ def _check_scheduler(cfg: DictConfig) -> None:
     except UserFacingError:
         raise
     except Exception as err:  # noqa: BLE001 - hydra wraps the constructor's error; its own message names the key
-        cause = err
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
+        cause = _innermost_cause(err)
         bug = isinstance(cause, ValueError) and not raised_by_a_check(cause)
         if bug or not isinstance(cause, (ValueError, TypeError)):
             raise  # a ValueError of a bug in the schedule keeps its traceback
