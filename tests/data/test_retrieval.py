@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from longmixer.data.integrity import SourceFileError
 from longmixer.data.retrieval import AAN, read_aan_tsv
 from tests.data.fixtures import AAN_ROWS, write_retrieval_fixture
 
@@ -61,6 +62,27 @@ def test_wrong_column_count_names_the_line(tmp_path):
     path = tmp_path / "new_aan_pairs.train.tsv"
     path.write_text("1.0\ta\tb\ttext one\ttext two\n0.0\ta\tb\tonly four columns\n")
     with pytest.raises(ValueError, match=r"train\.tsv:2: expected 5 tab-separated columns"):
+        read_aan_tsv(path, max_len=100)
+
+
+@pytest.mark.parametrize("cut", [
+    pytest.param(lambda row: row.rindex(b"cited"), id="inside-text2"),
+    pytest.param(lambda row: row.rindex(b"\t") + 1, id="after-the-last-tab"),
+    pytest.param(lambda row: len(row) - 1, id="only-the-newline"),
+    pytest.param(lambda row: row.index(b"parsing"), id="inside-text1"),
+])
+def test_a_file_cut_inside_its_last_row_is_refused(tmp_path, cut):
+    """Regression: a file cut inside its last row's second document (an interrupted download or copy) still has five
+    columns there, and was read as if complete, with that document cut short (or empty). The missing final newline
+    now marks the file as cut, and the error names the file, the line and the fix."""
+    folder = write_retrieval_fixture(tmp_path)["source_dir"]
+    whole = open(f"{folder}/new_aan_pairs.train.tsv", "rb").read()
+    last = whole.rindex(b"\n", 0, len(whole) - 1) + 1  # the 8th row starts here
+    path = tmp_path / "new_aan_pairs.train.tsv"
+    path.write_bytes(whole[:last + cut(whole[last:])])
+    with pytest.raises(SourceFileError, match=rf"train\.tsv:8: the last row has no newline at its end, so the file "
+                                              rf"is taken as cut short.*re-extract the LRA release's tsv_data.*"
+                                              rf"echo >> {path}"):
         read_aan_tsv(path, max_len=100)
 
 

@@ -6,6 +6,12 @@ tab-separated columns `label id1 id2 text1 text2`, quotes literal (LRA reads the
 we split on tabs only; a CSV reader with quoting would mis-split rows). The label is written as a float (`1.0`).
 Each document is its UTF-8 bytes + 1 (0 = padding), truncated to `seq_len` = 4000 bytes per document; both
 documents are returned (`inputs`, `inputs2`) and the model's NLI head combines them. `eval` is the validation split.
+
+A file cut short (a download or copy interrupted mid-row) is refused, never read as shorter data. A cut inside the
+first four columns leaves a row of fewer than five columns. A cut inside the last column, `text2`, leaves all five
+in place, so the row's only mark of completeness is the newline that ends it: every row must end with one, the last
+included, and a last row without one is refused as cut. A complete file whose writer left off the final newline
+cannot be told from a cut one and is refused too; the error says how to add the newline.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from longmixer.data.text import BYTE_VOCAB, byte_ids, check_vocab
 log = logging.getLogger(__name__)
 
 FILES = {"train": "new_aan_pairs.train.tsv", "val": "new_aan_pairs.eval.tsv", "test": "new_aan_pairs.test.tsv"}
+REFETCH = "re-extract the LRA release's tsv_data or point data.source_dir at a complete copy"
 
 
 def read_aan_tsv(path: Path, max_len: int) -> tuple[list[np.ndarray], list[np.ndarray], list[int]]:
@@ -31,7 +38,8 @@ def read_aan_tsv(path: Path, max_len: int) -> tuple[list[np.ndarray], list[np.nd
 
     Raises:
         FileNotFoundError: the file is missing.
-        ValueError: a line without exactly 5 tab-separated columns, or a label other than 0/1.
+        ValueError: a line without exactly 5 tab-separated columns, a last line without its newline (the file is
+            cut short), or a label other than 0/1.
     """
     path = Path(path)
     if not path.exists():
@@ -42,10 +50,16 @@ def read_aan_tsv(path: Path, max_len: int) -> tuple[list[np.ndarray], list[np.nd
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue  # a blank line (a trailing newline too many): no example
+            if not line.endswith(b"\n"):  # only the last line can lack it: see the module docstring
+                raise SourceFileError(f"{path}:{line_no}: the last row has no newline at its end, so the file is "
+                                      "taken as cut short (a download or copy stopped inside that row; a cut in its "
+                                      f"last column, text2, keeps all five columns); {REFETCH} (if the file is "
+                                      f"complete, end it with a newline: `echo >> {path}`)")
             cols = line.rstrip(b"\r\n").split(b"\t")
             if len(cols) != 5:
                 raise SourceFileError(f"{path}:{line_no}: expected 5 tab-separated columns (label, id1, id2, text1, "
-                                 f"text2), got {len(cols)}; the file is truncated or not an AAN pairs TSV")
+                                      f"text2), got {len(cols)}; the file is truncated or not an AAN pairs TSV: "
+                                      f"{REFETCH}")
             try:
                 label = float(cols[0])
             except ValueError:  # not a number: reported below
@@ -57,8 +71,7 @@ def read_aan_tsv(path: Path, max_len: int) -> tuple[list[np.ndarray], list[np.nd
             docs2.append(byte_ids(cols[4], max_len))
             raw_lengths += [len(cols[3]), len(cols[4])]
     if not labels:
-        raise SourceFileError(f"{path} holds no examples; the split is empty: re-extract the LRA release's tsv_data or "
-                         "point data.source_dir at a complete copy")
+        raise SourceFileError(f"{path} holds no examples; the split is empty: {REFETCH}")
     warn_truncated(f"{path.name} documents", np.asarray(raw_lengths), max_len)
     return docs1, docs2, labels
 
