@@ -147,8 +147,9 @@ def enwik8_bytes(n: int = ENWIK8_BYTES) -> bytes:
 
 
 def write_enwik8_fixture(root: Path) -> dict:
-    """An `enwik8` byte file of ENWIK8_BYTES bytes; valid and test take ENWIK8_EVAL bytes each."""
+    """An `enwik8` byte file of ENWIK8_BYTES bytes (its `expected_bytes`); valid and test take ENWIK8_EVAL bytes
+    each."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     (root / "enwik8").write_bytes(enwik8_bytes())
-    return {"source_dir": str(root), "eval_bytes": ENWIK8_EVAL, "seq_len": LM_SEQ_LEN}
+    return {"source_dir": str(root), "expected_bytes": ENWIK8_BYTES, "eval_bytes": ENWIK8_EVAL, "seq_len": LM_SEQ_LEN}

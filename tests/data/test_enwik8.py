@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from longmixer.data.enwik8 import Enwik8
-from longmixer.data.integrity import SourceFileError, SourceFileMissingError
+from longmixer.data.integrity import DatasetNotPreparedError, SourceFileError, SourceFileMissingError
 from tests.data.fixtures_extra import ENWIK8_BYTES, ENWIK8_EVAL, LM_SEQ_LEN, enwik8_bytes, write_enwik8_fixture
 
 
@@ -71,7 +71,7 @@ def test_runs_at_two_split_sizes_keep_their_own_data_and_share_the_download(tmp_
     with zipfile.ZipFile(raw / "enwik8.zip", "w") as z:  # a download already there: nothing is fetched
         z.writestr("enwik8", enwik8_bytes())
     (raw.parent / "manifest.json").write_text("{}")  # data prepared in the old place, <data>/enwik8/ itself
-    common = dict(data_dir=tmp_path / "data", seq_len=LM_SEQ_LEN)
+    common = dict(data_dir=tmp_path / "data", seq_len=LM_SEQ_LEN, expected_bytes=ENWIK8_BYTES)
     first = Enwik8(eval_bytes=600, **common)
     with caplog.at_level(logging.WARNING):
         first.prepare_data()
@@ -92,10 +92,59 @@ def test_runs_at_two_split_sizes_keep_their_own_data_and_share_the_download(tmp_
 @pytest.mark.parametrize("size", [pytest.param(0, id="zero-bytes"), pytest.param(900, id="cut")])
 def test_a_byte_file_too_short_for_its_splits_is_named(tmp_path, size):
     """Regression: an `enwik8` cut to zero bytes (or to fewer than two evaluation splits) stopped with "the byte file
-    has 0 bytes", naming neither the file nor the fix."""
-    overrides = write_enwik8_fixture(tmp_path / "raw")
+    has 0 bytes", naming neither the file nor the fix. A file taken at any size (`expected_bytes=None`): under a
+    size, the size check refuses it first."""
+    overrides = {**write_enwik8_fixture(tmp_path / "raw"), "expected_bytes": None}
     path = tmp_path / "raw" / "enwik8"
     path.write_bytes(enwik8_bytes(size))
     with pytest.raises(SourceFileError, match=rf"{path} has {size} bytes, too few for .*data.eval_bytes="
                                               rf"{ENWIK8_EVAL}.*enwik8.zip"):
         Enwik8(data_dir=tmp_path / "data", batch_size=2, **overrides).prepare_data()
+
+
+@pytest.mark.parametrize("size", [pytest.param(ENWIK8_BYTES - 700, id="cut-short"),
+                                  pytest.param(ENWIK8_BYTES + 700, id="longer")])
+def test_a_byte_file_of_another_size_is_refused(tmp_path, size):
+    """Regression: an `enwik8` of another size than the real file's (a copy cut short, or one with bytes added) was
+    split as it was, so its valid and test splits were other bytes than enwik8's, without a word. It is refused,
+    naming the file, both sizes and the fixes."""
+    overrides = write_enwik8_fixture(tmp_path / "raw")
+    path = tmp_path / "raw" / "enwik8"
+    path.write_bytes(enwik8_bytes(size))
+    with pytest.raises(SourceFileError, match=rf"{path} has {size:,} bytes, not data.expected_bytes={ENWIK8_BYTES}: "
+                                              rf"a copy cut short or another file.*put the file from enwik8.zip in "
+                                              rf"data.source_dir=.*, or set data.expected_bytes=null"):
+        Enwik8(data_dir=tmp_path / "data", batch_size=2, **overrides).prepare_data()
+    assert not (tmp_path / "data" / "enwik8" / f"eval{ENWIK8_EVAL}" / "manifest.json").exists()
+
+
+def test_the_download_must_have_enwik8s_size(tmp_path):
+    """Regression: by default (the download, `expected_bytes` 100,000,000) a byte file of another size was prepared
+    as enwik8; the error names the real size and how to download it afresh."""
+    import zipfile
+
+    raw = tmp_path / "data" / "enwik8" / "raw"
+    raw.mkdir(parents=True)
+    with zipfile.ZipFile(raw / "enwik8.zip", "w") as z:  # a download already there: nothing is fetched
+        z.writestr("enwik8", enwik8_bytes())
+    with pytest.raises(SourceFileError, match=rf"{raw / 'enwik8'} has {ENWIK8_BYTES:,} bytes, not "
+                                              rf"data.expected_bytes=100000000 \(enwik8's size\).*delete {raw} and "
+                                              rf"prepare again to download it afresh"):
+        Enwik8(data_dir=tmp_path / "data", eval_bytes=ENWIK8_EVAL, seq_len=LM_SEQ_LEN).prepare_data()
+
+
+def test_expected_bytes_null_takes_another_file_and_setup_then_checks_its_size(tmp_path):
+    """`data.expected_bytes=null` splits a byte file of any size as it is; data prepared so is refused by `setup()`
+    where a size is asked for again, since the manifest records the size it was made from."""
+    overrides = write_enwik8_fixture(tmp_path / "raw")
+    (tmp_path / "raw" / "enwik8").write_bytes(enwik8_bytes(ENWIK8_BYTES - 700))
+    dm = Enwik8(data_dir=tmp_path / "data", batch_size=2, **{**overrides, "expected_bytes": None})
+    dm.prepare_data()
+    dm.setup()
+    assert np.load(dm.root / "train.npy").size == ENWIK8_BYTES - 700 - 2 * ENWIK8_EVAL
+    sized = Enwik8(data_dir=tmp_path / "data", batch_size=2, **overrides)
+    sized.prepare_data()  # the same settings that determine the files: nothing to prepare
+    with pytest.raises(DatasetNotPreparedError, match=rf"{dm.root} was prepared from a byte file of "
+                                                      rf"{ENWIK8_BYTES - 700:,} bytes, not data.expected_bytes="
+                                                      rf"{ENWIK8_BYTES}.*manifest.json.*data.expected_bytes=null"):
+        sized.setup()

@@ -9,6 +9,15 @@ per token is the loss per byte, and the task reports it in bits (`metric: bpc`).
 
 Source: `enwik8.zip` (the file `enwik8`), downloaded once into `<data_dir>/enwik8/raw/`. Prepared:
 `<data_dir>/enwik8/eval<eval_bytes>/{train,val,test}.npy`, uint8 byte streams + 1 stored as int16.
+
+Size: the file must hold `expected_bytes` = 100,000,000 bytes, the real enwik8's size, whether downloaded or in
+`data.source_dir`; another size is refused, not warned about. A copy cut short (or with bytes added) splits without
+complaint, but its last 2 x 5M bytes are not the standard valid and test splits, so its bpc would be reported as
+enwik8's while measuring other text, and a warning scrolls past in a long run's log. `data.source_dir` does not
+signal another file: its usual use is a copy of the real one on a machine without internet. A different byte file
+(a sample for a quick run, as the tests use) is taken on purpose with `data.expected_bytes=null`, and is then split
+as it is (train: all but the last 2 x eval_bytes). The manifest records the size the data was prepared from, and
+`setup()` refuses data prepared from a file of another size (under null) for the same reason.
 """
 
 from __future__ import annotations
@@ -20,11 +29,20 @@ from filelock import FileLock
 
 from longmixer.data.lm_stream import LMDataModule
 from longmixer.data.download import download, extract, extracted
-from longmixer.data.integrity import SourceFileError, SourceFileMissingError
+from longmixer.data.integrity import DatasetNotPreparedError, SourceFileError, SourceFileMissingError, rebuild_hint
 
 ENWIK8_URL = "https://mattmahoney.net/dc/enwik8.zip"  # no checksum published: recorded at first download
 ENWIK8_BYTES = 100_000_000
 SPLIT_BYTES = 5_000_000
+
+
+def size_mismatch(size: int, expected_bytes: int | None) -> str | None:
+    """None where a byte file of `size` bytes is what `expected_bytes` asks for (None: any size); else what differs."""
+    if expected_bytes is None or size == expected_bytes:
+        return None
+    which = " (enwik8's size)" if expected_bytes == ENWIK8_BYTES else ""
+    return (f"{size:,} bytes, not data.expected_bytes={expected_bytes}{which}: a copy cut short or another file, so "
+            "its valid and test splits (its last 2 x data.eval_bytes bytes) would not be the expected file's")
 
 
 def split_bytes(data: np.ndarray, eval_bytes: int, path: Path, fix: str) -> dict[str, np.ndarray]:
@@ -48,6 +66,8 @@ class Enwik8(LMDataModule):
         eval_bytes: bytes in each of valid and test (5,000,000; train is the rest, 90M of the 100M).
         source_dir: a folder holding the file `enwik8` (skips the download); None: download into
             `<data_dir>/enwik8/raw`.
+        expected_bytes: the size the file must have (100,000,000: enwik8); None takes a byte file of any size
+            that holds the splits (see the module docstring).
         seq_len, vocab_size, k_min, k_max, eval_window, eval_context, metric, roll, data_dir, batch_size,
             eval_batch_size, num_workers, seed, split_seed, pin_memory: see `LMDataModule`.
     """
@@ -56,16 +76,19 @@ class Enwik8(LMDataModule):
 
     def __init__(self, eval_bytes: int = SPLIT_BYTES, seq_len: int = 2048, vocab_size: int = 257, k_min: int = 1,
                  k_max: int = 1, eval_window: int | None = None, eval_context: int = 0, metric: str = "bpc",
-                 roll: bool = True, source_dir: str | Path | None = None, data_dir: str | Path | None = None,
-                 batch_size: int = 8, eval_batch_size: int | None = None, num_workers: int | None = None, seed: int = 0,
-                 split_seed: int = 0, pin_memory: bool | None = None,
+                 roll: bool = True, source_dir: str | Path | None = None, expected_bytes: int | None = ENWIK8_BYTES,
+                 data_dir: str | Path | None = None, batch_size: int = 8, eval_batch_size: int | None = None,
+                 num_workers: int | None = None, seed: int = 0, split_seed: int = 0, pin_memory: bool | None = None,
                  persistent_workers: bool | None = None):
         super().__init__(seq_len=seq_len, vocab_size=vocab_size, k_min=k_min, k_max=k_max, eval_window=eval_window,
                          eval_context=eval_context, metric=metric, roll=roll, data_dir=data_dir,
                          batch_size=batch_size, eval_batch_size=eval_batch_size, num_workers=num_workers, seed=seed,
                          split_seed=split_seed, pin_memory=pin_memory,
                          persistent_workers=persistent_workers)
-        self.eval_bytes = eval_bytes
+        if expected_bytes is not None and expected_bytes < 1:
+            raise ValueError(f"data.expected_bytes={expected_bytes} must be positive (enwik8: {ENWIK8_BYTES}) or "
+                             "null (any size)")
+        self.eval_bytes, self.expected_bytes = eval_bytes, expected_bytes
         self.source_dir = None if source_dir is None else Path(source_dir)
 
     @property
@@ -96,11 +119,24 @@ class Enwik8(LMDataModule):
             raise SourceFileMissingError(f"{raw} is missing (enwik8 is the one file `enwik8`, 100,000,000 bytes, in "
                                          f"{raw.parent}): point data.source_dir at the folder of the unzipped "
                                          "enwik8.zip, or leave it unset to download it")
-        data = np.fromfile(raw, dtype=np.uint8)
         fix = (f"put the file from enwik8.zip in data.source_dir={self.source_dir}" if self.source_dir is not None
                else f"delete {raw.parent} and prepare again to download it afresh")
+        mismatch = size_mismatch(raw.stat().st_size, self.expected_bytes)
+        if mismatch is not None:
+            raise SourceFileError(f"{raw} has {mismatch}; {fix}, or set data.expected_bytes=null to split this file "
+                                  "as it is")
+        data = np.fromfile(raw, dtype=np.uint8)
         splits = {}
         for split, part in split_bytes(data, self.eval_bytes, raw, fix).items():
             np.save(root / f"{split}.npy", part.astype(np.int16) + 1)
             splits[split] = {"count": int(part.size)}
         return splits, {"vocab_size": 257, "tokenizer": "bytes+1", "total_bytes": int(data.size)}
+
+    def _load(self, root: Path, manifest: dict):
+        """`LMDataModule._load`, once the size the data was prepared from passes the size check."""
+        mismatch = size_mismatch(manifest["meta"]["total_bytes"], self.expected_bytes)
+        if mismatch is not None:
+            raise DatasetNotPreparedError(f"{root} was prepared from a byte file of {mismatch}; "
+                                          f"{rebuild_hint(root, self.prepare_hint)} with a file of that size in "
+                                          "place, or set data.expected_bytes=null to use this data as it is")
+        return super()._load(root, manifest)
