@@ -483,6 +483,22 @@ def test_a_constructor_s_refusal_names_the_key_in_one_line(compose, override, me
     assert "\n" not in str(info.value)
 
 
+def test_a_negative_longvq_commit_coef_fails_before_training(compose):
+    """Bug: LongVQ's `model.mixer.commit_coef=-1` (gamma of the commitment loss, eq. 23) passed every check and
+    trained with a commitment term that pushed the keys away from their codewords. The quantizer refuses it when
+    `train()` builds the model (`instantiate_node`), before training, naming the key; 0 (no commitment loss) is a
+    value."""
+    from longmixer.runs.run import instantiate_node
+
+    cfg = compose(["model=longvq", "model.mixer.commit_coef=-1"])
+    validate_config(cfg)  # a float of the right type: the quantizer's own check refuses it
+    with pytest.raises(ConfigError, match=r"^model \(SequenceModel\): model.mixer.commit_coef=-1 must be >= 0 \(0: no "
+                                          r"commitment loss\); LongVQ uses 1e-4 \(raised at vq.py:\d+\)$"):
+        instantiate_node(cfg.model)
+    model = instantiate_node(compose(["model=longvq", "model.mixer.commit_coef=0"]).model)
+    assert model.blocks[0].mixer.vq.commit_coef == 0
+
+
 def _raise_user_facing(**_):
     from longmixer.utils.errors import UserFacingError
 

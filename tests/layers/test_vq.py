@@ -148,6 +148,9 @@ def test_bad_arguments_raise():
         VectorQuantizer(4, 0)
     with pytest.raises(ValueError, match="decay"):
         VectorQuantizer(4, 8, decay=1.0)
+    with pytest.raises(ValueError, match=r"commit_coef=-1.0 must be >= 0"):
+        VectorQuantizer(4, 8, commit_coef=-1.0)
+    assert VectorQuantizer(4, 8, commit_coef=0.0).commit_coef == 0.0  # no commitment loss
 
 
 def test_compiled_forward_leaves_statistics_for_absorb():

@@ -52,7 +52,7 @@ class VectorQuantizer(nn.Module):
         dim: key width E.
         n_codes: codebook size S (LongVQ: 512; Table 6 ablates 256 / 1024).
         decay: EMA rate eta of the counts and sums (LongVQ section 5: 0.99).
-        commit_coef: gamma of the commitment loss (LongVQ eq. 23, section 5: 1e-4).
+        commit_coef: gamma of the commitment loss (LongVQ eq. 23, section 5: 1e-4), >= 0 (0: none).
         count_clamp: lower bound of a code's count when forming the codeword (Transformer-VQ: 0.01).
         backend: "auto" | "torch" | "triton" for the nearest-codeword search.
     """
@@ -64,6 +64,10 @@ class VectorQuantizer(nn.Module):
             raise ValueError(f"model.mixer.n_codes={n_codes} must be >= 1; LongVQ uses 512")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"model.mixer.codebook_decay={decay} must be in [0, 1); LongVQ uses 0.99")
+        if not commit_coef >= 0.0:
+            # a negative gamma turns the commitment loss into a reward for keys far from their codewords
+            raise ValueError(f"model.mixer.commit_coef={commit_coef} must be >= 0 (0: no commitment loss); LongVQ "
+                             "uses 1e-4")
         self.dim, self.n_codes, self.decay = dim, n_codes, decay
         self.commit_coef, self.count_clamp, self.backend = commit_coef, count_clamp, backend
         self.register_buffer("counts", torch.ones(n_codes))  # [S]
