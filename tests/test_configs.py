@@ -440,10 +440,14 @@ def test_a_value_the_optimizer_refuses_fails_at_compose_time_with_the_key(compos
     ("trainer.accumulate_grad_batches=0", r"^trainer.accumulate_grad_batches=0 must be >= 1 \(the batches of one"),
     ("trainer.accumulate_grad_batches=-2", r"^trainer.accumulate_grad_batches=-2 must be >= 1"),
     ("trainer.check_val_every_n_epoch=0", r"^trainer.check_val_every_n_epoch=0 must be >= 1 \(.*or null"),
+    ("trainer.log_every_n_steps=0", r"^trainer.log_every_n_steps=0 must be >= 1 \(log the training loss .*every N "
+                                    r"optimizer steps, e.g. 50; Lightning logs none at 0 and reads -N as N\)$"),
+    ("trainer.log_every_n_steps=-1", r"^trainer.log_every_n_steps=-1 must be >= 1 \("),
 ])
 def test_a_trainer_count_below_one_fails_with_the_key(compose, override, message):
     """Bug: `trainer.accumulate_grad_batches=0` and `trainer.check_val_every_n_epoch=0` passed the config checks and
-    ended the run with a ZeroDivisionError inside Lightning's fit; a negative accumulation trained silently."""
+    ended the run with a ZeroDivisionError inside Lightning's fit; a negative accumulation trained silently. So did
+    `trainer.log_every_n_steps=0` (no per-step loss or learning-rate curve) and `-N` (read as N; -1: every step)."""
     with pytest.raises(ConfigError, match=message):
         validate_config(compose(override.split()))
 
@@ -459,7 +463,8 @@ def test_a_negative_gradient_clip_fails_with_the_key(compose):
 @pytest.mark.parametrize("override", ["model.d_ffn=null", "model=seqboat model.mixer.window=null", "model.dropout=0",
                                       "trainer.val_check_interval=0.5", "trainer.gradient_clip_val=1",
                                       "trainer.enable_progress_bar=false", "scheduler.warmup_steps=0",
-                                      "trainer.check_val_every_n_epoch=null", "trainer.accumulate_grad_batches=1"])
+                                      "trainer.check_val_every_n_epoch=null", "trainer.accumulate_grad_batches=1",
+                                      "trainer.log_every_n_steps=1", "trainer.log_every_n_steps=null"])
 def test_values_the_constructors_take_pass_the_type_checks(compose, override):
     validate_config(compose(override.split()))
 

@@ -155,10 +155,14 @@ def _targets(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]:
 # numeric keys a typo'd value reaches deep inside Lightning or a scheduler from (a TypeError there names no key)
 INTEGER_KEYS = ("trainer.max_steps", "trainer.max_epochs", "trainer.min_steps", "trainer.accumulate_grad_batches",
                 "trainer.check_val_every_n_epoch", "trainer.log_every_n_steps", "data.batch_size", "data.seq_len")
-# counts Lightning divides by (a ZeroDivisionError inside fit at 0) or silently misreads below 0
+# counts Lightning divides by (a ZeroDivisionError inside fit at 0) or silently misreads below 0: it takes a
+# negative `log_every_n_steps` as its absolute value (`step % -N`), and at 0 it logs no training value per step
+# (no loss or learning-rate curve) without a word
 COUNT_KEYS = {"trainer.accumulate_grad_batches": "the batches of one optimizer step; 1: a step per batch",
               "trainer.check_val_every_n_epoch": "validate every N epochs; or null to count "
-                                                 "trainer.val_check_interval across epochs"}
+                                                 "trainer.val_check_interval across epochs",
+              "trainer.log_every_n_steps": "log the training loss and learning rate every N optimizer steps, e.g. "
+                                           "50; Lightning logs none at 0 and reads -N as N"}
 NUMBER_KEYS = ("optim.weight_decay", "trainer.gradient_clip_val", "trainer.val_check_interval",
                "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.limit_test_batches")
 # the model's sizes (its own and its mixer's): a count or width below 1 reaches a constructor as a tensor of negative
