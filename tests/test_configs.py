@@ -460,6 +460,22 @@ def test_a_negative_gradient_clip_fails_with_the_key(compose):
     validate_config(compose(["trainer.gradient_clip_val=0"]))
 
 
+@pytest.mark.parametrize("override, key", [
+    ("callbacks=early_stopping callbacks.early_stopping.patience=-1", "callbacks.early_stopping.patience=-1"),
+    ("+callbacks.stop={_target_:pytorch_lightning.callbacks.EarlyStopping,monitor:val/loss,patience:-3}",
+     "callbacks.stop.patience=-3"),
+])
+def test_a_negative_early_stopping_patience_fails_with_the_key(compose, override, key):
+    """Bug: `callbacks.early_stopping.patience=-1` passed every check, and Lightning's EarlyStopping took it without
+    a word and stopped training at the first validation without improvement (as at 0 or 1). Any EarlyStopping
+    callback, under whatever name, now stops at compose time with its key; 0 is Lightning's value."""
+    with pytest.raises(ConfigError, match=rf"^{key} must be >= 0: the validations without an improvement of "
+                                          r"val/\w+ after which training stops, e.g. 10 \(below 0, Lightning stops "
+                                          r"at the first\)$"):
+        validate_config(compose(override.split()))
+    validate_config(compose(["callbacks=early_stopping", "callbacks.early_stopping.patience=0"]))
+
+
 @pytest.mark.parametrize("override", ["model.d_ffn=null", "model=seqboat model.mixer.window=null", "model.dropout=0",
                                       "trainer.val_check_interval=0.5", "trainer.gradient_clip_val=1",
                                       "trainer.enable_progress_bar=false", "scheduler.warmup_steps=0",

@@ -233,6 +233,29 @@ def validate_config(cfg: DictConfig) -> None:
         _check_target_keys(path, node)
     _check_optimizer(cfg)
     _check_scheduler(cfg)
+    _check_early_stopping(cfg)
+
+
+def _check_early_stopping(cfg: DictConfig) -> None:
+    """An early-stopping callback's `patience` must be >= 0: Lightning takes no exception to a negative one and
+    stops training at the first validation without improvement, as it does at 0 or 1."""
+    from pytorch_lightning.callbacks import EarlyStopping
+
+    callbacks = cfg.get("callbacks")
+    if not isinstance(callbacks, DictConfig):
+        return
+    for name, node in callbacks.items():
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            continue
+        target = locate(node["_target_"])
+        if not (inspect.isclass(target) and issubclass(target, EarlyStopping)):
+            continue
+        patience = node.get("patience")
+        if isinstance(patience, int) and not isinstance(patience, bool) and patience < 0:
+            monitor = OmegaConf.select(node, "monitor", throw_on_resolution_failure=False)
+            raise ConfigError(f"callbacks.{name}.patience={patience} must be >= 0: the validations without an "
+                              f"improvement of {monitor} after which training stops, e.g. 10 (below 0, Lightning "
+                              "stops at the first)")
 
 
 def check_backend_on_device(cfg: DictConfig, device_type: str) -> None:
