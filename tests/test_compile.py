@@ -439,6 +439,36 @@ def test_vq_data_init_without_host_reads():
     assert torch.equal(kept.sums, before)
 
 
+def test_vq_data_init_waits_past_an_all_padding_batch_when_compiled():
+    """Bug: an all-padding first training batch marked the codebook initialized without a data init. Compiled
+    (fullgraph: no host read and no graph break in the forward), such a batch leaves the codebook and `initialized`
+    as they were, the next training forward runs the init again in the same graph (no recompile) and takes its
+    codewords from that batch's real keys, and from then on the steady graph leaves the init out and mutates no
+    input (what CUDA graphs need)."""
+    from longmixer.layers.vq import VectorQuantizer
+
+    torch.manual_seed(0)
+    vq = VectorQuantizer(4, n_codes=8, backend="torch").train()
+    vq.set_progress(0, 10)  # the EMA step waits for the next optimizer step
+    random_sums = vq.sums.clone()
+    records: list[list[int]] = []
+    compiled = torch.compile(vq, backend=_input_mutation_recorder(records), fullgraph=True)
+    keys = torch.randn(2, 6, 4)
+    compiled(keys, torch.zeros(2, 6, dtype=torch.bool))
+    vq.after_forward()
+    assert not bool(vq.initialized) and torch.equal(vq.sums, random_sums)
+    mask = torch.tensor([[True] * 6, [True] * 2 + [False] * 4])
+    keys[~mask] = 100.0  # padded keys: never chosen
+    compiled(keys, mask)
+    vq.after_forward()
+    assert bool(vq.initialized)
+    assert all(any(torch.equal(row, key) for key in keys[mask]) for row in vq.sums)
+    compiled(keys, mask)
+    vq.after_forward()
+    assert len(records) == 2, records  # the init graph (twice), then the steady one
+    assert records[0] and records[1] == [], records
+
+
 @pytest.mark.slow
 def test_fit_runs_with_compiled_blocks(compose, monkeypatch):
     """A 2-step `train()` with task.compile=default compiles the blocks through Lightning's configure_model (with

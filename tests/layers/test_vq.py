@@ -1,5 +1,6 @@
 """Tests of the EMA-codebook vector quantizer: the EMA formula, one step per optimizer step under accumulation,
-padding, DDP all-reduce, straight-through and commitment gradients, usage statistics."""
+padding, the data init (deferred past an all-padding batch, under DDP too), DDP all-reduce, straight-through and
+commitment gradients, usage statistics."""
 
 from __future__ import annotations
 
@@ -121,6 +122,71 @@ def test_first_training_batch_initializes_codebook_from_real_keys():
     assert bool(vq.initialized)
     for row in vq.sums / vq.counts[:, None]:  # EMA mixes the init keys with the batch keys: stays in their span
         assert min((row - KEYS[0, i]).norm() for i in range(2)) < 0.5
+
+
+def _is_a_real_key(row: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> bool:
+    return any(torch.equal(row, key) for key in keys[mask])
+
+
+def test_an_all_padding_first_batch_defers_the_codebook_init():
+    """Bug: a first training batch whose mask marks every token as padding marked the codebook initialized without
+    replacing a codeword, so the data init never ran and the run kept the random N(0, 1/E) codebook (whose codes
+    mostly stay dead at MEGA's key scale). The init now waits for the first batch with a real key, and takes its
+    codewords from real keys only."""
+    torch.manual_seed(0)
+    vq = VectorQuantizer(4, 8, backend="torch")
+    vq.set_progress(0, 10)  # the EMA steps wait for the optimizer steps: the codewords stay the drawn keys
+    random_sums = vq.sums.clone()
+    keys = torch.randn(2, 6, 4)
+    vq(keys, torch.zeros(2, 6, dtype=torch.bool))
+    assert not bool(vq.initialized)
+    assert torch.equal(vq.sums, random_sums)
+    vq.set_progress(1, 10)
+    keys = torch.randn(2, 6, 4)
+    mask = torch.tensor([[True] * 6, [True] * 2 + [False] * 4])
+    keys[~mask] = 100.0  # padded keys: never a codeword
+    vq(keys, mask)
+    assert bool(vq.initialized)
+    assert all(_is_a_real_key(row, keys, mask) for row in vq.sums)
+    torch.testing.assert_close(vq.counts, torch.ones(8))
+
+
+def _deferred_init_rank(rank, store, out):
+    """Rank 0's first batch is all padding and rank 1's is not; the second batch of rank 0 has real keys."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.manual_seed(0)  # the same random codebook on both ranks
+    vq = VectorQuantizer(4, 8, backend="torch")
+    vq.set_progress(0, 10)  # one optimizer step: the statistics stay pending
+    g = torch.Generator().manual_seed(1 + rank)
+    first = torch.randn(1, 6, 4, generator=g)
+    vq(first, torch.full((1, 6), rank == 1))
+    after_first = (bool(vq.initialized), vq.sums.clone())
+    second = torch.randn(1, 6, 4, generator=g)
+    vq(second, torch.ones(1, 6, dtype=torch.bool))
+    torch.save({"after_first": after_first, "sums": vq.sums.clone(), "initialized": bool(vq.initialized),
+                "pending": vq.pending_counts.sum().item(), "second": second}, f"{out}{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_ddp_codebook_init_waits_for_rank_0_s_real_keys(tmp_path):
+    """Under DDP rank 0's keys become every rank's codewords (broadcast): a first batch that is all padding on rank 0
+    leaves the codebook and `initialized` as they were on every rank (rank 1's real keys included), and rank 0's
+    next batch with real keys initializes the same codebook on both, dropping the statistics rank 1 gathered
+    against the codewords the init replaced."""
+    import torch.multiprocessing as mp
+
+    torch.manual_seed(0)
+    random_sums = VectorQuantizer(4, 8, backend="torch").sums
+    mp.spawn(_deferred_init_rank, args=(str(tmp_path / "store"), str(tmp_path / "rank")), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for rank in ranks:
+        assert rank["after_first"][0] is False
+        assert torch.equal(rank["after_first"][1], random_sums)
+        assert rank["initialized"]
+        assert torch.equal(rank["sums"], ranks[0]["sums"])
+        assert rank["pending"] == 6  # the second batch's tokens alone
+    second = ranks[0]["second"]
+    assert all(_is_a_real_key(row, second, torch.ones(1, 6, dtype=torch.bool)) for row in ranks[0]["sums"])
 
 
 def test_ddp_statistics_are_all_reduced(tmp_path):

@@ -23,8 +23,15 @@ in eager mode needs no hook, and eager and compiled runs add the same statistics
 codebook trajectory. (One exception, outside the task: without `set_progress`, two calls within one compiled
 forward both see the codebook from before the forward, where eager calls would see it move in between.)
 `apply_update()` absorbs statistics left by a compiled forward before it applies anything. Only the first training
-forward writes buffers inside its graph: the data init of the codebook, which runs once (a Python flag leaves it
-out of every later graph, so under CUDA graphs only that first graph runs uncaptured).
+forward writes buffers inside its graph: the data init of the codebook (a Python flag leaves it out of every later
+graph, so under CUDA graphs only that first graph runs uncaptured).
+
+The data init waits for a batch with real tokens, so that the codewords are real keys: a training forward whose
+keys are all padding keeps the codebook and leaves `initialized` False (a `torch.where` on the device, no host read
+in the forward). `absorb_stats()`, outside the graph, reads `initialized` after a forward that ran the init; where it
+is still False, it lowers the Python flag again, so the next training forward runs the init again (and writes
+buffers in its graph). In the usual run that is one host read, after the first training forward. Under DDP rank
+0's batch decides, as its keys become every rank's codewords.
 """
 
 from __future__ import annotations
@@ -86,9 +93,11 @@ class VectorQuantizer(nn.Module):
         # order: left by compiled forwards for `absorb_stats()` (one entry per quantizer call; a two-document batch
         # calls it twice within one forward)
         self._batch_stats: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
-        # Python-side: True once a training forward has run the data init (which leaves `initialized` True). The
-        # forward branches on this flag, never on the buffer's value, so it needs no host sync and no graph break.
+        # Python-side: True once a training forward has run the data init; `absorb_stats()` sets it back to False
+        # where that forward had no real key (`initialized` still False), so the next one tries again. The forward
+        # branches on this flag, never on the buffer's value, so it needs no host sync and no graph break.
         self._init_checked = False
+        self._init_unconfirmed = False  # a forward ran the init; `absorb_stats()` has not read `initialized` since
 
     @property
     def codebook(self) -> torch.Tensor:
@@ -110,7 +119,7 @@ class VectorQuantizer(nn.Module):
         flat_mask = None if mask is None else mask.reshape(-1)
         if self.training and not self._init_checked:
             self._init_from_keys(rearrange(k.detach(), "b l e -> (b l) e"), flat_mask)
-            self._init_checked = True
+            self._init_checked = self._init_unconfirmed = True
         codebook = self.codebook
         codes, counts, sums = vq_search(rearrange(k.detach(), "b l e -> (b l) e"), codebook, flat_mask,
                                         backend=self.backend)
@@ -140,18 +149,27 @@ class VectorQuantizer(nn.Module):
     @torch.no_grad()
     def _init_from_keys(self, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Replace the codewords by keys drawn uniformly from the real ones, unless `initialized` is already set
-        (a loaded or hand-set codebook) or the batch has no real key. Written without data-dependent shapes or
-        host reads (a multinomial over the real-key weights, `torch.where` on the flags), so that it traces."""
+        (a loaded or hand-set codebook) or the batch has no real key (rank 0's batch under DDP), which leaves
+        `initialized` False for a later batch. Statistics pending from before the init, gathered against the
+        codewords it replaces, are dropped. Written without data-dependent shapes or host reads (a multinomial over
+        the real-key weights, `torch.where` on the flags), so that it traces."""
         weights = keys.new_ones(keys.shape[0], dtype=torch.float32) if mask is None else mask.float()
         has_real = weights.sum() > 0
+        if _distributed():
+            # rank 0's keys become every rank's codewords (the broadcast below): its batch decides on every rank
+            flag = has_real.float()
+            dist.broadcast(flag, src=0)
+            has_real = flag > 0
         pick = torch.multinomial(torch.where(has_real, weights, torch.ones_like(weights)), self.n_codes,
                                  replacement=True)
         replace = has_real & ~self.initialized
         self.sums.copy_(torch.where(replace, keys[pick].float(), self.sums))
         self.counts.copy_(torch.where(replace, torch.ones_like(self.counts), self.counts))
+        self.pending_counts.copy_(torch.where(replace, torch.zeros_like(self.pending_counts), self.pending_counts))
+        self.pending_sums.copy_(torch.where(replace, torch.zeros_like(self.pending_sums), self.pending_sums))
         if _distributed():
             dist.broadcast(self.sums, src=0)
-        self.initialized.fill_(True)
+        self.initialized.copy_(self.initialized | has_real)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -163,6 +181,10 @@ class VectorQuantizer(nn.Module):
         `set_progress`, apply each as its own EMA step (what an eager forward does at once). Call it eagerly, right
         after a compiled training forward (`SequenceModel.after_forward()` does; the tasks call that)."""
         stats, self._batch_stats = self._batch_stats, ()
+        if self._init_unconfirmed and not (self.initialized.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # the host read (none while a CUDA graph is captured: that graph keeps the init, correct on replay)
+            self._init_checked = bool(self.initialized)
+            self._init_unconfirmed = False
         for counts, sums in stats:
             self.pending_counts += counts
             self.pending_sums += sums
