@@ -4,8 +4,9 @@
     python -m longmixer.train -m experiment=quickstart seed=0,1,2
 
 The same command continues its run (README "Resume"): a lock keeps a second process out of the run dir, a finished
-run is reported instead of trained again, a changed config is refused unless `resume=force`, and SIGTERM / SIGINT
-write a checkpoint and exit with 128 + the signal number (143 / 130).
+run is reported instead of trained again, a changed config is refused unless `resume=force`, and SIGTERM / SIGUSR2
+(SLURM's warning before the time limit) / SIGINT write a checkpoint and exit with 128 + the signal number
+(143 / 140 / 130).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from longmixer.utils.errors import UserFacingError
 from longmixer.utils.compile import release_cuda_graphs
 from longmixer.utils.config import check_backend_on_device, check_task_and_data, validate_config
 from longmixer.utils.resolvers import register_resolvers
+from longmixer.utils.signals import STOP_SIGNALS
 
 log = logging.getLogger("longmixer")
 
@@ -95,7 +97,7 @@ def train(cfg: DictConfig) -> dict:
 def _outcome(err: BaseException) -> str:
     """How an attempt that raised ended, in one line for run_info.json."""
     if isinstance(err, SystemExit):
-        return {143: "stopped by SIGTERM (exit 143)", 130: "stopped by SIGINT (exit 130)"}.get(
+        return {128 + s: f"stopped by {s.name} (exit {128 + s})" for s in STOP_SIGNALS}.get(
             err.code, f"exited with status {err.code}")
     if isinstance(err, KeyboardInterrupt):
         return "interrupted"
@@ -320,7 +322,7 @@ def _test_until_signal(trainer: pl.Trainer, task, datamodule, ckpt_path: str | N
 @hydra.main(version_base="1.3", config_path=CONFIG_SEARCH_PATH, config_name="train")
 def _main(cfg: DictConfig) -> float | None:
     try:
-        results = train(cfg)  # SIGTERM / SIGINT end it with SystemExit(143 / 130) after a checkpoint
+        results = train(cfg)  # SIGTERM / SIGUSR2 / SIGINT end it with SystemExit(143 / 140 / 130) after a checkpoint
     except UserFacingError as err:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # the sweep records the failed job and goes on

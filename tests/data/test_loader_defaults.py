@@ -110,8 +110,8 @@ def _as_list(batch: list) -> list:
     return batch
 
 
-def _worker_survives_sigterm(worker_init_fn) -> bool:
-    """Start a 1-worker loader with SIGTERM at its default action, SIGTERM the worker, and report whether the
+def _worker_survives(worker_init_fn, signum) -> bool:
+    """Start a 1-worker loader with `signum` at its default action, send it to the worker, and report whether the
     loader still delivers every batch. Batches are plain lists: a tensor batch travels as a shared-memory file
     descriptor, and a worker killed while the main process fetches one can leave that fetch waiting on a dead
     socket instead of failing (the loader's worker check, every 5 s, finds a dead worker otherwise)."""
@@ -120,30 +120,32 @@ def _worker_survives_sigterm(worker_init_fn) -> bool:
 
     from torch.utils.data import DataLoader
 
-    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # what a worker forked before any handler inherits
+    previous = signal.signal(signum, signal.SIG_DFL)  # what a worker forked before any handler inherits
     try:
         loader = DataLoader(list(range(64)), batch_size=4, num_workers=1, worker_init_fn=worker_init_fn,
                             collate_fn=_as_list)
         it = iter(loader)
         first = next(it)
-        os.kill(it._workers[0].pid, signal.SIGTERM)
-        time.sleep(0.5)
+        os.kill(it._workers[0].pid, signum)
         try:
+            time.sleep(0.5)  # torch's SIGCHLD handler may report the worker's death here already
             rest = list(it)
         except RuntimeError:
             return False
         return [x for batch in [first, *rest] for x in batch] == list(range(64))
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signum, previous)
 
 
-def test_loader_workers_leave_stop_signals_to_the_training_process():
-    """A scheduler's SIGTERM reaches the workers too (scancel, timeout and Ctrl+C signal the process group): with the
-    loaders' worker_init_fn they survive it and the run checkpoints; without it the next batch fails."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR2], ids=["sigterm", "sigusr2"])
+def test_loader_workers_leave_stop_signals_to_the_training_process(signum):
+    """A scheduler's SIGTERM reaches the workers too (scancel, timeout and Ctrl+C signal the process group; SLURM
+    signals every process of the job, its pre-timeout SIGUSR2 included): with the loaders' worker_init_fn they survive
+    it and the run checkpoints; without it the next batch fails."""
     from longmixer.data.base import init_worker
 
-    assert not _worker_survives_sigterm(None)
-    assert _worker_survives_sigterm(init_worker)
+    assert not _worker_survives(None, signum)
+    assert _worker_survives(init_worker, signum)
     dm = ListOps(num_workers=2)
     dm.datasets = {"train": list(range(8)), "val": list(range(4))}
     assert dm.train_dataloader().worker_init_fn is init_worker

@@ -41,9 +41,11 @@ def assert_same_run(reference, run_dir, mid_epoch: bool, required=("val/acc", "v
 @pytest.mark.parametrize("fault, exit_code", [
     ("SIGKILL:train:6", -signal.SIGKILL),  # right after the end-of-epoch validation checkpoint of step 6
     ("SIGTERM:train:9", 143),              # mid-epoch: the handler checkpoints step 10 and exits 128 + 15
+    ("SIGUSR2:train:9", 140),              # SLURM's pre-timeout warning (hydra/launcher=slurm), as SIGTERM: 128 + 12
     ("SIGINT:val:12", 130),                # during the end-of-epoch validation of step 12: checkpoint at step 13
     ("SIGKILL:val:12", -signal.SIGKILL),   # during validation: back to last.ckpt of step 8
-], ids=["sigkill-after-epoch-end", "sigterm-mid-epoch", "sigint-in-validation", "sigkill-in-validation"])
+], ids=["sigkill-after-epoch-end", "sigterm-mid-epoch", "sigusr2-mid-epoch", "sigint-in-validation",
+        "sigkill-in-validation"])
 def test_killed_run_resumes_to_the_uninterrupted_result(reference, tmp_path, fault, exit_code):
     killed = run_train(tmp_path, [], fault=fault)
     assert killed.returncode == exit_code, describe(killed)
@@ -51,7 +53,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(reference, tmp_path, fau
     assert not (run_dir / "results.json").exists()
     if exit_code > 0:
         ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
-        assert ckpt["global_step"] == {"SIGTERM:train:9": 10, "SIGINT:val:12": 13}[fault]
+        assert ckpt["global_step"] == {"SIGTERM:train:9": 10, "SIGUSR2:train:9": 10, "SIGINT:val:12": 13}[fault]
         assert "run the same command again to resume" in (run_dir / "train.log").read_text()
     resumed = run_train(tmp_path, [])
     assert resumed.returncode == 0, describe(resumed)

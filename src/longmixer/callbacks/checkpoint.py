@@ -4,7 +4,7 @@
 - `best-<step>.ckpt`: the best validation checkpoint by the monitored metric (a non-finite value never counts);
 - `last.ckpt`: the newest state, rewritten on a fixed cadence whether or not the metric improved: every
   `every_n_train_steps` steps, after every validation, at the end of training, and when the run is stopped by
-  SIGTERM or SIGINT.
+  SIGTERM, SIGINT or SIGUSR2.
 
 Every file is written to `<name>.tmp` and renamed over the target, so a run killed while saving keeps its previous
 checkpoint intact.
@@ -13,13 +13,14 @@ A run dir that was moved (copied to another machine, unpacked by `longmixer.runs
 bookkeeping: the paths in the stored state are rewritten from the old checkpoint dir to the new one, where
 Lightning's `ModelCheckpoint` would drop them and test whichever checkpoint improves next.
 
-SIGTERM (what SLURM sends before preemption) and SIGINT (Ctrl+C) do not kill the run mid-step: the handler only
-records the signal; at the end of the current training step (or of a mid-epoch validation; after an end-of-epoch
-validation, at the end of the next step, or at the end of training after the last one) every rank agrees to stop,
-`last.ckpt` is written and `RunInterrupted` is raised, before the test phase: a `SystemExit` with code 128 + signal
-number (143 for SIGTERM, 130 for SIGINT). A second SIGINT stops at once without a checkpoint. With several ranks
-the agreement is an all-reduce whose result is read at the next check (`AgreedStop`), one step later: reading it at
-once would make the host wait for the GPU in every step.
+SIGTERM (what SLURM sends at the time limit and before preemption), SIGUSR2 (SLURM's warning before the time limit,
+which our SLURM launcher asks for) and SIGINT (Ctrl+C) do not kill the run mid-step (`utils.signals`): the handler
+only records the signal; at the end of the current training step (or of a mid-epoch validation; after an
+end-of-epoch validation, at the end of the next step, or at the end of training after the last one) every rank
+agrees to stop, `last.ckpt` is written and `RunInterrupted` is raised, before the test phase: a `SystemExit` with
+code 128 + signal number (143 for SIGTERM, 140 for SIGUSR2, 130 for SIGINT). A second SIGINT stops at once without a
+checkpoint. With several ranks the agreement is an all-reduce whose result is read at the next check (`AgreedStop`),
+one step later: reading it at once would make the host wait for the GPU in every step.
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
 from longmixer.utils.errors import UserFacingError
+from longmixer.utils.signals import STOP_SIGNALS
 
 log = logging.getLogger("longmixer")
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
 
 class RunInterrupted(SystemExit):
-    """The run stopped on SIGTERM or SIGINT after writing `checkpoint`. A `SystemExit` whose code is 128 + the
-    signal number, so the process ends with the status a scheduler expects (143 for SIGTERM, 130 for SIGINT)."""
+    """The run stopped on one of `STOP_SIGNALS` after writing `checkpoint`. A `SystemExit` whose code is 128 + the
+    signal number, so the process ends with the status a scheduler expects (143 for SIGTERM, 140 for SIGUSR2, 130 for
+    SIGINT)."""
 
     def __init__(self, signum: int, step: int, checkpoint: str | None):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
@@ -87,7 +88,7 @@ class AgreedStop:
 
 class AtomicModelCheckpoint(ModelCheckpoint):
     """`ModelCheckpoint` with atomic writes, a fixed `last.ckpt` cadence, non-finite scores kept out of "best",
-    and a checkpoint-then-stop on SIGTERM / SIGINT.
+    and a checkpoint-then-stop on SIGTERM / SIGUSR2 / SIGINT.
 
     Args:
         every_n_train_steps: also rewrite `last.ckpt` every this many optimizer steps (0: only at validations).
@@ -106,8 +107,10 @@ class AtomicModelCheckpoint(ModelCheckpoint):
 
     # --- signals -----------------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
-        # installed here, after Lightning registered its own SIGTERM handler (which would stop without saving);
-        # Lightning restores the original handlers at teardown
+        # installed here, after Lightning registered its own SIGTERM handler (which would stop without saving). They
+        # also replace submitit's USR2 handler, which ends the job mid-step without a checkpoint, and a Lightning
+        # SLURM requeue handler set to USR2 (which saves mid-step). Lightning restores the original handlers at
+        # teardown
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._make_handler(trainer))
         if trainer.is_global_zero and trainer.ckpt_path and self.dirpath:

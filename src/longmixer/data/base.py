@@ -37,6 +37,7 @@ from longmixer.data.download import NO_SPACE
 from longmixer.data.integrity import (DataIntegrityError, DatasetNotPreparedError, check_prepared, sha256_of,
                                       verify_files, warn_truncated)
 from longmixer.utils.errors import UserFacingError
+from longmixer.utils.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,13 @@ def default_num_workers(gpu: bool) -> int:
 
 
 def init_worker(worker_id: int) -> None:
-    """DataLoader `worker_init_fn`: the workers leave SIGTERM and SIGINT to the training process, and end with it.
+    """DataLoader `worker_init_fn`: the workers leave the stop signals (SIGTERM, SIGINT, SLURM's pre-timeout SIGUSR2:
+    `utils.signals`) to the training process, and end with it.
 
-    SLURM's `scancel`, coreutils' `timeout` and Ctrl+C in a terminal signal the whole process group. A worker that
-    died of the signal made the training process fail mid-step ("DataLoader worker ... is killed by signal:
-    Terminated", seen on a GPU run) instead of checkpointing and exiting 143 / 130. The workers still end with
-    the run: the loader shuts them down.
+    SLURM (`scancel`, the time limit and its `--signal` warning), coreutils' `timeout` and Ctrl+C in a terminal
+    signal every process of the job or the process group. A worker that died of the signal made the training process
+    fail mid-step ("DataLoader worker ... is killed by signal: Terminated", seen on a GPU run) instead of
+    checkpointing and exiting 143 / 140 / 130. The workers still end with the run: the loader shuts them down.
 
     A training process killed outright (SIGKILL: the OOM killer, a scheduler's kill after its grace period) cannot
     shut them down. torch's workers watch for it by comparing their parent's pid with the one they saw at start-up,
@@ -68,8 +70,8 @@ def init_worker(worker_id: int) -> None:
     started the run (a test runner waiting for the output hung on them). So on Linux each worker asks the kernel to
     kill it when its parent dies (`PR_SET_PDEATHSIG`; the signal follows the thread that forked it, the one iterating
     the loader), and one whose parent is already gone exits here."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     if parent is None:  # not a multiprocessing child (called in the main process)
         return
