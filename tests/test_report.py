@@ -185,6 +185,68 @@ def test_notebook_runs_top_to_bottom_on_the_tiny_runs(tiny_runs, tmp_path):
     assert (tmp_path / "report" / "tables.csv").exists()
 
 
+def _notebook_code(*headings: str) -> list[str]:
+    """The source of the notebook's setup cell (its first code cell) and of the code cell under each markdown cell
+    that starts with one of `headings`."""
+    cells = json.loads((ROOT / "notebooks" / "results.ipynb").read_text())["cells"]
+    chosen = [next(i for i, c in enumerate(cells) if c["cell_type"] == "code")]
+    for heading in headings:
+        chosen.append(1 + next(i for i, c in enumerate(cells)
+                               if c["cell_type"] == "markdown" and "".join(c["source"]).startswith(heading)))
+    return ["".join(cells[i]["source"]) for i in chosen]
+
+
+def test_notebook_seqboat_activation_is_averaged_over_the_seeds_of_one_configuration(tmp_path, monkeypatch):
+    """Regression: the notebook's SeqBoat cell averaged each layer's last-validation activation rate over every
+    `activation_stats.csv` under RUNS, so SeqBoat runs of two recipes (or ablations, or depths) shared one bar per
+    layer index, where the learning curves average only the seeds of one configuration. The setup and SeqBoat cells
+    run on a synthetic RUNS tree: two recipes of two seeds, a run that is no result, and rows of the test stage."""
+    pd = pytest.importorskip("pandas")
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = tmp_path / "runs"
+
+    def seqboat_run(experiment: str, seed: int, rates: list[float], status: str = "finished") -> None:
+        run = runs / experiment.replace("/", "-") / f"0123456789_seed{seed}"
+        run.mkdir(parents=True)
+        (run / "results.json").write_text(json.dumps({
+            "experiment": experiment, "model": "seqboat", "data": experiment.split("/")[1], "seed": seed,
+            "status": status, "metrics": {"test/acc": 0.5}}))
+        rows = [f"2,val,{layer},0.5,1.0" for layer in range(len(rates))]  # an earlier validation
+        rows += [f"4,val,{layer},{rate},2.0" for layer, rate in enumerate(rates)]
+        rows += [f"4,test,{layer},0.0,0.0" for layer in range(len(rates))]  # callbacks.activation_stats.stage=test
+        (run / "activation_stats.csv").write_text("\n".join(["step,stage,layer,act_rate,attn_span", *rows]) + "\n")
+
+    seqboat_run("seqboat/listops", 0, [0.2, 0.3])
+    seqboat_run("seqboat/listops", 1, [0.4, 0.5])
+    seqboat_run("seqboat/image", 0, [0.8, 0.9, 1.0])
+    seqboat_run("seqboat/image", 1, [0.6, 0.7, 0.6])
+    seqboat_run("seqboat/text", 0, [0.1], status="trained, not tested (test=false)")  # not in runs.csv: left out
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("LONGMIXER_RUNS", str(runs))
+    monkeypatch.setenv("LONGMIXER_REPORT", str(tmp_path / "report"))
+    shown = []
+    namespace = {"display": shown.append}
+    try:
+        for code in _notebook_code("## SeqBoat"):
+            exec(compile(code, "results.ipynb", "exec"), namespace)
+        (table,) = shown
+        assert isinstance(table, pd.DataFrame) and table.index.names == ["config", "layer"]
+        by_cell = {(config.split()[0], layer): row for (config, layer), row in table.iterrows()}
+        assert sorted(by_cell) == [("seqboat/image", 0), ("seqboat/image", 1), ("seqboat/image", 2),
+                                   ("seqboat/listops", 0), ("seqboat/listops", 1)]
+        for (experiment, layer), mean in {("seqboat/listops", 0): 0.3, ("seqboat/listops", 1): 0.4,
+                                          ("seqboat/image", 0): 0.7, ("seqboat/image", 2): 0.8}.items():
+            row = by_cell[experiment, layer]
+            assert row.seeds == 2 and row.act_rate == pytest.approx(mean) and row.attn_span == pytest.approx(2.0)
+        assert by_cell["seqboat/image", 2].act_rate_std == pytest.approx(0.4 / 2 ** 0.5)  # seeds 1.0 and 0.6
+        assert len(namespace["fig"].axes) == 4  # a row of two plots per configuration
+    finally:
+        plt.close("all")
+
+
 def _commands(script: Path) -> list[list[str]]:
     """The training commands a reproduce script runs, loops expanded: the script run with PY=echo."""
     proc = subprocess.run(["bash", str(script)], env={**os.environ, "PY": "echo"}, capture_output=True, text=True,
