@@ -31,7 +31,10 @@ keys are all padding keeps the codebook and leaves `initialized` False (a `torch
 in the forward). `absorb_stats()`, outside the graph, reads `initialized` after a forward that ran the init; where it
 is still False, it lowers the Python flag again, so the next training forward runs the init again (and writes
 buffers in its graph). In the usual run that is one host read, after the first training forward. Under DDP rank
-0's batch decides, as its keys become every rank's codewords.
+0's batch decides, as its keys become every rank's codewords. Under `task.compile=step-graph` a capture that comes
+before the init has taken (every warm-up batch all padding) keeps the init in the replayed step: a no-op once it has
+taken, but its multinomial still draws at each replay (docs/architecture.md: the losses then part from an eager
+run's after the init).
 """
 
 from __future__ import annotations
