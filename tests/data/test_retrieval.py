@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -71,19 +73,26 @@ def test_wrong_column_count_names_the_line(tmp_path):
     pytest.param(lambda row: len(row) - 1, id="only-the-newline"),
     pytest.param(lambda row: row.index(b"parsing"), id="inside-text1"),
 ])
-def test_a_file_cut_inside_its_last_row_is_refused(tmp_path, cut):
+def test_a_file_cut_inside_its_last_row_is_named(tmp_path, cut, caplog):
     """Regression: a file cut inside its last row's second document (an interrupted download or copy) still has five
-    columns there, and was read as if complete, with that document cut short (or empty). The missing final newline
-    now marks the file as cut, and the error names the file, the line and the fix."""
+    columns there, and was read as if complete without a word. A cut that leaves fewer columns is refused; a last row
+    without its newline (a cut in text2, or a writer that left it off) is read with a warning naming the file, the
+    line and the fix."""
     folder = write_retrieval_fixture(tmp_path)["source_dir"]
     whole = open(f"{folder}/new_aan_pairs.train.tsv", "rb").read()
     last = whole.rindex(b"\n", 0, len(whole) - 1) + 1  # the 8th row starts here
     path = tmp_path / "new_aan_pairs.train.tsv"
     path.write_bytes(whole[:last + cut(whole[last:])])
-    with pytest.raises(SourceFileError, match=rf"train\.tsv:8: the last row has no newline at its end, so the file "
-                                              rf"is taken as cut short.*re-extract the LRA release's tsv_data.*"
-                                              rf"echo >> {path}"):
-        read_aan_tsv(path, max_len=100)
+    if whole[last:last + cut(whole[last:])].count(b"\t") < 4:
+        with pytest.raises(SourceFileError, match=r"train\.tsv:8: expected 5 tab-separated columns.*re-extract"):
+            read_aan_tsv(path, max_len=100)
+        return
+    with caplog.at_level(logging.WARNING, logger="longmixer.data.retrieval"):
+        docs1, _, _ = read_aan_tsv(path, max_len=100)
+    assert len(docs1) == 8
+    assert any("train.tsv:8: the last row has no newline at its end" in r.getMessage()
+               and "re-extract the LRA release's tsv_data" in r.getMessage() and f"echo >> {path}" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_bad_label_is_rejected(tmp_path):

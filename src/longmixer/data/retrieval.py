@@ -7,11 +7,12 @@ we split on tabs only; a CSV reader with quoting would mis-split rows). The labe
 Each document is its UTF-8 bytes + 1 (0 = padding), truncated to `seq_len` = 4000 bytes per document; both
 documents are returned (`inputs`, `inputs2`) and the model's NLI head combines them. `eval` is the validation split.
 
-A file cut short (a download or copy interrupted mid-row) is refused, never read as shorter data. A cut inside the
-first four columns leaves a row of fewer than five columns. A cut inside the last column, `text2`, leaves all five
-in place, so the row's only mark of completeness is the newline that ends it: every row must end with one, the last
-included, and a last row without one is refused as cut. A complete file whose writer left off the final newline
-cannot be told from a cut one and is refused too; the error says how to add the newline.
+A file cut short (a download or copy interrupted mid-row) is never read without a word. A cut inside the first four
+columns leaves a row of fewer than five columns, and the file is refused. A cut inside the last column, `text2`,
+leaves all five in place, so the only mark of it is the missing newline at the end of the last row. A file whose
+writer left off the final newline looks the same, and nothing says whether the release's files end with one, so a
+last row without a newline is read and a warning names the file, the row and the fix, rather than refusing what may
+be a complete file. At most that one row's second document is cut.
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ def read_aan_tsv(path: Path, max_len: int) -> tuple[list[np.ndarray], list[np.nd
 
     Raises:
         FileNotFoundError: the file is missing.
-        ValueError: a line without exactly 5 tab-separated columns, a last line without its newline (the file is
-            cut short), or a label other than 0/1.
+        ValueError: a line without exactly 5 tab-separated columns, or a label other than 0/1.
     """
     path = Path(path)
     if not path.exists():
@@ -51,10 +51,10 @@ def read_aan_tsv(path: Path, max_len: int) -> tuple[list[np.ndarray], list[np.nd
             if not line.strip():
                 continue  # a blank line (a trailing newline too many): no example
             if not line.endswith(b"\n"):  # only the last line can lack it: see the module docstring
-                raise SourceFileError(f"{path}:{line_no}: the last row has no newline at its end, so the file is "
-                                      "taken as cut short (a download or copy stopped inside that row; a cut in its "
-                                      f"last column, text2, keeps all five columns); {REFETCH} (if the file is "
-                                      f"complete, end it with a newline: `echo >> {path}`)")
+                log.warning("%s:%d: the last row has no newline at its end; if the file was cut short there (a "
+                            "download or copy stopped inside that row's second document), %s. A complete file "
+                            "needs nothing (`echo >> %s` adds the newline and silences this)", path, line_no,
+                            REFETCH, path)
             cols = line.rstrip(b"\r\n").split(b"\t")
             if len(cols) != 5:
                 raise SourceFileError(f"{path}:{line_no}: expected 5 tab-separated columns (label, id1, id2, text1, "
