@@ -119,8 +119,8 @@ def test_a_byte_file_of_another_size_is_refused(tmp_path, size):
 
 
 def test_the_download_must_have_enwik8s_size(tmp_path):
-    """Regression: by default (the download, `expected_bytes` 100,000,000) a byte file of another size was prepared
-    as enwik8; the error names the real size and how to download it afresh."""
+    """Regression: by default (the download, the standard splits, `expected_bytes: auto`) a byte file of another size
+    was prepared as enwik8; the error names the real size and how to download it afresh."""
     import zipfile
 
     raw = tmp_path / "data" / "enwik8" / "raw"
@@ -130,7 +130,25 @@ def test_the_download_must_have_enwik8s_size(tmp_path):
     with pytest.raises(SourceFileError, match=rf"{raw / 'enwik8'} has {ENWIK8_BYTES:,} bytes, not "
                                               rf"data.expected_bytes=100000000 \(enwik8's size\).*delete {raw} and "
                                               rf"prepare again to download it afresh"):
-        Enwik8(data_dir=tmp_path / "data", eval_bytes=ENWIK8_EVAL, seq_len=LM_SEQ_LEN).prepare_data()
+        Enwik8(data_dir=tmp_path / "data", seq_len=LM_SEQ_LEN).prepare_data()
+
+
+def test_with_other_splits_auto_takes_a_sample_file_of_any_size(tmp_path):
+    """`expected_bytes: auto` asks for enwik8's size only with the standard `eval_bytes`: another split size says
+    the file is a sample (a quick run's, a test's), and a file of any size that holds the splits is prepared."""
+    root = tmp_path / "raw"
+    root.mkdir()
+    (root / "enwik8").write_bytes(enwik8_bytes(ENWIK8_BYTES - 700))
+    dm = Enwik8(data_dir=tmp_path / "data", source_dir=root, eval_bytes=ENWIK8_EVAL, seq_len=LM_SEQ_LEN)
+    dm.prepare_data()
+    dm.setup()
+    assert np.load(dm.root / "test.npy").size == ENWIK8_EVAL
+
+
+@pytest.mark.parametrize("value", [0, -5, "100M", True])
+def test_a_bad_expected_bytes_names_the_key(value):
+    with pytest.raises(ValueError, match=rf"data.expected_bytes={value} must be auto, a positive size"):
+        Enwik8(expected_bytes=value)
 
 
 def test_expected_bytes_null_takes_another_file_and_setup_then_checks_its_size(tmp_path):

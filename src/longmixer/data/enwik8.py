@@ -10,14 +10,15 @@ per token is the loss per byte, and the task reports it in bits (`metric: bpc`).
 Source: `enwik8.zip` (the file `enwik8`), downloaded once into `<data_dir>/enwik8/raw/`. Prepared:
 `<data_dir>/enwik8/eval<eval_bytes>/{train,val,test}.npy`, uint8 byte streams + 1 stored as int16.
 
-Size: the file must hold `expected_bytes` = 100,000,000 bytes, the real enwik8's size, whether downloaded or in
-`data.source_dir`; another size is refused, not warned about. A copy cut short (or with bytes added) splits without
-complaint, but its last 2 x 5M bytes are not the standard valid and test splits, so its bpc would be reported as
-enwik8's while measuring other text, and a warning scrolls past in a long run's log. `data.source_dir` does not
-signal another file: its usual use is a copy of the real one on a machine without internet. A different byte file
-(a sample for a quick run, as the tests use) is taken on purpose with `data.expected_bytes=null`, and is then split
-as it is (train: all but the last 2 x eval_bytes). The manifest records the size the data was prepared from, and
-`setup()` refuses data prepared from a file of another size (under null) for the same reason.
+Size: with the standard splits (`eval_bytes` = 5,000,000) the file must hold 100,000,000 bytes, the real enwik8's
+size, whether downloaded or in `data.source_dir`; another size is refused, not warned about. A copy cut short (or
+with bytes added) splits without complaint, but its last 2 x 5M bytes are not the standard valid and test splits, so
+its bpc would be reported as enwik8's while measuring other text, and a warning scrolls past in a long run's log.
+`data.source_dir` does not signal another file: its usual use is a copy of the real one on a machine without
+internet. Another `eval_bytes` does: the splits are not the standard ones anyway, so a byte file of any size that
+holds them is taken (a sample for a quick run, as the tests use). `expected_bytes` spells the rule out: "auto" (the
+default) is the above, an integer asks for exactly that size, null takes any size. The manifest records the size
+the data was prepared from, and `setup()` refuses data prepared from a file of another size for the same reason.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ from longmixer.data.integrity import DatasetNotPreparedError, SourceFileError, S
 ENWIK8_URL = "https://mattmahoney.net/dc/enwik8.zip"  # no checksum published: recorded at first download
 ENWIK8_BYTES = 100_000_000
 SPLIT_BYTES = 5_000_000
+
+
+def expected_size(expected_bytes: int | str | None, eval_bytes: int) -> int | None:
+    """The size `expected_bytes` asks for: "auto" is enwik8's with the standard splits and any (None) with others."""
+    if expected_bytes == "auto":
+        return ENWIK8_BYTES if eval_bytes == SPLIT_BYTES else None
+    return expected_bytes
 
 
 def size_mismatch(size: int, expected_bytes: int | None) -> str | None:
@@ -66,8 +74,9 @@ class Enwik8(LMDataModule):
         eval_bytes: bytes in each of valid and test (5,000,000; train is the rest, 90M of the 100M).
         source_dir: a folder holding the file `enwik8` (skips the download); None: download into
             `<data_dir>/enwik8/raw`.
-        expected_bytes: the size the file must have (100,000,000: enwik8); None takes a byte file of any size
-            that holds the splits (see the module docstring).
+        expected_bytes: the size the file must have: "auto" (100,000,000, enwik8's, with the standard
+            `eval_bytes`; any size with another), an integer, or None (any size that holds the splits); see the
+            module docstring.
         seq_len, vocab_size, k_min, k_max, eval_window, eval_context, metric, roll, data_dir, batch_size,
             eval_batch_size, num_workers, seed, split_seed, pin_memory: see `LMDataModule`.
     """
@@ -76,7 +85,7 @@ class Enwik8(LMDataModule):
 
     def __init__(self, eval_bytes: int = SPLIT_BYTES, seq_len: int = 2048, vocab_size: int = 257, k_min: int = 1,
                  k_max: int = 1, eval_window: int | None = None, eval_context: int = 0, metric: str = "bpc",
-                 roll: bool = True, source_dir: str | Path | None = None, expected_bytes: int | None = ENWIK8_BYTES,
+                 roll: bool = True, source_dir: str | Path | None = None, expected_bytes: int | str | None = "auto",
                  data_dir: str | Path | None = None, batch_size: int = 8, eval_batch_size: int | None = None,
                  num_workers: int | None = None, seed: int = 0, split_seed: int = 0, pin_memory: bool | None = None,
                  persistent_workers: bool | None = None):
@@ -85,10 +94,12 @@ class Enwik8(LMDataModule):
                          batch_size=batch_size, eval_batch_size=eval_batch_size, num_workers=num_workers, seed=seed,
                          split_seed=split_seed, pin_memory=pin_memory,
                          persistent_workers=persistent_workers)
-        if expected_bytes is not None and expected_bytes < 1:
-            raise ValueError(f"data.expected_bytes={expected_bytes} must be positive (enwik8: {ENWIK8_BYTES}) or "
+        if not (expected_bytes is None or expected_bytes == "auto"
+                or (isinstance(expected_bytes, int) and not isinstance(expected_bytes, bool) and expected_bytes >= 1)):
+            raise ValueError(f"data.expected_bytes={expected_bytes} must be auto, a positive size (enwik8: "
+                             f"{ENWIK8_BYTES}) or "
                              "null (any size)")
-        self.eval_bytes, self.expected_bytes = eval_bytes, expected_bytes
+        self.eval_bytes, self.expected_bytes = eval_bytes, expected_size(expected_bytes, eval_bytes)
         self.source_dir = None if source_dir is None else Path(source_dir)
 
     @property
