@@ -384,3 +384,43 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_the_fix(tmp_path, monkeyp
     assert "paths.data_dir=<folder with room>" in message and f"data.source_dir={source}" in message
     assert prepare_data.main(["listops", f"paths.data_dir={tmp_path / 'data'}", f"data.source_dir={source}"]) == 2
     assert capsys.readouterr().err.startswith("error: preparing the listops data at")
+
+
+def test_a_disk_that_fills_while_numpy_saves_an_array_is_the_same_one_line(tmp_path, monkeypatch, capsys):
+    """Regression: `np.save` to a path writes the array with `ndarray.tofile`, which reports a disk that fills under
+    it as `OSError('2280000 requested and 524224 written')`, without an errno (seen on a 1 MB tmpfs); that is how
+    a real full disk meets a prepare step, and it stopped `prepare_data.py` and training with that traceback
+    instead of the full-disk line naming the file and the fixes."""
+    import os
+    import re
+
+    from scripts import prepare_data
+
+    reader, writer = os.pipe()  # numpy's own short write, from a pipe nobody reads
+    os.close(reader)
+    with pytest.raises(OSError) as real, open(writer, "wb", buffering=0) as sink:
+        np.zeros(1 << 20, np.uint8).tofile(sink)  # more than stdio buffers, so that fwrite itself fails
+    assert real.value.errno is None and re.fullmatch(r"1048576 requested and \d+ written", str(real.value))
+
+    save = np.save
+
+    def fills_the_disk(file, array, *args, **kwargs):  # what np.save does on a disk with room for half the array
+        if not str(file).endswith("train.tokens.npy"):
+            return save(file, array, *args, **kwargs)
+        with open(file, "wb") as fid:
+            np.lib.format.write_array(fid, np.asarray(array)[:len(array) // 2])
+            raise OSError(f"{np.asarray(array).nbytes} requested and {np.asarray(array).nbytes // 2} written")
+
+    monkeypatch.setattr(np, "save", fills_the_disk)
+    source = write_listops(tmp_path / "src")
+    with pytest.raises(DatasetNotPreparedError) as caught:
+        ListOps(data_dir=tmp_path / "data", source_dir=source).prepare_data()
+    message = str(caught.value)
+    assert "\n" not in message and "stopped: No space left on device (a write of" in message
+    assert str(tmp_path / "data" / "listops" / "train.tokens.npy") in message
+    assert "paths.data_dir=<folder with room>" in message and f"data.source_dir={source}" in message
+    assert prepare_data.main(["listops", f"paths.data_dir={tmp_path / 'data'}", f"data.source_dir={source}"]) == 2
+    assert capsys.readouterr().err.startswith("error: preparing the listops data at")
+    monkeypatch.setattr(np, "save", save)
+    ListOps(data_dir=tmp_path / "data", source_dir=source).prepare_data()  # room again: the rerun completes it
+    assert ListOps(data_dir=tmp_path / "data", source_dir=source).verify() > 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import io
 import json
 import logging
 import multiprocessing
@@ -33,7 +34,7 @@ import torch
 from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from longmixer.data.download import NO_SPACE
+from longmixer.data.download import SHORT_WRITE, is_no_space
 from longmixer.data.integrity import (DataIntegrityError, DatasetNotPreparedError, check_prepared, sha256_of,
                                       verify_files, warn_truncated)
 from longmixer.utils.errors import UserFacingError
@@ -117,6 +118,21 @@ def write_manifest(root: Path, splits: Mapping[str, Mapping[str, Any]], meta: Ma
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
     os.replace(tmp, root / MANIFEST)
     return manifest
+
+
+def _file_being_written(err: BaseException) -> str | None:
+    """The name of the file that the innermost frame of `err`'s traceback was writing (a local that is a file open
+    for writing): numpy's short write (`SHORT_WRITE`) names no file, but `np.save` holds the one it fills."""
+    frames = []
+    tb = err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for value in frame.f_locals.values():
+            if isinstance(value, (io.BufferedWriter, io.FileIO)) and "r" not in getattr(value, "mode", "r"):
+                return str(value.name)
+    return None
 
 
 def _prepared_files(root: Path) -> list[Path]:
@@ -461,7 +477,7 @@ class SequenceDataModule(pl.LightningDataModule):
         except OSError as err:
             if isinstance(err, UserFacingError):
                 raise
-            if err.errno in NO_SPACE:
+            if is_no_space(err):
                 raise self._no_space(err) from None
             if err.errno not in NOT_WRITABLE:
                 raise
@@ -471,10 +487,14 @@ class SequenceDataModule(pl.LightningDataModule):
         """The one-line error for a disk that filled up while the data was prepared (the LRA release takes about
         27 GB with every part unpacked, archive included; Speech Commands about 6 GB). What was written is redone or
         resumed by the next run."""
-        where = f" ({err.filename})" if err.filename else ""
+        short = SHORT_WRITE.fullmatch(str(err)) if err.errno is None else None
+        path = err.filename or (_file_being_written(err) if short else None)
+        where = f" ({path})" if path else ""
+        what = (f"No space left on device (a write of {short[1]} bytes stopped after {short[2]})" if short else
+                err.strerror)
         command = self.prepare_hint.replace(f"paths.data_dir={self.data_dir}", "paths.data_dir=<folder with room>")
         return DatasetNotPreparedError(
-            f"preparing the {self.name} data at {self.root} stopped: {err.strerror}{where}; free space on that disk "
+            f"preparing the {self.name} data at {self.root} stopped: {what}{where}; free space on that disk "
             f"and run the same command again (downloads resume), or prepare the data on a disk with room: `{command}`")
 
     def _not_writable(self, err: OSError) -> DatasetNotPreparedError:

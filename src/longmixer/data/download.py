@@ -13,6 +13,7 @@ import gzip
 import hashlib
 import logging
 import os
+import re
 import shutil
 import sys
 import tarfile
@@ -30,9 +31,18 @@ from longmixer.utils.errors import UserFacingError
 
 log = logging.getLogger(__name__)
 
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or the user's quota on it
-
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or the user's quota on it
+# how numpy's `ndarray.tofile` (so `np.save` to a path) reports a disk that fills under it: a short `fwrite`, as an
+# OSError without an errno ("2280000 requested and 524224 written")
+SHORT_WRITE = re.compile(r"(\d+) requested and (\d+) written")
+
+
+def is_no_space(err: OSError) -> bool:
+    """Whether `err` is a full disk or quota: ENOSPC / EDQUOT, or numpy's short write (`SHORT_WRITE`), which a
+    prepare step that fills the disk while it saves its arrays raises instead."""
+    return err.errno in NO_SPACE or (err.errno is None and SHORT_WRITE.fullmatch(str(err)) is not None)
 
 
 class DataDownloadError(UserFacingError, ConnectionError):
@@ -163,7 +173,7 @@ def download(url: str, dest: Path, pin: Pin = Pin(), chunk: int = 1 << 20) -> Pa
         _fetch(url, part, pin.size, chunk)
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
         # a full disk is no network fault: its error goes up as it is (the datamodule names the fix)
-        if isinstance(err, DataDownloadError) or getattr(err, "errno", None) in NO_SPACE:
+        if isinstance(err, DataDownloadError) or is_no_space(err):
             raise
         raise DataDownloadError(download_hint(url, err, dest)) from None
     check_file(part, pin)
