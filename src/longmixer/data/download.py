@@ -191,16 +191,27 @@ def download(url: str, dest: Path, pin: Pin = Pin(), chunk: int = 1 << 20) -> Pa
 
 def _fetch(url: str, part: Path, expected_size: int | None, chunk: int) -> None:
     have = part.stat().st_size if part.exists() else 0
-    if expected_size is not None and have == expected_size:
-        return
+    if expected_size is not None and have >= expected_size:
+        if have == expected_size:
+            return
+        raise DataDownloadError(f"{url} is pinned at {expected_size} bytes, so {part} ({have} bytes) is no part of "
+                                f"it; delete {part} and run the same command again to download the file afresh")
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
     try:
         response = urllib.request.urlopen(request, timeout=60)
     except urllib.error.HTTPError as err:
-        if err.code == 416 and expected_size is None:  # the partial file may be complete; its size is unknown
-            raise DataDownloadError(f"{url}: the server reports {part} complete but states no size and none is "
-                                    f"pinned; delete it and download again") from None
-        raise
+        if err.code != 416 or not have:
+            raise
+        # no byte from `have` on: the server states the file's size as "bytes */<size>" (RFC 9110 14.4). A partial
+        # file of that size is whole (a run stopped after its last byte, e.g. while its digest was checked, before
+        # it took its name): it is kept for `download` to check against the pin or record, as a fresh one is
+        size = _unsatisfied_range_size(err.headers.get("Content-Range"))
+        if size == have:
+            return
+        stated = f" (the file there is {size} bytes)" if size is not None else " and states no size"
+        raise DataDownloadError(f"{url} sends no bytes from byte {have} on{stated}, so {part} cannot be resumed or "
+                                f"told complete; delete {part} and run the same command again to download the file "
+                                f"afresh") from None
     with response:
         resumed = response.status == 206
         if have and not resumed:
@@ -222,6 +233,13 @@ def _fetch(url: str, part: Path, expected_size: int | None, chunk: int) -> None:
     if size != total:
         raise DataDownloadError(f"download of {url} stopped at {size} of {total} bytes; run the same command again "
                                 f"to resume (the partial file is {part})")
+
+
+def _unsatisfied_range_size(content_range: str | None) -> int | None:
+    """The size in a 416 response's `Content-Range: bytes */<size>`, or None where it states none."""
+    unit, _, rest = (content_range or "").partition(" ")
+    span, _, size = rest.partition("/")
+    return int(size) if unit == "bytes" and span == "*" and size.isdigit() else None
 
 
 # what reading a damaged or cut .tar(.gz) / .zip raises (a gzip CRC or length that differs: BadGzipFile)
