@@ -275,3 +275,40 @@ def test_a_download_fetched_again_that_differs_from_the_kept_record_is_named(tmp
     with caplog.at_level(logging.WARNING):
         dl.download(server, path)
     assert "differs" not in caplog.text
+
+
+def test_a_python_without_tarfiles_extraction_filters_is_one_line_and_unpacks_nothing(tmp_path, monkeypatch):
+    """Regression: every tar (CIFAR, Speech Commands, the LRA release) is unpacked with `filter="data"`, which keeps
+    members with absolute paths, `..` or links from landing outside the folder; `requires-python = ">=3.10"`
+    admits 3.10.0-3.10.11 and 3.11.0-3.11.3, whose tarfile lacks the filters (PEP 706), and there the argument
+    stopped the prepare step with `TypeError: ... unexpected keyword argument 'filter'`. It is one line naming the
+    Python, the archive and the ways out, before anything is unpacked. (Such a tarfile is simulated.)"""
+    import io
+    import tarfile
+
+    from longmixer.data import lra_release as lra
+    from longmixer.utils.errors import UserFacingError
+
+    # the signatures of 3.11.3's TarFile methods: called with filter=, they raise the TypeError users met
+    def old_extractall(self, path=".", members=None, *, numeric_owner=False):
+        raise AssertionError("unpacked without the extraction filter")
+
+    def old_extract(self, member, path="", set_attrs=True, *, numeric_owner=False):
+        raise AssertionError("unpacked without the extraction filter")
+
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        info = tarfile.TarInfo("listops-1000/basic_train.tsv")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    monkeypatch.delattr(tarfile, "data_filter")
+    monkeypatch.setattr(tarfile.TarFile, "extractall", old_extractall)
+    monkeypatch.setattr(tarfile.TarFile, "extract", old_extract)
+    for unpack in (lambda: dl.extract(archive, tmp_path / "raw"),
+                   lambda: lra.extract(archive, tmp_path / "release", ["listops-1000"])):
+        with pytest.raises(UserFacingError) as caught:
+            unpack()
+        message = str(caught.value)
+        assert "\n" not in message and f"cannot unpack {archive} safely" in message
+        assert "use a newer Python" in message and "data.source_dir=<folder>" in message
+    assert not (tmp_path / "raw").exists() and not (tmp_path / "release").exists()

@@ -257,6 +257,28 @@ def damaged_archive(archive: Path, err: BaseException, also: str) -> DataDownloa
                              f"{also}")
 
 
+class UnsafeToUnpackError(UserFacingError, RuntimeError):
+    """This Python cannot unpack a tar archive safely; the message names the archive and the ways out."""
+
+
+def require_tar_filter(archive: Path) -> None:
+    """Refuse to unpack `archive` on a Python whose tarfile lacks the extraction filters (PEP 706: 3.10.12, 3.11.4,
+    3.12 and later; `requires-python` cannot say "3.10.12 or 3.11.4"). Every tar is unpacked with `filter="data"`,
+    which keeps a member with an absolute path, `..` or a link out of the folder from being written outside it;
+    without the filters that argument stops the extraction with a TypeError traceback.
+
+    Raises:
+        UnsafeToUnpackError: naming the Python, the archive and the ways out.
+    """
+    if not hasattr(tarfile, "data_filter"):
+        version = ".".join(map(str, sys.version_info[:3]))
+        raise UnsafeToUnpackError(
+            f"Python {version} cannot unpack {archive} safely: its tarfile lacks the extraction filters (Python "
+            f"3.10.12, 3.11.4 or 3.12 and later) that keep a member from being written outside the folder; use a "
+            f"newer Python, or unpack the archive by hand and pass data.source_dir=<folder> (docs/data.md lists "
+            f"what each task expects)")
+
+
 def extract_marker(dest: Path, archive_name: str) -> Path:
     """The file that `extract` writes in `dest` once every member of `archive_name` is in place."""
     return Path(dest) / f".extracted-{archive_name}"
@@ -277,8 +299,11 @@ def extract(archive: Path, dest: Path) -> None:
 
     Raises:
         DataDownloadError: the archive is damaged or cut short (an interrupted or bad download), naming it and the fix.
+        UnsafeToUnpackError: a tar on a Python without tarfile's extraction filters (`require_tar_filter`).
     """
     archive, dest = Path(archive), Path(dest)
+    if archive.suffix != ".zip":
+        require_tar_filter(archive)
     log.info("extracting %s -> %s", archive, dest)
     scratch = dest / f".extracting-{archive.name}"
     marker = extract_marker(dest, archive.name)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from longmixer.data.download import UNPACK_ERRORS, damaged_archive, download, progress
+from longmixer.data.download import UNPACK_ERRORS, damaged_archive, download, progress, require_tar_filter
 from longmixer.data.integrity import SourceFileMissingError
 
 log = logging.getLogger(__name__)
@@ -58,12 +58,14 @@ def extract(archive: Path, dest: Path, parts: Sequence[str] | None = None) -> No
     Raises:
         DataDownloadError: the archive is damaged or cut short (also where only gzip's CRC32 or length check at the
             end of the stream tells), naming it and the fix.
+        UnsafeToUnpackError: this Python lacks tarfile's extraction filters (`download.require_tar_filter`).
     """
     wanted = tuple(parts) if parts else PARTS
     unknown = [p for p in wanted if p not in PARTS]
     if unknown:
         raise ValueError(f"parts={unknown} are not in the LRA release; choose from {PARTS}")
     dest = Path(dest)
+    require_tar_filter(archive)
     dest.mkdir(parents=True, exist_ok=True)
     for part in wanted:
         (dest / f".extracted-{part}").unlink(missing_ok=True)
