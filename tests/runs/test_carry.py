@@ -68,6 +68,16 @@ def test_a_missing_part_is_named(runs, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_python_without_tarfiles_filters_is_named_before_anything_is_written(runs, tmp_path, monkeypatch):
+    """Python 3.10.0-3.10.11 and 3.11.0-3.11.3 (admitted by requires-python) lack tarfile's extraction filters, and
+    `filter="data"` stopped the unpack with a TypeError; it is one line naming the Python and the fix."""
+    pack(runs, tmp_path / "state")
+    monkeypatch.delattr(tarfile, "data_filter")
+    with pytest.raises(CarryError, match=r"Python [\d.]+ cannot unpack .*state safely.*unpack with a newer Python"):
+        unpack(tmp_path / "state", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_truncated_part_fails_the_digest_before_anything_is_written(runs, tmp_path):
     parts = pack(runs, tmp_path / "state", part_mib=0.05)
     parts[-1].write_bytes(parts[-1].read_bytes()[:-10])

@@ -118,6 +118,11 @@ def unpack(folder: str | Path, into: str | Path) -> list[str]:
     folder, into = Path(folder), Path(into)
     if not folder.is_dir():
         raise CarryError(f"{folder} is not a folder of parts")
+    if not hasattr(tarfile, "data_filter"):  # PEP 706's filters: Python 3.10.12, 3.11.4, 3.12 and later
+        version = ".".join(map(str, sys.version_info[:3]))
+        raise CarryError(f"Python {version} cannot unpack {folder} safely: its tarfile lacks the extraction filters "
+                         "(Python 3.10.12, 3.11.4 or 3.12 and later) that keep a member from being written outside "
+                         f"{into}; unpack with a newer Python")
     digest, parts = _find_parts(folder)
     joined = io.BytesIO()
     for part in parts:
