@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longmixer.runs.checkpoints import CheckpointError, load_checkpoint
+from longmixer.runs.checkpoints import CheckpointAccessError, CheckpointError, load_checkpoint
 from longmixer.runs.resume import ConfigDriftError, RunLock, RunLockedError
 from longmixer.train import train
 from tests.conftest import TINY_LISTOPS, TINY_TRAINER, compose_config
@@ -469,6 +469,29 @@ def test_a_longer_time_budget_is_not_drift_but_more_steps_are():
     assert config_drift(stored, {"trainer": {"max_time": "00:00:16:00", "max_steps": 100}}) == {}
     assert config_drift(stored, {"trainer": {"max_time": "00:00:16:00", "max_steps": 200}}) == {
         "trainer.max_steps": (100.0, 200.0)}
+
+
+def test_a_last_ckpt_that_cannot_be_read_stops_the_resume_instead_of_going_back(compose, tmp_path, monkeypatch):
+    """A permission or I/O error reading last.ckpt was reported as a corrupt file, and the resume went back to an
+    older best-*.ckpt, whose training then replaced the unread (possibly intact) last.ckpt at its first save. The
+    resume now stops, naming the file and the fix, and leaves it as it was."""
+    import errno
+
+    train(compose([*BASE, "test=false"]))  # the same command without test=false resumes from last.ckpt to test
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    real_load = torch.load
+
+    def load(path, *args, **kwargs):  # Lightning's own loads pass an open file
+        if Path(str(getattr(path, "path", path))).name == "last.ckpt":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    with pytest.raises(CheckpointAccessError, match=r"last\.ckpt \(PermissionError: .*not checked.*make it readable"):
+        train(compose(BASE))
+    assert last.read_bytes() == before
+    assert not isinstance(CheckpointAccessError("x"), CheckpointError)  # what resume skips as damaged
 
 
 @pytest.mark.parametrize("content", [b"hello: world\n", b"", b"\x00" * 64, b"[1, 2, 3]"])

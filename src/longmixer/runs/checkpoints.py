@@ -31,6 +31,11 @@ class CheckpointError(UserFacingError, RuntimeError):
     """A checkpoint file is unreadable or refused by the safe loader; the message names the file."""
 
 
+class CheckpointAccessError(UserFacingError, OSError):
+    """The operating system could not read a checkpoint file (permissions, an I/O error of its filesystem): nothing
+    is known of its content, so unlike a `CheckpointError` it is never skipped as damaged; the message names it."""
+
+
 def register_safe_globals() -> None:
     if ALLOWED_GLOBALS:
         torch.serialization.add_safe_globals(ALLOWED_GLOBALS)
@@ -42,6 +47,7 @@ def load_checkpoint(path: str | Path, mmap: bool = False) -> dict:
 
     Raises:
         CheckpointError: the file is truncated/corrupt, or holds objects outside the allowlist (a crafted file).
+        CheckpointAccessError: the file could not be read at all (permission denied, an I/O error).
     """
     register_safe_globals()
     try:
@@ -56,6 +62,14 @@ def load_checkpoint(path: str | Path, mmap: bool = False) -> dict:
                               f"allowlist (a checkpoint is data, never code): {_unpickler_reason(err)}") from err
     except MemoryError:
         raise  # not the file's fault: a resume must not skip a good checkpoint for it
+    except (IsADirectoryError, NotADirectoryError) as err:
+        raise CheckpointError(f"cannot read checkpoint {path} ({type(err).__name__}): it is no file") from err
+    except OSError as err:
+        # not the file's fault either: a resume that skipped it would go back to an older checkpoint and, at its
+        # next save, replace this one, which may well be intact
+        raise CheckpointAccessError(f"cannot read checkpoint {path} ({type(err).__name__}: {err}); its content was "
+                                    "not checked, so nothing falls back to an older checkpoint: make it readable "
+                                    "(permissions, the filesystem) and run the command again") from err
     except Exception as err:  # any file that is no checkpoint: the safe unpickler of a text or other non-zip
         # file raises KeyError / IndexError / TypeError as well as the usual read errors
         raise CheckpointError(f"cannot read checkpoint {path} ({type(err).__name__}: {err}); it is truncated, "
@@ -148,7 +162,8 @@ def is_intact(path: Path) -> bool:
 
 def newest_intact(ckpt_dir: Path) -> Path | None:
     """`last.ckpt` if it loads; else the intact `*.ckpt` with the highest global step (a warning names what was
-    skipped); None if the dir holds no checkpoint."""
+    skipped); None if the dir holds no checkpoint. A file the OS cannot read (`CheckpointAccessError`) is not
+    skipped: it stops the resume."""
     last = ckpt_dir / "last.ckpt"
     if last.exists() and is_intact(last):
         return last

@@ -292,6 +292,7 @@ def select_resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
         FileNotFoundError: `ckpt_path` does not exist.
         ValueError: unknown `resume`, or resume=never but the run dir already holds a checkpoint.
         CheckpointError: the checkpoint cannot be read safely.
+        CheckpointAccessError: a checkpoint could not be read at all (permissions, an I/O error).
     """
     if cfg.resume not in RESUME_MODES:
         raise ValueError(f"resume={cfg.resume!r} is not one of {RESUME_MODES}")
