@@ -287,7 +287,7 @@ def test_a_compiler_failure_names_the_override(compose, monkeypatch):
     batch = {"inputs": torch.randint(1, 10, (B, L)), "mask": torch.ones(B, L, dtype=torch.bool),
              "labels": torch.zeros(B, dtype=torch.long)}
     with pytest.raises(CompileFailedError, match=r"^task.compile=auto -> none: torch.compile failed .*PassManager::"
-                                                 r"run failed.*train with task.compile=none"):
+                                                 r"run failed.*rerun with task.compile=none"):
         task.training_step(batch, 0)
 
     def broken_backward(gm, example_inputs):

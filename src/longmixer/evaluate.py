@@ -7,7 +7,8 @@ checkpoint, which train.py applies automatically).
 With `run_dir`, the run's own `config_resolved.yaml` is used and the best checkpoint recorded in its results.json,
 unless `ckpt_path` names another. Of the command line's overrides only the device keys (`trainer=<name>`,
 `trainer.accelerator` / `devices` / `strategy` / `num_nodes` / `precision`) and `paths.data_dir` or `data.data_dir`
-(the data on another machine) apply; any other key is refused, since the checkpoint is scored with the config it
+(the data on another machine) and `task.compile` (how the model is compiled, not what it computes: `none` where the
+run's mode cannot compile here) apply; any other key is refused, since the checkpoint is scored with the config it
 was trained with. The run's relative folders (`paths.*`, `data.*_dir`: `./data` by default) are read from the
 directory it was trained from (Hydra's `hydra.runtime.cwd` in `<run_dir>/.hydra/hydra.yaml`), as train read them;
 a folder given on this command line is relative to this one's. The metrics are written to
@@ -51,6 +52,9 @@ class EvaluateError(UserFacingError, FileNotFoundError):
 # the trainer keys that say where and how the evaluation runs, which this invocation may change (the run's other
 # trainer keys stay as trained)
 DEVICE_KEYS = ("accelerator", "devices", "strategy", "num_nodes", "precision")
+# how the model is compiled for this machine: the mode a GPU run trained with may not compile on another (Inductor
+# on a CPU needs a C++ compiler), and CompileFailedError's fix is this key
+COMPILE_KEY = "task.compile"
 
 
 def _key(override: str) -> str:
@@ -76,17 +80,18 @@ def _refuse_unused(overrides: list[str]) -> None:
     for override in overrides:
         key = _key(override)
         device = key == "trainer" or (key.startswith("trainer.") and key.split(".", 1)[1] in DEVICE_KEYS)
-        if not device and not any(key == k or key.startswith(f"{k}.") for k in OWN_KEYS):
+        if not device and key != COMPILE_KEY and not any(key == k or key.startswith(f"{k}.") for k in OWN_KEYS):
             unused.append(override)
     if unused:
         raise EvaluateError(f"evaluate scores the checkpoint with the run's own config (config_resolved.yaml), so "
                             f"{' '.join(unused)} would not apply; drop it. The command line may set run_dir, "
-                            f"ckpt_path, paths.data_dir (or data.data_dir) and the device: trainer=<name>, trainer.{{{','.join(DEVICE_KEYS)}}}")
+                            f"ckpt_path, paths.data_dir (or data.data_dir), {COMPILE_KEY} and the device: trainer=<name>, "
+                            f"trainer.{{{','.join(DEVICE_KEYS)}}}")
 
 
 def _run_config(run_dir: Path, cfg: DictConfig, overrides: list[str] = ()) -> DictConfig:
     """The run's stored config with this invocation's `trainer.*` device keys (`trainer=cpu`, or
-    `trainer.accelerator=...`: a run trained on a GPU re-scored on a CPU) and `ckpt_path` on top."""
+    `trainer.accelerator=...`: a run trained on a GPU re-scored on a CPU), `task.compile` and `ckpt_path` on top."""
     path = run_dir / "config_resolved.yaml"
     if not path.is_file():
         raise EvaluateError(f"run_dir={run_dir} holds no config_resolved.yaml; pass a run dir made by train "
@@ -105,6 +110,8 @@ def _run_config(run_dir: Path, cfg: DictConfig, overrides: list[str] = ()) -> Di
                 raise EvaluateError(f"the run read its data from data.data_dir={stored.data.get('data_dir')}, not "
                                     "from paths.data_dir; pass data.data_dir=<folder> instead")
             stored.paths.data_dir = stored.data.data_dir = cfg.paths.data_dir
+        if COMPILE_KEY in given:
+            stored.task.compile = cfg.task.compile
         stored.logger = None
         stored.callbacks = None
         for key in DEVICE_KEYS if group else sorted(keys):

@@ -617,6 +617,28 @@ def test_evaluate_takes_the_invocations_device_keys(tmp_path):
     assert _run_config(run, cfg, []).trainer.accelerator == "gpu"
 
 
+def test_evaluate_takes_task_compile_where_the_runs_mode_cannot_compile(compose, tmp_path, monkeypatch):
+    """A run that trained compiled (a GPU run's `task.compile=reduce-overhead`), scored where torch.compile fails
+    (Inductor on a CPU without a C++ compiler), stopped with CompileFailedError's fix `task.compile=none`, and
+    evaluate refused that override as one it would not apply: the checkpoint could not be scored at all. The mode
+    changes how the model runs, not what it computes, so evaluate takes it."""
+    from omegaconf import OmegaConf
+
+    from longmixer.evaluate import evaluate
+
+    train(compose(BASE))
+    run = tmp_path / "run"
+    stored = OmegaConf.load(run / "config_resolved.yaml")
+    stored.task.compile = "reduce-overhead"
+    OmegaConf.save(stored, run / "config_resolved.yaml")
+    modes = []
+    monkeypatch.setattr("longmixer.tasks.base.compile_blocks", lambda model, mode, **kw: modes.append(mode) or model)
+    evaluate(compose([f"run_dir={run}"]))
+    assert modes == ["reduce-overhead"]  # the run's own mode unless the command line names another
+    assert "test/acc" in evaluate(compose([f"run_dir={run}", "task.compile=none"]))
+    assert modes[-1] == "none"
+
+
 def test_evaluate_reads_the_runs_relative_data_dir_from_where_it_trained(tmp_path, monkeypatch, caplog):
     """A run trained with the default `paths.data_dir=./data` and evaluated from another directory read `./data`
     there (missing, or other data of the task); it is read from Hydra's record of the training's working directory.

@@ -71,7 +71,7 @@ def explain_compile_failure(requested: str, resolved: str | None) -> Iterator[No
         other = "" if resolved in ("default", "none") else ", or try task.compile=default (no CUDA graphs)"
         raise CompileFailedError(
             f"task.compile={mode}: torch.compile failed to compile the model ({what}). This is a defect of the "
-            f"compiler or of its Triton, not of this run's settings: train with task.compile=none (eager){other}; "
+            f"compiler or of its Triton, not of this run's settings: rerun with task.compile=none (eager){other}; "
             "the compiler's full error is in the run's log") from err
 
 
