@@ -33,7 +33,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from longmixer.runs.checkpoints import check_model_config, check_weights_fit, load_checkpoint, trusted_best_path
+from longmixer.runs.checkpoints import (
+    check_model_config,
+    check_weights_fit,
+    load_checkpoint,
+    not_a_checkpoint_file,
+    trusted_best_path,
+)
 from longmixer.runs.resume import keep_in_history, read_run_file, refuse_unusable_folders, write_atomically
 from longmixer.runs.run import instantiate_node, to_number
 from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_before_hydra, run_explaining_refusals
@@ -158,8 +164,9 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     ckpt_dir = run_dir / "checkpoints"
     if cfg.ckpt_path is not None:
         ckpt = Path(cfg.ckpt_path)
-        if not ckpt.is_file():
-            raise EvaluateError(f"ckpt_path={cfg.ckpt_path} does not exist; the run's checkpoints are in {ckpt_dir}")
+        why = not_a_checkpoint_file(ckpt)
+        if why is not None:
+            raise EvaluateError(f"ckpt_path={cfg.ckpt_path} {why}; the run's checkpoints are in {ckpt_dir}")
     else:
         results = run_dir / "results.json"
         recorded = read_run_file(results, f"pass ckpt_path=<file.ckpt> (the run's checkpoints are in {ckpt_dir})"

@@ -566,6 +566,21 @@ def test_evaluate_refuses_what_it_cannot_use_in_one_line(compose, tmp_path, capl
     assert issubclass(EvaluateError, UserFacingError) and issubclass(CheckpointError, UserFacingError)
 
 
+def test_a_ckpt_path_that_is_a_directory_is_named_as_one(compose, tmp_path):
+    """`ckpt_path=<run dir>/checkpoints` (the folder, not a file in it) was refused by evaluate and train as a path
+    that "does not exist"; both now say it is a directory and name a checkpoint file in it."""
+    from longmixer.evaluate import EvaluateError, evaluate
+    from longmixer.runs.resume import ResumeRefusedError
+
+    train(compose(BASE))
+    ckpts = tmp_path / "run" / "checkpoints"
+    named = r"checkpoints is a directory, not a checkpoint file: name one of its \.ckpt files \(e\.g\. last\.ckpt\)"
+    with pytest.raises(EvaluateError, match=named):
+        evaluate(compose([f"run_dir={tmp_path / 'run'}", f"ckpt_path={ckpts}"]))
+    with pytest.raises(ResumeRefusedError, match=named):
+        train(compose([*BASE, f"run_dir={tmp_path / 'fresh'}", f"ckpt_path={ckpts}"]))
+
+
 def test_evaluate_refuses_a_sweep_over_run_dirs_in_one_line(tmp_path, monkeypatch, capsys):
     """`evaluate -m run_dir=<a>,<b>` (the seeds of one configuration) was told that the comma-joined list "is not a
     training run dir"; a sweep's logs and summary go under one run dir's eval/, so it says to run one command per run

@@ -76,6 +76,18 @@ def load_checkpoint(path: str | Path, mmap: bool = False) -> dict:
                               "corrupt or not a checkpoint") from err
 
 
+def not_a_checkpoint_file(path: Path) -> str | None:
+    """Why `path`, given as `ckpt_path`, names no checkpoint file ("does not exist", or a directory with the files in
+    it to name instead); None when it is a file."""
+    if path.is_file():
+        return None
+    if not path.is_dir():
+        return "does not exist"
+    inside = sorted(path.glob("*.ckpt"))
+    example = f"e.g. {inside[-1].name}" if inside else "it holds none"
+    return f"is a directory, not a checkpoint file: name one of its .ckpt files ({example})"
+
+
 def check_weights_fit(module: torch.nn.Module, state: dict, path: str | Path, fix: str) -> None:
     """Refuse a checkpoint whose weights are not `module`'s (another family's, or the same family at another width)
     before Lightning's strict load dumps every key or every size mismatch.

@@ -22,7 +22,7 @@ import yaml
 from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
-from longmixer.runs.checkpoints import load_checkpoint, newest_intact
+from longmixer.runs.checkpoints import load_checkpoint, newest_intact, not_a_checkpoint_file
 from longmixer.utils.errors import UserFacingError
 
 log = logging.getLogger("longmixer")
@@ -289,7 +289,7 @@ def select_resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
     resume=auto|force.
 
     Raises:
-        FileNotFoundError: `ckpt_path` does not exist.
+        FileNotFoundError: `ckpt_path` does not exist or is a directory.
         ValueError: unknown `resume`, or resume=never but the run dir already holds a checkpoint.
         CheckpointError: the checkpoint cannot be read safely.
         CheckpointAccessError: a checkpoint could not be read at all (permissions, an I/O error).
@@ -298,8 +298,9 @@ def select_resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
         raise ValueError(f"resume={cfg.resume!r} is not one of {RESUME_MODES}")
     if cfg.ckpt_path is not None:
         path = Path(cfg.ckpt_path)
-        if not path.is_file():
-            raise ResumeRefusedError(f"ckpt_path={cfg.ckpt_path} does not exist")
+        why = not_a_checkpoint_file(path)
+        if why is not None:
+            raise ResumeRefusedError(f"ckpt_path={cfg.ckpt_path} {why}")
         load_checkpoint(path)  # refuse an unsafe or corrupt file before anything starts
         return str(path)
     ckpt_dir = run_dir / "checkpoints"
