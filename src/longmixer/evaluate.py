@@ -34,6 +34,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from longmixer.runs.checkpoints import (
+    check_lightning_checkpoint,
     check_model_config,
     check_weights_fit,
     load_checkpoint,
@@ -185,6 +186,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
             best = str(moved)  # the run dir was moved (another machine or root) after results.json was written
         ckpt = Path(trusted_best_path(best, ckpt_dir))
     state = load_checkpoint(ckpt)  # refuse a corrupt or unsafe file before building anything
+    check_lightning_checkpoint(state, ckpt)
     out_dir = run_dir / "eval" / _eval_name(ckpt, run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with open_dict(run_cfg):

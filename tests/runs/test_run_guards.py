@@ -581,6 +581,27 @@ def test_a_ckpt_path_that_is_a_directory_is_named_as_one(compose, tmp_path):
         train(compose([*BASE, f"run_dir={tmp_path / 'fresh'}", f"ckpt_path={ckpts}"]))
 
 
+def test_weights_saved_without_lightnings_keys_are_refused_in_one_line(compose, tmp_path):
+    """Weights saved by hand as `{"state_dict": ...}` (converted from another codebase) passed evaluate's and train's
+    checks, then stopped in Lightning's load with a bare `KeyError: 'pytorch-lightning_version'` traceback; both now
+    refuse the file in one line naming it, the missing key and how to save it."""
+    from longmixer.evaluate import evaluate
+
+    train(compose(BASE))
+    run = tmp_path / "run"
+    state = load_checkpoint(next((run / "checkpoints").glob("best-*.ckpt")))
+    converted = tmp_path / "converted.ckpt"
+    torch.save({"state_dict": state["state_dict"]}, converted)
+    named = r"converted\.ckpt is not a Lightning checkpoint: .*without pytorch-lightning_version; .*save converted"
+    with pytest.raises(CheckpointError, match=named):
+        evaluate(compose([f"run_dir={run}", f"ckpt_path={converted}"]))
+    with pytest.raises(CheckpointError, match=named):
+        train(compose([*BASE, f"run_dir={tmp_path / 'fresh'}", f"ckpt_path={converted}"]))
+    torch.save(state["state_dict"], converted)  # the bare weights
+    with pytest.raises(CheckpointError, match=r"without pytorch-lightning_version, state_dict"):
+        evaluate(compose([f"run_dir={run}", f"ckpt_path={converted}"]))
+
+
 def test_evaluate_refuses_a_sweep_over_run_dirs_in_one_line(tmp_path, monkeypatch, capsys):
     """`evaluate -m run_dir=<a>,<b>` (the seeds of one configuration) was told that the comma-joined list "is not a
     training run dir"; a sweep's logs and summary go under one run dir's eval/, so it says to run one command per run

@@ -76,6 +76,25 @@ def load_checkpoint(path: str | Path, mmap: bool = False) -> dict:
                               "corrupt or not a checkpoint") from err
 
 
+# what every Lightning load of a checkpoint reads first (its version, for the migration of older files; the weights)
+LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict")
+
+
+def check_lightning_checkpoint(state: Any, path: str | Path) -> None:
+    """Refuse a file that loads but is not a Lightning checkpoint (a bare `state_dict`, or weights converted by hand
+    without Lightning's version), which Lightning's load would stop at with a bare `KeyError` traceback.
+
+    Raises:
+        CheckpointError: names the file, the missing keys and how to make the file one.
+    """
+    missing = [k for k in LIGHTNING_KEYS if k not in state] if isinstance(state, dict) else list(LIGHTNING_KEYS)
+    if missing:
+        held = f"a {type(state).__name__}" if not isinstance(state, dict) else f"keys {sorted(map(str, state))[:4]}"
+        raise CheckpointError(f"{path} is not a Lightning checkpoint: it holds {held}, without {', '.join(missing)}; "
+                              "pass one written by train, or save converted weights as {'state_dict': <the task's "
+                              "weights>, 'pytorch-lightning_version': pytorch_lightning.__version__}")
+
+
 def not_a_checkpoint_file(path: Path) -> str | None:
     """Why `path`, given as `ckpt_path`, names no checkpoint file ("does not exist", or a directory with the files in
     it to name instead); None when it is a file."""

@@ -22,7 +22,12 @@ import yaml
 from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
-from longmixer.runs.checkpoints import load_checkpoint, newest_intact, not_a_checkpoint_file
+from longmixer.runs.checkpoints import (
+    check_lightning_checkpoint,
+    load_checkpoint,
+    newest_intact,
+    not_a_checkpoint_file,
+)
 from longmixer.utils.errors import UserFacingError
 
 log = logging.getLogger("longmixer")
@@ -301,7 +306,7 @@ def select_resume_checkpoint(cfg: DictConfig, run_dir: Path) -> str | None:
         why = not_a_checkpoint_file(path)
         if why is not None:
             raise ResumeRefusedError(f"ckpt_path={cfg.ckpt_path} {why}")
-        load_checkpoint(path)  # refuse an unsafe or corrupt file before anything starts
+        check_lightning_checkpoint(load_checkpoint(path), path)  # refuse an unsafe or corrupt file before anything starts
         return str(path)
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir() or not any(ckpt_dir.glob("*.ckpt")):
