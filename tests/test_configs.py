@@ -359,6 +359,19 @@ def test_unknown_constructor_key_is_rejected(compose):
         validate_config(cfg)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("+ops.backnd=torch", r"unknown key ops.backnd \(did you mean 'backend'\?\); allowed: \['backend'\]"),
+    ("+paths.data_dri=/scratch/data", r"unknown key paths.data_dri \(did you mean 'data_dir'\?\)"),
+])
+def test_a_key_added_under_ops_or_paths_is_refused(compose, override, message):
+    """`ops` and `paths` have no `_target_` whose signature would refuse a typo, and Hydra's "not in struct" error
+    (with our hint) tells the user to add the key with `+`: `+ops.backnd=torch` then trained on the default backend
+    and `+paths.data_dri=...` read the default data folder, with exit status 0."""
+    cfg = compose([override])
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg)
+
+
 @pytest.mark.parametrize("strategy", ["pytorch_lightning.strategies.DDPStrategy",
                                       "longmixer.utils.strategies.ZeroDDPStrategy"])
 def test_ddp_strategy_takes_the_arguments_it_passes_to_distributed_data_parallel(compose, strategy):

@@ -22,6 +22,10 @@ TOP_LEVEL = {"data", "model", "task", "optim", "scheduler", "trainer", "logger",
              "seed", "deterministic", "resume", "ckpt_path", "train", "test", "run_tag", "run_dir", "ops",
              "optimized_metric", "hydra"}
 RESUME = ("auto", "never", "force")
+# nodes without a `_target_` whose keys their yaml fixes: nothing reads another key under them, so one added with `+`
+# (`+ops.backnd=torch`, `+paths.data_dri=...`: the form Hydra's "not in struct" error and our hint for it suggest) is
+# a typo that would otherwise run on the default without a word
+FIXED_KEYS = {"ops": ("backend",), "paths": ("root_dir", "data_dir", "log_dir", "output_dir")}
 
 
 class ConfigError(UserFacingError, ValueError):
@@ -191,6 +195,10 @@ def validate_config(cfg: DictConfig) -> None:
     for key in cfg.keys():
         if key not in TOP_LEVEL:
             raise ConfigError(f"unknown top-level key {key!r}{_suggest(key, TOP_LEVEL)}; allowed: {sorted(TOP_LEVEL)}")
+    for node, allowed in FIXED_KEYS.items():
+        for key in (cfg[node].keys() if isinstance(cfg.get(node), DictConfig) else ()):
+            if key not in allowed:
+                raise ConfigError(f"unknown key {node}.{key}{_suggest(str(key), allowed)}; allowed: {sorted(allowed)}")
     seed = cfg.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"seed={seed!r} must be an integer >= 0 (0 is a valid seed)")
