@@ -372,6 +372,22 @@ def test_a_key_added_under_ops_or_paths_is_refused(compose, override, message):
         validate_config(cfg)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("+callbacks.chekpoint.monitor=val/acc", r"callbacks.chekpoint is not one of this run's callbacks .*\(did you "
+                                             r"mean 'checkpoint'\?\)"),
+    ("+callbacks.early_stopping.patience=5", r"callbacks.early_stopping .*; callbacks=early_stopping adds it"),
+    ("+logger.wandb.project=mine", r"logger.wandb is not one of this run's loggers .*; logger=wandb adds it; the "
+                                   r"run's loggers: csv"),
+])
+def test_a_key_on_a_callback_or_logger_the_run_lacks_is_refused_with_the_option(compose, override, message):
+    """A `+` key on a callback or logger entry the run does not have made an entry without a `_target_`, which
+    compose-time validation let through: instantiating the group then raised a bare ValueError ("callbacks.chekpoint
+    has no _target_"), a traceback and exit status 1, with neither the close name nor the group option that adds it."""
+    cfg = compose([override])
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg)
+
+
 @pytest.mark.parametrize("strategy", ["pytorch_lightning.strategies.DDPStrategy",
                                       "longmixer.utils.strategies.ZeroDDPStrategy"])
 def test_ddp_strategy_takes_the_arguments_it_passes_to_distributed_data_parallel(compose, strategy):

@@ -10,6 +10,7 @@ import inspect
 import types
 import typing
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -26,6 +27,8 @@ RESUME = ("auto", "never", "force")
 # (`+ops.backnd=torch`, `+paths.data_dri=...`: the form Hydra's "not in struct" error and our hint for it suggest) is
 # a typo that would otherwise run on the default without a word
 FIXED_KEYS = {"ops": ("backend",), "paths": ("root_dir", "data_dir", "log_dir", "output_dir")}
+# groups whose every entry is built from its `_target_` (runs/run.py: instantiate_group), with what an entry is
+TARGET_GROUPS = {"callbacks": "callbacks", "logger": "loggers"}
 
 
 class ConfigError(UserFacingError, ValueError):
@@ -199,6 +202,8 @@ def validate_config(cfg: DictConfig) -> None:
         for key in (cfg[node].keys() if isinstance(cfg.get(node), DictConfig) else ()):
             if key not in allowed:
                 raise ConfigError(f"unknown key {node}.{key}{_suggest(str(key), allowed)}; allowed: {sorted(allowed)}")
+    for group, entries in TARGET_GROUPS.items():
+        _check_group_entries(cfg, group, entries)
     seed = cfg.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"seed={seed!r} must be an integer >= 0 (0 is a valid seed)")
@@ -242,6 +247,24 @@ def validate_config(cfg: DictConfig) -> None:
     _check_optimizer(cfg)
     _check_scheduler(cfg)
     _check_early_stopping(cfg)
+
+
+def _check_group_entries(cfg: DictConfig, group: str, what: str) -> None:
+    """Every entry of `callbacks` / `logger` must be a node with a `_target_`. One without is a key set with `+` on an
+    entry this run does not have (`+callbacks.early_stopping.patience=5` under callbacks=default,
+    `+logger.wandb.project=x` under logger=csv, a typo'd entry name): its keys would build nothing, so it is refused
+    here with the entries the run has and the group option that brings the entry, where one does."""
+    entries = cfg.get(group)
+    if not isinstance(entries, DictConfig):
+        return
+    present = [str(k) for k, v in entries.items() if isinstance(v, DictConfig) and "_target_" in v]
+    for name, node in entries.items():
+        if node is None or (isinstance(node, DictConfig) and "_target_" in node):
+            continue
+        option = Path(__file__).resolve().parents[1] / "configs" / group / f"{name}.yaml"
+        fix = f"; {group}={name} adds it" if option.is_file() else _suggest(str(name), present)
+        raise ConfigError(f"{group}.{name} is not one of this run's {what} (it has no _target_){fix}; the run's "
+                          f"{what}: {', '.join(present)}")
 
 
 def _check_early_stopping(cfg: DictConfig) -> None:
