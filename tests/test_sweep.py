@@ -95,6 +95,24 @@ def test_optuna_study_in_a_database_continues(tmp_path):
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
 
 
+def test_an_optuna_trial_without_its_objective_fails_alone_and_the_study_goes_on(tmp_path):
+    """A trial that finished without the study's objective (here the one monitoring val/loss, which logs
+    val/loss_best and no val/acc_best) returned NaN: Optuna refused it, hydra-optuna-sweeper's fallback told the trial
+    FAIL with the same NaN, Optuna refused that too ("Values were told"), and the whole study ended, exit 1, at that
+    trial. It is now a failed trial, with the metrics the run has, and the study goes on (README "Sweeps")."""
+    _, rows, output = _multirun(["hparams_search=optuna", "hydra/sweeper/sampler=random", "hydra.sweeper.sampler.seed=0",
+                                 "hydra.sweeper.n_trials=2",
+                                 "optim.lr=choice(0.001)", "optim.weight_decay=choice(0.01)", "model.dropout=choice(0.0)",
+                                 "task.monitor=choice(val/acc,val/loss)", "optimized_metric=val/acc_best"],
+                                tmp_path, full_error=False)
+    by_monitor = {r["task.monitor"]: r for r in rows}
+    assert by_monitor["val/acc"]["status"] == "COMPLETED" and by_monitor["val/acc"]["value"]
+    assert by_monitor["val/loss"]["status"] == "FAILED"
+    assert by_monitor["val/loss"]["error"].startswith("ConfigError: optimized_metric=val/acc_best is not among this "
+                                                      "run's metrics")
+    assert "val/loss_best" in output and "Values were told" not in output
+
+
 def test_optuna_direction_follows_the_task_mode(tmp_path):
     """A study on a metric to minimize (a language model's val/loss) minimizes it without a direction override:
     hydra.sweeper.direction follows task.mode."""

@@ -57,7 +57,7 @@ from longmixer.utils.compose import (CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer
                                      run_explaining_refusals)
 from longmixer.utils.errors import UserFacingError
 from longmixer.utils.compile import release_cuda_graphs
-from longmixer.utils.config import check_backend_on_device, check_task_and_data, validate_config
+from longmixer.utils.config import ConfigError, check_backend_on_device, check_task_and_data, validate_config
 from longmixer.utils.resolvers import register_resolvers
 from longmixer.utils.signals import STOP_SIGNALS
 
@@ -323,16 +323,27 @@ def _test_until_signal(trainer: pl.Trainer, task, datamodule, ckpt_path: str | N
 def _main(cfg: DictConfig) -> float | None:
     try:
         results = train(cfg)  # SIGTERM / SIGUSR2 / SIGINT end it with SystemExit(143 / 140 / 130) after a checkpoint
+        return _objective(cfg.get("optimized_metric"), results["metrics"])
     except UserFacingError as err:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # the sweep records the failed job and goes on
         log.error("%s", err)
         sys.exit(2)
-    metric = cfg.get("optimized_metric")
+
+
+def _objective(metric: str | None, metrics: dict) -> float | None:
+    """The value a sweeper optimizes (`optimized_metric`, set by hparams_search), None without one. A missing or
+    non-finite value fails the job with the metrics the run has: returned as NaN, Optuna's `tell` refuses it for a
+    completed trial, and hydra-optuna-sweeper's fallback then tells the trial FAIL with that same NaN, which Optuna
+    refuses again, ending the whole study; a job that raises is told FAIL without a value and the study goes on."""
     if metric is None:
         return None
-    value = results["metrics"].get(metric)
-    return math.nan if value is None else value
+    value = metrics.get(metric)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        state = "is not among" if value is None else f"is {value!r} in"
+        raise ConfigError(f"optimized_metric={metric} {state} this run's metrics ({', '.join(sorted(metrics))}): "
+                          "the trial counts as failed; the sweep's objective is usually ${task.monitor}_best")
+    return value
 
 
 def main() -> None:
