@@ -533,6 +533,21 @@ def test_a_constructor_s_refusal_names_the_key_in_one_line(compose, override, me
     assert "\n" not in str(info.value)
 
 
+def test_a_monitor_the_task_never_logs_is_refused_before_training(compose, tmp_path):
+    """`task.monitor=val/acc_bst` passed every check and trained until the first validation, where Lightning's
+    checkpoint callback could not find it (a MisconfigurationException traceback, exit 1), which on a recipe's
+    schedule comes hours into the run. The task refuses it when it is built, with the metrics it logs."""
+    from longmixer.train import train
+    from tests.conftest import TINY_LISTOPS, TINY_TRAINER
+
+    with pytest.raises(ConfigError, match=r"^task \(Classification\): task.monitor='val/acc_bst' is not a metric "
+                                          r"this task logs: one of val/acc, val/loss, or a model's val/aux/"):
+        train(compose(["task.monitor=val/acc_bst", *TINY_LISTOPS, *TINY_TRAINER]))
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before the first step
+    results = train(compose(["task.monitor=val/loss", "task.mode=min", "run_tag=loss", *TINY_LISTOPS, *TINY_TRAINER]))
+    assert "val/loss_best" in results["metrics"]
+
+
 def test_a_negative_longvq_commit_coef_fails_before_training(compose):
     """Bug: LongVQ's `model.mixer.commit_coef=-1` (gamma of the commitment loss, eq. 23) passed every check and
     trained with a commitment term that pushed the keys away from their codewords. The quantizer refuses it when

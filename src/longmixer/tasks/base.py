@@ -34,6 +34,7 @@ from longmixer.utils.strategies import ZeroDDPStrategy
 log = logging.getLogger(__name__)
 
 MODES = ("max", "min")
+AUX_PREFIXES = ("val/aux/", "val/stats/")  # what `log_aux` logs from a model's aux dict, named by the model
 
 
 def _numpy_state_to_tensor():
@@ -417,6 +418,14 @@ class SequenceTask(pl.LightningModule):
         self.on_test_start()
 
     # --- aux losses and statistics (docs/architecture.md) ----------------------------------------------------------
+    def check_monitor(self, logged: tuple[str, ...]) -> None:
+        """Refuse a `task.monitor` the task never logs (`val/acc_bst`): the checkpoint callback and the best score
+        look it up only at the first validation, which may come hours into the run. `logged`: the validation
+        metrics of the task; a model's aux values (`val/aux/...`, `val/stats/...`) are its own and pass."""
+        if self.monitor not in logged and not self.monitor.startswith(AUX_PREFIXES):
+            raise ValueError(f"task.monitor={self.monitor!r} is not a metric this task logs: one of "
+                             f"{', '.join(logged)}, or a model's {'... or '.join(AUX_PREFIXES)}...")
+
     @staticmethod
     def with_aux_losses(loss: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The task loss plus every `loss/...` entry of the model's aux dict."""

@@ -31,6 +31,7 @@ class Classification(SequenceTask):
         super().__init__(model, optim, scheduler, monitor=monitor, mode=mode, compile=compile)
         if not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"task.num_classes={num_classes!r} must be an integer >= 2 (set data.num_classes)")
+        self.check_monitor(("val/acc", "val/loss"))
         # accuracy over every sample of the epoch (micro average), summed across ranks by torchmetrics; keyed
         # `<stage>_acc` because a ModuleDict key `train` would shadow nn.Module.train
         self.accuracy = nn.ModuleDict({f"{stage}_acc": MulticlassAccuracy(num_classes, average="micro")

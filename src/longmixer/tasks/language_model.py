@@ -53,6 +53,7 @@ class LanguageModel(SequenceTask):
         if metric not in METRICS:
             raise ValueError(f"task.metric={metric!r} is not one of {METRICS}")
         self.metric = metric
+        self.check_monitor(("val/loss", f"val/{metric}"))
         self.eval_nll = nn.ModuleDict({stage: MeanMetric().set_dtype(torch.float64) for stage in ("val", "test")})
 
     def token_nll(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
