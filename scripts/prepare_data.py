@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from longmixer.utils.cli import quiet_on_closed_stdout
 from longmixer.utils.compose import CONFIG_DIR
 
 CONFIG_DIR = Path(CONFIG_DIR)
@@ -55,6 +56,7 @@ def summary(manifest: dict) -> str:
     return "\n".join(lines)
 
 
+@quiet_on_closed_stdout
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("task", help="a configs/data/<task>.yaml name")

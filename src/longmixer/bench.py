@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from longmixer.utils.cli import quiet_on_closed_stdout
 from longmixer.utils.compile import COMPILE_MODES, STEP_GRAPH, TrainStepGraph, compile_blocks
 from longmixer.utils.compose import CONFIG_DIR, compose, family_of
 
@@ -610,11 +611,12 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+@quiet_on_closed_stdout
 def cli(argv: list[str] | None = None) -> None:
-    """The `longmixer-bench` console script: `main` without its return value (the results), which the script wrapper
-    would take for an exit status."""
+    """The `longmixer-bench` console script and `python -m`: `main` without its return value (the results), which the
+    script wrapper would take for an exit status; a reader that stops early ends it quietly."""
     main(argv)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli(sys.argv[1:])

@@ -43,6 +43,7 @@ from longmixer.runs.checkpoints import (
 )
 from longmixer.runs.resume import keep_in_history, read_run_file, refuse_unusable_folders, write_atomically
 from longmixer.runs.run import instantiate_node, to_number
+from longmixer.utils.cli import quiet_on_closed_stdout
 from longmixer.utils.compose import CONFIG_SEARCH_PATH, refuse_before_hydra, run_explaining_refusals
 from longmixer.utils.compile import release_cuda_graphs
 from longmixer.utils.config import validate_config
@@ -250,6 +251,7 @@ def _main(cfg: DictConfig) -> dict[str, float] | None:
         release_cuda_graphs()  # before Lightning's exit handler destroys the process group
 
 
+@quiet_on_closed_stdout
 def main() -> None:
     refuse_before_hydra(sys.argv[1:])
     refuse_unusable_folders(sys.argv[1:])

@@ -53,6 +53,7 @@ from longmixer.runs.run import (
     write_results,
 )
 from longmixer.runs.run_info import record_attempt_end, write_run_info
+from longmixer.utils.cli import quiet_on_closed_stdout
 from longmixer.utils.compose import (CONFIG_DIR, CONFIG_SEARCH_PATH, apply_mixer_blocks, refuse_before_hydra,
                                      run_explaining_refusals)
 from longmixer.utils.errors import UserFacingError
@@ -346,6 +347,7 @@ def _objective(metric: str | None, metrics: dict) -> float | None:
     return value
 
 
+@quiet_on_closed_stdout
 def main() -> None:
     refuse_before_hydra(sys.argv[1:])
     refuse_unusable_folders(sys.argv[1:])

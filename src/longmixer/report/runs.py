@@ -21,6 +21,7 @@ import yaml
 
 from longmixer.report.tables import (RUN_MARKERS, Group, effective_overrides, headline_metric, inside_a_run, load_run,
                                      override_key, write_csv)
+from longmixer.utils.cli import quiet_on_closed_stdout
 
 log = logging.getLogger(__name__)
 
@@ -170,17 +171,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows = list_runs(args.runs, args.metric)
     except FileNotFoundError as err:
         parser.exit(2, f"error: {err}\n")
-    print(markdown(rows))  # the listing is the command's output: stdout, so that it can be piped or redirected
-    if args.csv:
+    if args.csv:  # before the listing, which a reader may cut short (`| head`)
         write_csv(args.csv, rows)
+    print(markdown(rows))  # the listing is the command's output: stdout, so that it can be piped or redirected
     return rows
 
 
+@quiet_on_closed_stdout
 def cli(argv: list[str] | None = None) -> None:
-    """The `longmixer-runs` console script: `main` without its return value, which the script wrapper would take for
-    an exit status."""
+    """The `longmixer-runs` console script and `python -m`: `main` without its return value, which the script wrapper
+    would take for an exit status; a reader that stops early ends it quietly."""
     main(argv)
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -27,6 +27,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from longmixer.utils.cli import quiet_on_closed_stdout
+
 PART_RE = re.compile(r"^(?P<name>[A-Za-z0-9_.]+)-(?P<digest>[0-9a-f]{16})-(?P<i>\d+)of(?P<n>\d+)\.tar-part$")
 DEFAULT_PART_MIB = 15.0  # under a 16 MB per-file limit with room to spare
 SKIPPED_SUFFIXES = (".tmp", ".lock", ".lock.owner")  # half-written checkpoints and run locks never travel
@@ -143,6 +145,7 @@ def unpack(folder: str | Path, into: str | Path) -> list[str]:
     return names
 
 
+@quiet_on_closed_stdout
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m longmixer.runs.carry", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
