@@ -232,3 +232,19 @@ def test_sweeps_started_in_one_second_get_their_own_dirs():
     for configured in (sweep_dir, evaluate_dir):
         (pattern,) = re.findall(r"\$\{+now:([^}]+)\}", configured)
         assert first.strftime(pattern) != first.replace(microsecond=870000).strftime(pattern)
+
+
+def test_an_unfinished_run_lists_the_overrides_a_finished_one_would(tmp_path):
+    """Regression: an unfinished run's row showed its raw overrides (`paths.data_dir=...`, `~callbacks.progress`,
+    `trainer.max_time=...`), while a finished run's showed only those that change results, so the same command
+    read differently before and after its run finished. Both rows now show the finished form."""
+    overrides = ["experiment=quickstart", "seed=5", "paths.data_dir=/scratch/data", "~callbacks.progress",
+                 "optim.lr=1e-3", "trainer.max_time=00:01:00:00", "+ablation=chela/ema"]
+    for name in ("killed", "finished"):
+        (tmp_path / "runs" / name / ".hydra").mkdir(parents=True)
+        (tmp_path / "runs" / name / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+        (tmp_path / "runs" / name / "config_resolved.yaml").write_text("seed: 5\n")
+    (tmp_path / "runs" / "finished" / "results.json").write_text(json.dumps({"metrics": {"test/acc": 0.4}, "seed": 5}))
+    finished, killed = runs_cli.main(["--runs", str(tmp_path / "runs")])
+    assert (finished["status"], killed["status"]) == ("finished", "unfinished")
+    assert killed["overrides"] == finished["overrides"] == "+ablation=chela/ema optim.lr=0.001"

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from longmixer.report.tables import (RUN_MARKERS, Group, effective_overrides, headline_metric, inside_a_run, load_run,
-                                     override_key, write_csv)
+from longmixer.report.tables import (RUN_MARKERS, Group, headline_metric, inside_a_run, load_run, split_overrides,
+                                     write_csv)
 from longmixer.utils.cli import quiet_on_closed_stdout
 
 log = logging.getLogger(__name__)
@@ -50,8 +50,7 @@ def run_row(run_dir: Path, root: Path, metrics: list[str] | None = None) -> dict
     except (OSError, ValueError) as err:  # one damaged file does not stop the listing
         return unfinished(f"unreadable results.json ({type(err).__name__})")
     row.update(status=run.status, experiment=run.experiment or "", model=run.model or "", data=run.data or "",
-               seed=run.seed, overrides=" ".join(filter(None, [f"+ablation={run.ablation}" if run.ablation else "",
-                                                              run.variant.replace(",", " ")])))
+               seed=run.seed, overrides=_overrides(run.ablation, run.variant))
     if metrics:
         row.update({m: run.metrics.get(m) for m in metrics})
     else:
@@ -61,6 +60,12 @@ def run_row(run_dir: Path, root: Path, metrics: list[str] | None = None) -> dict
         row.update(best=f"{best}={run.metrics[best]:.4f}" if best else "",
                    test=f"{test}={run.metrics[test]:.4f}" if test and test.startswith("test/") else "")
     return row
+
+
+def _overrides(ablation: str | None, variant: str) -> str:
+    """A row's overrides column: the ablation and the overrides that change results (`split_overrides`: no
+    `paths.*`, `~callbacks.progress`, `trainer.max_time`, ...), the same for finished and unfinished runs."""
+    return " ".join(filter(None, [f"+ablation={ablation}" if ablation else "", variant.replace(",", " ")]))
 
 
 def _unfinished(run_dir: Path) -> str:
@@ -84,12 +89,11 @@ def _started_as(run_dir: Path) -> dict:
 
     choices = ((read(run_dir / ".hydra" / "hydra.yaml") or {}).get("hydra", {}).get("runtime", {})
                .get("choices", {})) or {}
-    overrides = effective_overrides(read(run_dir / ".hydra" / "overrides.yaml") or [])
+    ablation, variant = split_overrides(run_dir)
     seed = (read(run_dir / "config_resolved.yaml") or {}).get("seed", "")
-    named = ("experiment", "model", "data", "seed")
-    rest = [o for o in overrides if override_key(o) not in named]
     return {"experiment": choices.get("experiment") or "", "model": choices.get("model") or "",
-            "data": choices.get("data") or "", "seed": seed, "overrides": " ".join(rest)}
+            "data": choices.get("data") or "", "seed": seed,
+            "overrides": _overrides(choices.get("ablation") or ablation, variant)}
 
 
 def markdown(rows: list[dict]) -> str:

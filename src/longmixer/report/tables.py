@@ -131,7 +131,7 @@ def _value_text(value) -> str:
 UNREADABLE_OVERRIDES = "(unreadable .hydra/overrides.yaml)"  # the variant of a run whose overrides cannot be read
 
 
-def _split_overrides(run_dir: Path) -> tuple[str | None, str]:
+def split_overrides(run_dir: Path) -> tuple[str | None, str]:
     """(ablation choice, the other result-changing overrides joined) from `<run dir>/.hydra/overrides.yaml`, each
     written as the run-dir hash reads it, so that the seeds of one run-dir hash are one group."""
     path = run_dir / ".hydra" / "overrides.yaml"
@@ -175,7 +175,7 @@ def load_run(results_path: Path) -> Run:
         for key, value in _csv_final_metrics(run_dir / "csv" / "metrics.csv").items():
             if not unpaired(key):
                 metrics.setdefault(key, value)
-    ablation, variant = _split_overrides(run_dir)
+    ablation, variant = split_overrides(run_dir)
     ablation = (results.get("choices") or {}).get("ablation", ablation)
     return Run(run_dir=run_dir, experiment=results.get("experiment"), model=results.get("model"),
                data=results.get("data"), seed=int(results.get("seed", 0)), ablation=ablation, variant=variant,
