@@ -369,21 +369,29 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_the_fix(tmp_path, monkeyp
     import errno
 
     from longmixer.data import listops
-    from scripts import prepare_data
 
     def full(root, split, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(root / f"{split}.tokens.npy"))
 
     monkeypatch.setattr(listops, "save_ragged", full)
+    _assert_full_disk_line(tmp_path, capsys, "stopped: No space left on device")
+
+
+def _assert_full_disk_line(tmp_path, capsys, stopped: str) -> Path:
+    """Prepare ListOps on the (patched) full disk: one line naming the file and both fixes, and `prepare_data.py`
+    exits 2 with it; returns the source folder."""
+    from scripts import prepare_data
+
     source = write_listops(tmp_path / "src")
     with pytest.raises(DatasetNotPreparedError) as caught:
         ListOps(data_dir=tmp_path / "data", source_dir=source).prepare_data()
     message = str(caught.value)
-    assert "\n" not in message and "stopped: No space left on device" in message
+    assert "\n" not in message and stopped in message
     assert str(tmp_path / "data" / "listops" / "train.tokens.npy") in message
     assert "paths.data_dir=<folder with room>" in message and f"data.source_dir={source}" in message
     assert prepare_data.main(["listops", f"paths.data_dir={tmp_path / 'data'}", f"data.source_dir={source}"]) == 2
     assert capsys.readouterr().err.startswith("error: preparing the listops data at")
+    return source
 
 
 def test_a_disk_that_fills_while_numpy_saves_an_array_is_the_same_one_line(tmp_path, monkeypatch, capsys):
@@ -393,8 +401,6 @@ def test_a_disk_that_fills_while_numpy_saves_an_array_is_the_same_one_line(tmp_p
     instead of the full-disk line naming the file and the fixes."""
     import os
     import re
-
-    from scripts import prepare_data
 
     reader, writer = os.pipe()  # numpy's own short write, from a pipe nobody reads
     os.close(reader)
@@ -412,15 +418,7 @@ def test_a_disk_that_fills_while_numpy_saves_an_array_is_the_same_one_line(tmp_p
             raise OSError(f"{np.asarray(array).nbytes} requested and {np.asarray(array).nbytes // 2} written")
 
     monkeypatch.setattr(np, "save", fills_the_disk)
-    source = write_listops(tmp_path / "src")
-    with pytest.raises(DatasetNotPreparedError) as caught:
-        ListOps(data_dir=tmp_path / "data", source_dir=source).prepare_data()
-    message = str(caught.value)
-    assert "\n" not in message and "stopped: No space left on device (a write of" in message
-    assert str(tmp_path / "data" / "listops" / "train.tokens.npy") in message
-    assert "paths.data_dir=<folder with room>" in message and f"data.source_dir={source}" in message
-    assert prepare_data.main(["listops", f"paths.data_dir={tmp_path / 'data'}", f"data.source_dir={source}"]) == 2
-    assert capsys.readouterr().err.startswith("error: preparing the listops data at")
+    source = _assert_full_disk_line(tmp_path, capsys, "stopped: No space left on device (a write of")
     monkeypatch.setattr(np, "save", save)
     ListOps(data_dir=tmp_path / "data", source_dir=source).prepare_data()  # room again: the rerun completes it
     assert ListOps(data_dir=tmp_path / "data", source_dir=source).verify() > 0
