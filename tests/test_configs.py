@@ -340,6 +340,25 @@ def test_a_print_flag_without_cfg_is_refused_before_anything_runs(entry, flags, 
     assert "--cfg job" in err
 
 
+@pytest.mark.parametrize("entry", ["train", "evaluate"])
+@pytest.mark.parametrize("flags, mode", [(["-m", "--cfg", "job"], "-m"), (["--cfg=all", "--multirun"], "--multirun"),
+                                         (["--cfg", "job", "--info"], "--info")])
+def test_cfg_beside_multirun_is_refused_in_one_line(entry, flags, mode, monkeypatch, capsys):
+    """Hydra takes one of `--cfg`, `-m`, `--run`, `--info`: `train -m seed=0,1 --cfg job` (what a user types to see
+    a sweep's config) ended in Hydra's `ValueError` traceback with exit status 1. The entry point stops first, in one
+    line with exit status 2, naming the flag to leave out."""
+    import importlib
+
+    module = importlib.import_module(f"longmixer.{entry}")
+    monkeypatch.setattr("sys.argv", [f"{entry}.py", "experiment=mega/listops", "seed=0,1", *flags])
+    monkeypatch.setattr(module, "_main", lambda: pytest.fail("the run started"), raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: --cfg "), err
+    assert f"leave {mode} out" in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("argv", [["--cfg", "job", "-p", "model"], ["--cfg", "all", "--resolve"],
                                   ["--help", "--resolve"], ["seed=1"], ["--cfg", "hydra", "-p", "hydra.run"]])
 def test_print_flags_with_what_they_shape_pass(argv):

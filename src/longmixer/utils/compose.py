@@ -108,11 +108,12 @@ def task_mode_choice(argv: Sequence[str]) -> str | None:
 
 def refuse_before_hydra(argv: Sequence[str]) -> None:
     """Exit with status 2 before Hydra starts where the command line chooses null for a config group
-    (`null_group_choices`), an impossible `task.mode` (`task_mode_choice`) or a print flag without `--cfg`
-    (`print_flag_alone`); the train and evaluate entry points.
+    (`null_group_choices`), an impossible `task.mode` (`task_mode_choice`), a print flag without `--cfg`
+    (`print_flag_alone`) or `--cfg` beside `-m` (`cfg_beside_mode`); the train and evaluate entry points.
     Logging is not configured yet, so the message goes to stderr as is. A command line that only asks for the config
     (`--cfg job|all`, `--help`) is answered here, with the mixer blocks applied (`show_config`), and exits 0."""
-    if problem := null_group_choices(argv) or task_mode_choice(argv) or print_flag_alone(argv):
+    if problem := (null_group_choices(argv) or task_mode_choice(argv) or print_flag_alone(argv)
+                   or cfg_beside_mode(argv)):
         sys.stderr.write(f"error: {problem}\n")
         raise SystemExit(2)
     if show_config(argv):
@@ -163,6 +164,23 @@ def print_flag_alone(argv: Sequence[str]) -> str | None:
     return (f"{' and '.join(alone)} shape the config that --cfg prints and do nothing alone: add --cfg job (or --cfg "
             f"all) to print it, e.g. `--cfg job{shape}{' --resolve' if 'resolve' in flags else ''}`, or leave "
             f"{'them' if len(alone) > 1 else 'it'} out to run")
+
+
+# Hydra's flags that, like `--cfg`, choose what the command does: Hydra takes one of them and stops the rest with a
+# ValueError traceback ("Only one of --run, --multirun, --cfg, --info and --shell_completion can be specified").
+_MODE_FLAGS = ("-m", "--multirun", "-r", "--run", "-i", "--info", "-sc", "--shell-completion")
+
+
+def cfg_beside_mode(argv: Sequence[str]) -> str | None:
+    """Why a command line's `--cfg` cannot be answered, or None: beside `-m` (`train -m seed=0,1 --cfg job`, to see a
+    sweep's config), `--run`, `--info` or `--shell-completion`, Hydra stopped with a traceback and exit status 1."""
+    flags, _ = _hydra_flags(argv)
+    mode = next((arg.partition("=")[0] for arg in argv if arg.partition("=")[0] in _MODE_FLAGS), None)
+    if "cfg" not in flags or mode is None:
+        return None
+    sweep = " and give each swept key one value" if mode in ("-m", "--multirun") else ""
+    return (f"--cfg prints one run's config and Hydra takes it alone, not beside {mode}: leave {mode} out{sweep} to "
+            "print it, or leave --cfg out to run")
 
 
 def _config_request(argv: Sequence[str]) -> dict | None:
