@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 from longmixer.runs.carry import CarryError, pack
+from longmixer.utils.compose import CONFIG_DIR
 from longmixer.utils.gpu_monitor import GpuSampler, device_ids, gpu_name, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +71,23 @@ def overrides(family: str, task: str, minutes: float, val_every: int, run_dir: P
             f"+trainer.max_time=00:{int(minutes) // 60:02d}:{int(minutes) % 60:02d}:{int(minutes % 1 * 60):02d}",
             f"trainer.val_check_interval={val_every}", "trainer.check_val_every_n_epoch=null", "trainer.enable_progress_bar=false",
             f"task.compile={compile_mode}", *extra]
+
+
+def check_recipes(families: list[str], task: str) -> None:
+    """Refuse a family without a recipe for the task (`experiment=<family>/<task>`) before any data is prepared or
+    run started: its run would fail only in its log, after the summary under --out was rewritten."""
+    def has_recipe(family: str) -> bool:
+        return (Path(CONFIG_DIR) / "experiment" / RECIPES.get(family, (family,))[0] / f"{task}.yaml").exists()
+
+    missing = [f for f in families if not has_recipe(f)]
+    if missing:
+        known = sorted(f for f in {p.name for p in (Path(CONFIG_DIR) / "experiment").iterdir()} | set(RECIPES)
+                       if has_recipe(f))
+        if not known:
+            tasks = sorted({p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*/*.yaml")})
+            raise SystemExit(f"error: --task {task}: no family has a recipe for it; the tasks: {', '.join(tasks)}")
+        raise SystemExit(f"error: --families {' '.join(missing)}: no recipe experiment=<family>/{task} "
+                         f"(configs/experiment/); the families with one: {', '.join(known) or 'none'}")
 
 
 def run_dir_of(args, family: str) -> Path:
@@ -127,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot_only:
         plot_only(args)
         return {}
+    check_recipes(args.families, args.task)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "LONGMIXER_LOGS": str(Path(args.logs).resolve()), "PYTHONUNBUFFERED": "1"}

@@ -50,6 +50,7 @@ def launched(tmp_path, monkeypatch):
     # only the script's own subprocess calls are replaced; the GPU sampler still runs the fake nvidia-smi
     monkeypatch.setattr(lc, "subprocess", SimpleNamespace(run=lambda *a, **k: None, Popen=popen,
                                                           STDOUT=subprocess.STDOUT))
+    monkeypatch.setattr(lc, "check_recipes", lambda families, task: None)  # the families here are stand-ins
     tool = tmp_path / "bin" / "nvidia-smi"
     tool.parent.mkdir()
     tool.write_text('#!/bin/sh\ncase "$*" in *name*) echo "Fake GPU";; *"-i 2,3"*|*"-i 6,7"*) printf "40, 100\\n90, 200\\n";; '
@@ -104,6 +105,22 @@ def test_bad_gpu_lists_and_two_budgets_are_refused(launched, tmp_path):
         lc.main(["--families", "a", "b", "--gpus", "1", "1", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         lc.main(["--minutes", "5", "--gpu-minutes", "5", "--out", str(tmp_path)])
+
+
+def test_a_family_or_task_without_a_recipe_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    """A family with no recipe for the task (a typo, or LaS on SC10) prepared the data, started a run that failed in
+    its log and rewrote the summary under --out (docs/results by default); an unknown task ended in a
+    CalledProcessError traceback. Both now stop in one line before the data is prepared."""
+    lc = _load()
+    monkeypatch.setattr(lc, "subprocess", None)  # nothing may be prepared or started
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=r"--families chella: no recipe experiment=<family>/listops .*mega_chunk"):
+        lc.main(["--task", "listops", "--families", "chela", "chella", "--out", str(out)])
+    with pytest.raises(SystemExit, match=r"--families las_chunk: no recipe experiment=<family>/sc10"):
+        lc.main(["--task", "sc10", "--families", "las_chunk", "--out", str(out)])
+    with pytest.raises(SystemExit, match=r"--task listop: no family has a recipe for it; the tasks: .*listops"):
+        lc.main(["--task", "listop", "--families", "chela", "--out", str(out)])
+    assert not out.exists()
 
 
 def test_gpu_indices_go_through_the_schedulers_visible_devices(launched, tmp_path, monkeypatch):
