@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     prep = [sys.executable, str(ROOT / "scripts/prepare_data.py"), f"{args.task}_gen",
             *[o for o in args.extra if o.startswith(("data.", "paths."))]]
-    subprocess.run(prep, check=True, env=env, cwd=ROOT)  # once, before the runs, so they do not race to generate it
+    # once, before the runs, so they do not race to generate it; its error is one line (`error: ...`) on stderr
+    prepared = subprocess.run(prep, env=env, cwd=ROOT)
+    if prepared.returncode != 0:
+        raise SystemExit(prepared.returncode)
     extra = [*args.extra, *(["test=false"] if args.no_test else [])]
     history = earlier_calls(args, out)
     procs, start = {}, time.time()

@@ -48,7 +48,7 @@ def launched(tmp_path, monkeypatch):
         return runs[family]
 
     # only the script's own subprocess calls are replaced; the GPU sampler still runs the fake nvidia-smi
-    monkeypatch.setattr(lc, "subprocess", SimpleNamespace(run=lambda *a, **k: None, Popen=popen,
+    monkeypatch.setattr(lc, "subprocess", SimpleNamespace(run=lambda *a, **k: SimpleNamespace(returncode=0), Popen=popen,
                                                           STDOUT=subprocess.STDOUT))
     monkeypatch.setattr(lc, "check_recipes", lambda families, task: None)  # the families here are stand-ins
     tool = tmp_path / "bin" / "nvidia-smi"
@@ -121,6 +121,20 @@ def test_a_family_or_task_without_a_recipe_is_refused_before_anything_runs(tmp_p
     with pytest.raises(SystemExit, match=r"--task listop: no family has a recipe for it; the tasks: .*listops"):
         lc.main(["--task", "listop", "--families", "chela", "--out", str(out)])
     assert not out.exists()
+
+
+def test_a_refused_data_setting_ends_in_prepares_one_line(tmp_path):
+    """The data preparation ran with check=True: its one-line error (a refused data.* value, a download that
+    failed) was followed by a CalledProcessError traceback and exit status 1. The call now exits with the
+    preparation's status, its line alone on stderr, and starts no run."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "learning_curves.py"), "--task", "listops",
+                           "--families", "chela", "--out", str(tmp_path / "out"), "--logs", str(tmp_path / "logs"),
+                           f"paths.data_dir={tmp_path / 'data'}", "data.num_val=0"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: ") and "data.num_val=0" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "logs").exists()
 
 
 def test_gpu_indices_go_through_the_schedulers_visible_devices(launched, tmp_path, monkeypatch):
