@@ -60,7 +60,8 @@ def summary(manifest: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("task", help="a configs/data/<task>.yaml name")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data.num_images=2000")
+    # default=[]: without a default, argparse counts a `*` positional as required and names it in the missing-task error
+    parser.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. data.num_images=2000")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 

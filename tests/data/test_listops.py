@@ -187,6 +187,15 @@ def test_workers_end_when_the_generating_process_is_killed():
     assert running == []
 
 
+def test_prepare_script_without_a_task_names_only_the_task(capsys):
+    """`prepare_data.py` with no argument said "the following arguments are required: task, overrides", although
+    the overrides are optional (`make data TASK=` with an empty TASK runs it so)."""
+    with pytest.raises(SystemExit) as exit_info:
+        _prepare_script().main([])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.strip().endswith("error: the following arguments are required: task"), err
+
+
 @pytest.mark.parametrize("argv, expected", [
     pytest.param(["retrieval", "data.seq_len=0"], "data (AAN): data.seq_len=0 must be positive", id="refused"),
     pytest.param(["listops", "data.seq_lem=1"], "data.seq_lem is not a key of data (did you mean data.seq_len?)",
