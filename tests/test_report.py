@@ -274,6 +274,32 @@ def test_reproduce_scripts_name_existing_experiments(paper):
                 assert path.exists(), f"{script}: {key}={name} names no config ({path})"
 
 
+def test_seqboat_speed_section_measures_table_6(monkeypatch):
+    """`reproduce_seqboat.sh speed` ran `python -m longmixer.bench` with its defaults: the text and length settings
+    came first and its 230-s budget was spent before the table6 setting, so Table 6 came out "skipped". Each setting
+    the section names now has its own command and budget, and each command parses as the bench's own."""
+    import longmixer.bench
+
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce_seqboat.sh"), "speed"],
+                          env={**os.environ, "PY": "echo"}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    commands = [line.split()[2:] for line in proc.stdout.splitlines()]
+    assert commands and all(line.split()[:2] == ["-m", "longmixer.bench"] for line in proc.stdout.splitlines())
+    parsed = []
+
+    def measured(args):
+        parsed.append(args)
+        raise StopIteration
+
+    monkeypatch.setattr(longmixer.bench, "run", measured)
+    for argv in commands:
+        with pytest.raises(StopIteration):
+            longmixer.bench.main(argv)
+    assert [a.settings for a in parsed] == [["text"], ["table6"]]
+    assert all(a.budget_s > 230 for a in parsed)
+    assert parsed[1].merge == parsed[0].out == parsed[1].out  # one JSON with both tables
+
+
 @pytest.mark.parametrize("paper", ["chela", "longvq", "las", "seqboat", "mega", "transformer"])
 def test_reproduce_script_refuses_an_unknown_table(paper):
     """The first argument names the table; an override given in its place (`bash reproduce_x.sh trainer.devices=1`)
