@@ -276,6 +276,23 @@ def test_unknown_lengths_name_the_sweep(quick, lengths, allowed):
         plan(quick=quick, lengths=lengths)
 
 
+@pytest.mark.parametrize("args, message", [
+    pytest.param(["--settings", "length", "--lengths", "99"], "--lengths 99: the --quick length sweep measures 32, 64",
+                 id="not-a-point"),
+    pytest.param(["--settings", "text", "--lengths", "64"], "--lengths picks points of the length sweep, which "
+                 "--settings text does not measure; add length to --settings", id="without-length")])
+def test_lengths_the_run_would_not_measure_are_refused_in_one_line(tmp_path, capsys, monkeypatch, args, message):
+    """Bug: `--settings length --lengths 99` ended in plan()'s ValueError traceback with exit status 1, and
+    `--settings text --lengths 64` measured the Text setting as if --lengths had not been given."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "b.json"
+    with pytest.raises(SystemExit) as info:
+        main(["--models", "chela", *args, "--out", str(out)])
+    assert info.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_after_forward_hook_runs_after_each_training_forward(monkeypatch):
     """A model's callable `after_forward` (LongVQ's eager codebook statistics) runs once after every forward, as
     in the tasks: once per training step (gradients on), and after each evaluation forward, where it has nothing

@@ -15,7 +15,8 @@ Settings, in order (a time budget skips what does not fit, recorded as "skipped"
 1. `text`: the papers' efficiency setting (CHELA / LongVQ / LaS / SeqBoat Table 1): each family's Text recipe
    (`experiment=<family>/text`) at length 4096, same batch for all (8 sequences, 32K tokens per step).
 2. `length`: the same models at 1K, 2K, 4K, 8K, 16K with 32K tokens per step (batch 32 .. 2); 4K is the `text`
-   setting's row. `--lengths 16384` measures only the 16K point (batch 2).
+   setting's row. `--lengths 16384` measures only the 16K point (batch 2); a length that is no point of the sweep,
+   or `--lengths` with `--settings` lacking `length`, is refused before anything is measured.
 3. `table6`: SeqBoat Table 6 layout: MEGA, MEGA-chunk, SeqBoat-full, SeqBoat on each LRA task's recipe at the MEGA
    recipe's batch size: training-step speed, training memory and evaluation speed relative to MEGA.
 Models are built from the model / recipe yamls by Hydra compose (the mixer partials as in training), in bf16
@@ -598,6 +599,13 @@ def main(argv: list[str] | None = None) -> dict:
         close = [difflib.get_close_matches(name, known, n=1) for name in unknown]
         hint = "".join(f" (did you mean {c[0]}?)" for c in close if c) if len(unknown) == 1 else ""
         parser.error(f"--models {' '.join(unknown)}: no such model{hint}; the models are {', '.join(known)}")
+    if args.lengths and args.settings is not None and "length" not in args.settings:
+        parser.error(f"--lengths picks points of the length sweep, which --settings {' '.join(args.settings)} "
+                     "does not measure; add length to --settings")
+    try:  # a CPU measures the --quick sweep (`run`)
+        plan(args.quick or not torch.cuda.is_available(), args.lengths)
+    except ValueError as err:
+        parser.error(str(err))
     if args.compile is None:
         args.compile = ["none", STEP_GRAPH] if torch.cuda.is_available() else ["none"]
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
