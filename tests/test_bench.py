@@ -363,6 +363,21 @@ def test_a_step_count_below_its_least_is_refused(tmp_path, capsys, flag, value):
     assert f"argument {flag}: {value} must be >= {1 if flag == '--iters' else 0}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--budget-s", "0", "0 must be a number of seconds > 0"), ("--budget-s", "-5", "-5 must be a number of seconds > 0"),
+    ("--budget-s", "nan", "nan must be a number of seconds > 0"), ("--budget-s", "soon", "'soon' is not a number"),
+    ("--profile-steps", "-1", "-1 must be >= 0"), ("--top-kernels", "-3", "-3 must be >= 0")])
+def test_a_budget_or_count_out_of_range_is_refused(tmp_path, capsys, flag, value, message):
+    """Bug: `--budget-s 0` (or a negative budget) skipped every row and wrote that table over --out with exit status
+    0, `--budget-s nan` meant no budget, and a negative `--profile-steps` profiled no step and divided by it (a GPU
+    row's kernels per step, -0) while a negative `--top-kernels` cut the list from its end."""
+    out = tmp_path / "b.json"
+    with pytest.raises(SystemExit) as info:
+        main(["--quick", "--models", "chela", "--settings", "text", flag, value, "--out", str(out)])
+    assert info.value.code == 2 and not out.exists()
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("cuda, modes", [(True, ["none", "step-graph"]), (False, ["none"])])
 def test_default_compile_modes_are_eager_and_what_training_picks(monkeypatch, tmp_path, cuda, modes):
     """Without --compile, a GPU measures eager and `step-graph` (what task.compile=auto trains fixed-shape data with

@@ -559,23 +559,36 @@ def _count(least: int):
     return parse
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0 (`inf`: no budget). `--budget-s 0` or a negative budget skipped
+    every row and wrote that table over --out with exit status 0; `nan` was no budget at all."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:  # nan too
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds > 0")
+    return value
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m longmixer.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny models and lengths (CPU smoke test)")
     parser.add_argument("--out", default="bench_out/model_bench.json")
-    parser.add_argument("--budget-s", type=float, default=230.0,
-                        help="stop measuring after this many seconds, also inside a job (rows left are 'skipped')")
+    parser.add_argument("--budget-s", type=_seconds, default=230.0,
+                        help="stop measuring after this many seconds (> 0; inf: no budget), also inside a job (rows left "
+                             "are 'skipped')")
     parser.add_argument("--compile", nargs="+", default=None, choices=BENCH_COMPILE_MODES,
                         help="compile modes to measure each model in (default: none and step-graph on a GPU, "
                              "the mode task.compile=auto trains fixed-shape data with on one GPU; none on CPU); "
                              "step-graph: blocks compiled as default, the whole step captured in one CUDA graph "
                              "(CUDA only); reduce-overhead: the mode auto falls back to where a run cannot be "
                              "captured whole (data-parallel, gradient accumulation, ...)")
-    parser.add_argument("--profile-steps", type=int, default=3,
+    parser.add_argument("--profile-steps", type=_count(0), default=3,
                         help="steps traced by torch.profiler for GPU-busy %% and kernels per step (CUDA only; 0: off)")
     parser.add_argument("--warmup", type=_count(0), default=2)
     parser.add_argument("--iters", type=_count(1), default=5, help="timed steps per row (>= 1)")
-    parser.add_argument("--top-kernels", type=int, default=0,
+    parser.add_argument("--top-kernels", type=_count(0), default=0,
                         help="record the N most expensive GPU kernels of a profiled step in each JSON row")
     parser.add_argument("--models", nargs="*", default=None, help="only these models (e.g. transformer_sdpa chela)")
     parser.add_argument("--settings", nargs="*", default=None, choices=("text", "length", "table6"))
