@@ -3,6 +3,7 @@ Hydra-composed model, merging with an earlier run, and the markdown table."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -376,6 +377,33 @@ def test_a_budget_or_count_out_of_range_is_refused(tmp_path, capsys, flag, value
         main(["--quick", "--models", "chela", "--settings", "text", flag, value, "--out", str(out)])
     assert info.value.code == 2 and not out.exists()
     assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_a_model_that_fails_keeps_the_table_and_the_exit_status_says_so(tmp_path, monkeypatch, capsys):
+    """Bug: a model that raised mid-bench was recorded as an "error: ..." row and the rest of the table was kept,
+    but the command exited 0, so `make bench` (and any script) went on as if every row had been measured. Rows an
+    earlier run's JSON brings in through --merge do not count: this run did not measure them."""
+    from longmixer import bench
+
+    measure = bench.measure
+
+    def failing(cfg, *args, **kwargs):
+        if "chela" in str(cfg.model.mixer):
+            raise RuntimeError("injected failure")
+        return measure(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "measure", failing)
+    out = tmp_path / "b.json"
+    with pytest.raises(SystemExit) as info:
+        main(["--models", "chela", "transformer_sdpa", "--settings", "text", "--out", str(out)])
+    assert "1 of the 2 rows measured failed" in str(info.value.code) and "text 128 B2 chela none" in str(info.value.code)
+    rows = {r["model"]: r["status"] for r in json.loads(out.read_text())["rows"]}
+    assert rows == {"transformer_sdpa": "ok", "chela": "error: RuntimeError: injected failure"}
+    assert "| chela | none | error: RuntimeError: injected failure |" in out.with_suffix(".md").read_text()
+    result = main(["--models", "transformer_sdpa", "--settings", "text", "--merge", str(out),
+                   "--out", str(tmp_path / "again.json")])  # the earlier error row is kept, not measured again
+    assert {r["model"]: r["status"] for r in result["rows"]} == rows
 
 
 @pytest.mark.parametrize("cuda, modes", [(True, ["none", "step-graph"]), (False, ["none"])])

@@ -21,6 +21,8 @@ Settings, in order (a time budget skips what does not fit, recorded as "skipped"
    recipe's batch size: training-step speed, training memory and evaluation speed relative to MEGA.
 Models are built from the model / recipe yamls by Hydra compose (the mixer partials as in training), in bf16
 autocast with fp32 weights and AdamW, as the papers trained. Configs that run out of memory are recorded as "OOM".
+A model that fails is recorded as "error: ..." and the others are measured; the command then exits 1, naming the
+rows that failed.
 The JSON's `environment` names the device, the host's CPU, the versions and the commit measured (`code`:
 `-dirty` where tracked files differ from it; null outside a git checkout).
 """
@@ -368,6 +370,12 @@ def environment(device) -> dict:
             "code": code_version(), "command": "python -m longmixer.bench " + " ".join(sys.argv[1:])}
 
 
+def _jobs(args) -> list[dict]:
+    """The measurements this command makes (`plan`, narrowed by --models, --settings and --compile)."""
+    return [{**j, "compile": mode, "mask": args.mask} for j in plan(args.quick, args.lengths) for mode in args.compile
+            if (not args.models or j["model"] in args.models) and (not args.settings or j["setting"] in args.settings)]
+
+
 def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.quick:
@@ -380,8 +388,7 @@ def run(args) -> dict:
     deadline = start + args.budget_s
     if STEP_GRAPH in args.compile and device.type != "cuda":
         log.warning("no CUDA GPU: --compile %s rows are recorded as skipped (it captures a CUDA graph)", STEP_GRAPH)
-    jobs = [{**j, "compile": mode, "mask": args.mask} for j in plan(args.quick, args.lengths) for mode in args.compile
-            if (not args.models or j["model"] in args.models) and (not args.settings or j["setting"] in args.settings)]
+    jobs = _jobs(args)
     if args.merge:
         # keep the earlier run's rows for what this run does not measure again
         again = {_slot(j) for j in jobs}
@@ -629,6 +636,13 @@ def main(argv: list[str] | None = None) -> dict:
     table = markdown(result, claims)
     Path(args.out).with_suffix(".md").write_text(table)
     sys.stdout.write(table)
+    measured = {_slot(j) for j in _jobs(args)}  # an error row kept by --merge is an earlier run's
+    failed = [r for r in result["rows"] if str(r.get("status", "")).startswith("error") and _slot(r) in measured]
+    if failed:
+        sys.stdout.flush()
+        sys.exit(f"{len(failed)} of the {len(measured)} rows measured failed (their status says why; the rest of the "
+                 f"table is in {args.out}): " + ", ".join(f"{_setting_label(r)} {r['model']} {r.get('compile', 'none')}"
+                                                          for r in failed))
     return result
 
 
