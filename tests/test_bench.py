@@ -406,6 +406,49 @@ def test_a_model_that_fails_keeps_the_table_and_the_exit_status_says_so(tmp_path
     assert {r["model"]: r["status"] for r in result["rows"]} == rows
 
 
+def test_out_and_its_markdown_are_replaced_whole_after_each_row(tmp_path, monkeypatch):
+    """Bug: --out was rewritten in place after each row (a kill during the write left a cut JSON, the earlier run's
+    table lost), and its .md only once at the end, so a run killed after some rows left the new JSON beside the
+    markdown of the run before it."""
+    from pathlib import Path
+
+    from longmixer import bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "b.json"
+    out.write_text('{"rows": []}')
+    out.with_suffix(".md").write_text("the earlier run's table\n")
+    measure, calls = bench.measure, []
+
+    def killed_at_the_second_row(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a kill does between two rows
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "measure", killed_at_the_second_row)
+    argv = ["--models", "transformer_sdpa", "chela", "--settings", "text", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    first = out.read_text()
+    assert [r["model"] for r in json.loads(first)["rows"]] == ["transformer_sdpa"]
+    table = out.with_suffix(".md").read_text()
+    assert "| transformer_sdpa | none |" in table and "earlier run" not in table
+
+    write_text = Path.write_text
+
+    def cut_short(self, text, *args, **kwargs):  # a kill in the middle of writing a file
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(Path, "write_text", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    monkeypatch.setattr(Path, "write_text", write_text)
+    assert out.read_text() == first and out.with_suffix(".md").read_text() == table
+
+
 @pytest.mark.parametrize("cuda, modes", [(True, ["none", "step-graph"]), (False, ["none"])])
 def test_default_compile_modes_are_eager_and_what_training_picks(monkeypatch, tmp_path, cuda, modes):
     """Without --compile, a GPU measures eager and `step-graph` (what task.compile=auto trains fixed-shape data with

@@ -24,7 +24,9 @@ autocast with fp32 weights and AdamW, as the papers trained. Configs that run ou
 A model that fails is recorded as "error: ..." and the others are measured; the command then exits 1, naming the
 rows that failed.
 The JSON's `environment` names the device, the host's CPU, the versions and the commit measured (`code`:
-`-dirty` where tracked files differ from it; null outside a git checkout).
+`-dirty` where tracked files differ from it; null outside a git checkout). `--out` (the JSON) and its `.md` (the
+tables) are replaced after each row, each by a rename: a killed run leaves both with the rows measured so far, never
+a cut file. An earlier file at `--out` is replaced from the first row on; `--merge` keeps its rows.
 """
 
 from __future__ import annotations
@@ -370,6 +372,24 @@ def environment(device) -> dict:
             "code": code_version(), "command": "python -m longmixer.bench " + " ".join(sys.argv[1:])}
 
 
+def paper_claims() -> list[dict]:
+    """The papers' efficiency numbers the markdown sets beside ours (paper_results.yaml)."""
+    import yaml
+
+    return yaml.safe_load((Path(__file__).parent / "paper_results.yaml").read_text()).get("efficiency", [])
+
+
+def write_outputs(out: Path, result: dict, claims: list[dict]) -> str:
+    """Write `out` (the JSON) and its `.md` (the tables), each by a rename, so a killed run leaves the old file or the
+    new one, never a part, and the two always describe the same rows. Returns the markdown."""
+    from longmixer.runs.resume import write_atomically
+
+    table = markdown(result, claims)
+    write_atomically(out, json.dumps(result, indent=1))
+    write_atomically(out.with_suffix(".md"), table)
+    return table
+
+
 def _jobs(args) -> list[dict]:
     """The measurements this command makes (`plan`, narrowed by --models, --settings and --compile)."""
     return [{**j, "compile": mode, "mask": args.mask} for j in plan(args.quick, args.lengths) for mode in args.compile
@@ -382,6 +402,7 @@ def run(args) -> dict:
         log.warning("no CUDA GPU: measuring --quick toy models on the CPU instead (the papers' settings need a GPU)")
         args.quick = True
     result = {"environment": environment(device), "quick": args.quick, "rows": []}
+    claims = paper_claims()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -423,9 +444,9 @@ def run(args) -> dict:
         torch._dynamo.reset()
         log.info("%s", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
         result["rows"].append(row)
-        out.write_text(json.dumps(result, indent=1))  # after each row: a killed run keeps what it measured
+        write_outputs(out, result, claims)  # after each row: a killed run keeps what it measured
     result["wall_s"] = time.perf_counter() - start
-    out.write_text(json.dumps(result, indent=1))
+    write_outputs(out, result, claims)
     return result
 
 
@@ -629,13 +650,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compile is None:
         args.compile = ["none", STEP_GRAPH] if torch.cuda.is_available() else ["none"]
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-    result = run(args)
-    import yaml
-
-    claims = yaml.safe_load((Path(__file__).parent / "paper_results.yaml").read_text()).get("efficiency", [])
-    table = markdown(result, claims)
-    Path(args.out).with_suffix(".md").write_text(table)
-    sys.stdout.write(table)
+    result = run(args)  # writes --out and its .md
+    sys.stdout.write(markdown(result, paper_claims()))
     measured = {_slot(j) for j in _jobs(args)}  # an error row kept by --merge is an earlier run's
     failed = [r for r in result["rows"] if str(r.get("status", "")).startswith("error") and _slot(r) in measured]
     if failed:
