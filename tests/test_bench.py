@@ -449,6 +449,29 @@ def test_out_and_its_markdown_are_replaced_whole_after_each_row(tmp_path, monkey
     assert out.read_text() == first and out.with_suffix(".md").read_text() == table
 
 
+def test_merge_refuses_rows_of_another_device_or_a_file_it_cannot_read(tmp_path, monkeypatch, capsys):
+    """Bug: `--merge` of a GPU's JSON on a CPU kept the H200's rows under the header "Device: cpu ... Toy models"
+    (and a CPU's toy rows merged on a GPU would read as that GPU's numbers); a --merge file that does not exist ended
+    in a FileNotFoundError traceback with exit status 1."""
+    import platform
+    from pathlib import Path
+
+    from longmixer import bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    gpu_json = Path(bench.__file__).resolve().parents[2] / "notebooks" / "example_runs" / "bench.json"
+    cpu = platform.processor() or "cpu"  # what the JSON's environment calls a CPU
+    out = tmp_path / "b.json"
+    for merge, message in [
+            (gpu_json, f"its rows were measured on NVIDIA H200, this run measures on {cpu} (--quick toy models); "
+                       "a table has one device"),
+            (tmp_path / "missing.json", "not a readable bench JSON (FileNotFoundError")]:
+        with pytest.raises(SystemExit) as info:
+            main(["--models", "chela", "--settings", "text", "--merge", str(merge), "--out", str(out)])
+        assert info.value.code == 2 and not out.exists()
+        assert f"--merge {merge}: {message}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("cuda, modes", [(True, ["none", "step-graph"]), (False, ["none"])])
 def test_default_compile_modes_are_eager_and_what_training_picks(monkeypatch, tmp_path, cuda, modes):
     """Without --compile, a GPU measures eager and `step-graph` (what task.compile=auto trains fixed-shape data with

@@ -26,7 +26,8 @@ rows that failed.
 The JSON's `environment` names the device, the host's CPU, the versions and the commit measured (`code`:
 `-dirty` where tracked files differ from it; null outside a git checkout). `--out` (the JSON) and its `.md` (the
 tables) are replaced after each row, each by a rename: a killed run leaves both with the rows measured so far, never
-a cut file. An earlier file at `--out` is replaced from the first row on; `--merge` keeps its rows.
+a cut file. An earlier file at `--out` is replaced from the first row on; `--merge` keeps its rows, from a JSON of
+the same device (and `--quick` or not) only, since the table's header names one device for every row.
 """
 
 from __future__ import annotations
@@ -362,10 +363,15 @@ def code_version(repo_dir: Path = Path(__file__).resolve().parents[2]) -> str | 
     return commit + ("-dirty" if git_output("status", "--porcelain", "--untracked-files=no", cwd=repo_dir) else "")
 
 
+def device_name(device) -> str:
+    """What the tables call the device: the GPU's name, or the CPU's."""
+    return torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
+
+
 def environment(device) -> dict:
     import triton
 
-    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+    return {"device": device_name(device),
             "host": host_cpu(),
             "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
             "python": platform.python_version(), "dtype": "bf16 autocast, fp32 weights, AdamW",
@@ -599,6 +605,27 @@ def _seconds(text: str) -> float:
     return value
 
 
+def merge_problem(path: str, device: str, quick: bool) -> str | None:
+    """Why the rows of `path` (`--merge`) cannot join this run's table, or None. The table has one header naming the
+    device and whether the models are toys: rows measured elsewhere (a GPU's rows merged into a CPU run, or a CPU's
+    toy rows into a GPU's table) would be labelled as this run's."""
+    try:
+        earlier = json.loads(Path(path).read_text())
+        rows, env = earlier["rows"], earlier.get("environment") or {}
+        if not isinstance(rows, list):
+            raise TypeError("its rows are not a list")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"--merge {path}: not a readable bench JSON ({type(err).__name__}: {err})"
+    theirs = (env.get("device", device), bool(earlier.get("quick", False)))
+    if theirs != (device, quick):
+        def what(name, toy):
+            return f"{name}{' (--quick toy models)' if toy else ''}"
+
+        return (f"--merge {path}: its rows were measured on {what(*theirs)}, this run measures on "
+                f"{what(device, quick)}; a table has one device, so write this run to another --out")
+    return None
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m longmixer.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny models and lengths (CPU smoke test)")
@@ -627,7 +654,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mask", default="none", choices=KEY_MASKS,
                         help="the key mask of the batches, whose sequences are all full-length: none (every model's "
                              "unmasked path) or full (an all-true mask, the path of a padded task's batches)")
-    parser.add_argument("--merge", default=None, help="an earlier JSON: its rows stay for what is not measured again")
+    parser.add_argument("--merge", default=None, help="an earlier JSON of the same device (and --quick or not): its "
+                        "rows stay for what is not measured again")
     parser.add_argument("--seed", type=int, default=0,
                         help="each job's model and batch are drawn from this seed (the same for every job)")
     args = parser.parse_args(argv)
@@ -643,10 +671,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.lengths and args.settings is not None and "length" not in args.settings:
         parser.error(f"--lengths picks points of the length sweep, which --settings {' '.join(args.settings)} "
                      "does not measure; add length to --settings")
-    try:  # a CPU measures the --quick sweep (`run`)
-        plan(args.quick or not torch.cuda.is_available(), args.lengths)
+    quick = args.quick or not torch.cuda.is_available()  # a CPU measures the --quick toy models (`run`)
+    try:
+        plan(quick, args.lengths)
     except ValueError as err:
         parser.error(str(err))
+    if args.merge and (problem := merge_problem(args.merge, device_name(torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")), quick)):
+        parser.error(problem)
     if args.compile is None:
         args.compile = ["none", STEP_GRAPH] if torch.cuda.is_available() else ["none"]
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
