@@ -21,3 +21,18 @@ def test_slurm_launcher_pre_timeout_signal_is_a_stop_signal():
     name, delay = re.search(r"^#SBATCH --signal=(\w+)@(\d+)$", sbatch, re.M).groups()
     assert signal.Signals["SIG" + name] in STOP_SIGNALS
     assert int(delay) == launcher.signal_delay_s > 0
+
+
+def test_a_platform_without_sigusr2_still_imports_the_stop_signals(monkeypatch):
+    """Windows' `signal` has no SIGUSR2: naming it outright made every entry point fail at import there."""
+    import importlib
+
+    import longmixer.utils.signals as signals
+
+    monkeypatch.delattr(signal, "SIGUSR2")
+    try:
+        assert importlib.reload(signals).STOP_SIGNALS == (signal.SIGTERM, signal.SIGINT)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(signals)
+    assert signals.STOP_SIGNALS == (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)

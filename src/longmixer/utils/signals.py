@@ -15,4 +15,5 @@ from __future__ import annotations
 
 import signal
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+# SIGUSR2 where the platform has it (not on Windows, where SLURM does not run either)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR2") if hasattr(signal, name))
