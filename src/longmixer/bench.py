@@ -290,15 +290,12 @@ def measure(cfg, batch: int, length: int, device, warmup: int, iters: int, compi
     return row
 
 
-def plan(quick: bool, lengths: list[int] | None = None) -> list[dict]:
-    """Every measurement, in priority order: the Text setting, the sweep's ends (1K, 16K), Table 6, the sweep's
-    middle (2K, 8K); a time budget cuts from the end. `lengths` (`--lengths`) keeps only those points of the
-    `length` sweep (the other settings are unchanged).
+def sweep_points(quick: bool, lengths: list[int] | None = None) -> list[int]:
+    """The lengths of the `length` sweep besides the text setting's, in the sweep's order.
 
     Raises:
-        ValueError: a value of `lengths` is not a point of the sweep (the message names the points).
+        ValueError: a value of `lengths` (`--lengths`) is not a point of the sweep (the message names the points).
     """
-    tokens = 256 if quick else TOKENS_PER_STEP
     text_len = 128 if quick else TEXT_LENGTH
     others = [n for n in ((64, 128, 32) if quick else LENGTHS) if n != text_len]  # text_len is the text setting's
     unknown = sorted(set(lengths or ()) - set(others))
@@ -306,6 +303,20 @@ def plan(quick: bool, lengths: list[int] | None = None) -> list[dict]:
         hint = f"; {text_len} is measured by --settings text" if text_len in unknown else ""
         raise ValueError(f"--lengths {' '.join(map(str, unknown))}: the {'--quick ' if quick else ''}length sweep "
                          f"measures {', '.join(map(str, sorted(others)))}{hint}")
+    return others
+
+
+def plan(quick: bool, lengths: list[int] | None = None) -> list[dict]:
+    """Every measurement, in priority order: the Text setting, the sweep's ends (1K, 16K), Table 6, the sweep's
+    middle (2K, 8K); a time budget cuts from the end. `lengths` (`--lengths`) keeps only those points of the
+    `length` sweep (the other settings are unchanged).
+
+    Raises:
+        ValueError: a value of `lengths` is not a point of the sweep (`sweep_points`).
+    """
+    tokens = 256 if quick else TOKENS_PER_STEP
+    text_len = 128 if quick else TEXT_LENGTH
+    others = sweep_points(quick, lengths)
 
     def sweep(points):
         return [{"setting": "length", "model": n, "overrides": o + [f"data.seq_len={length}"], "length": length,
@@ -673,7 +684,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "does not measure; add length to --settings")
     quick = args.quick or not torch.cuda.is_available()  # a CPU measures the --quick toy models (`run`)
     try:
-        plan(quick, args.lengths)
+        sweep_points(quick, args.lengths)
     except ValueError as err:
         parser.error(str(err))
     if args.merge and (problem := merge_problem(args.merge, device_name(torch.device(

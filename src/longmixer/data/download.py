@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from longmixer.utils.archives import tar_filters_missing
 from longmixer.utils.errors import UserFacingError
 
 log = logging.getLogger(__name__)
@@ -262,21 +263,14 @@ class UnsafeToUnpackError(UserFacingError, RuntimeError):
 
 
 def require_tar_filter(archive: Path) -> None:
-    """Refuse to unpack `archive` on a Python whose tarfile lacks the extraction filters (PEP 706: 3.10.12, 3.11.4,
-    3.12 and later; `requires-python` cannot say "3.10.12 or 3.11.4"). Every tar is unpacked with `filter="data"`,
-    which keeps a member with an absolute path, `..` or a link out of the folder from being written outside it;
-    without the filters that argument stops the extraction with a TypeError traceback.
+    """Refuse to unpack `archive` on a Python without tarfile's extraction filters (`utils.archives`).
 
     Raises:
         UnsafeToUnpackError: naming the Python, the archive and the ways out.
     """
-    if not hasattr(tarfile, "data_filter"):
-        version = ".".join(map(str, sys.version_info[:3]))
-        raise UnsafeToUnpackError(
-            f"Python {version} cannot unpack {archive} safely: its tarfile lacks the extraction filters (Python "
-            f"3.10.12, 3.11.4 or 3.12 and later) that keep a member from being written outside the folder; use a "
-            f"newer Python, or unpack the archive by hand and pass data.source_dir=<folder> (docs/data.md lists "
-            f"what each task expects)")
+    if problem := tar_filters_missing(archive):
+        raise UnsafeToUnpackError(f"{problem}; use a newer Python, or unpack the archive by hand and pass "
+                                  "data.source_dir=<folder> (docs/data.md lists what each task expects)")
 
 
 def extract_marker(dest: Path, archive_name: str) -> Path:

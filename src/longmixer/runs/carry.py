@@ -27,6 +27,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from longmixer.utils.archives import tar_filters_missing
 from longmixer.utils.cli import quiet_on_closed_stdout
 
 PART_RE = re.compile(r"^(?P<name>[A-Za-z0-9_.]+)-(?P<digest>[0-9a-f]{16})-(?P<i>\d+)of(?P<n>\d+)\.tar-part$")
@@ -120,11 +121,8 @@ def unpack(folder: str | Path, into: str | Path) -> list[str]:
     folder, into = Path(folder), Path(into)
     if not folder.is_dir():
         raise CarryError(f"{folder} is not a folder of parts")
-    if not hasattr(tarfile, "data_filter"):  # PEP 706's filters: Python 3.10.12, 3.11.4, 3.12 and later
-        version = ".".join(map(str, sys.version_info[:3]))
-        raise CarryError(f"Python {version} cannot unpack {folder} safely: its tarfile lacks the extraction filters "
-                         "(Python 3.10.12, 3.11.4 or 3.12 and later) that keep a member from being written outside "
-                         f"{into}; unpack with a newer Python")
+    if problem := tar_filters_missing(folder):
+        raise CarryError(f"{problem}; unpack with a newer Python")
     digest, parts = _find_parts(folder)
     joined = io.BytesIO()
     for part in parts:

@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from longmixer.utils.backends import BACKENDS
+from longmixer.utils.compose import CONFIG_DIR
 from longmixer.utils.errors import UserFacingError, raised_by_a_check
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
@@ -261,7 +262,7 @@ def _check_group_entries(cfg: DictConfig, group: str, what: str) -> None:
     for name, node in entries.items():
         if node is None or (isinstance(node, DictConfig) and "_target_" in node):
             continue
-        option = Path(__file__).resolve().parents[1] / "configs" / group / f"{name}.yaml"
+        option = Path(CONFIG_DIR) / group / f"{name}.yaml"
         fix = f"; {group}={name} adds it" if option.is_file() else _suggest(str(name), present)
         raise ConfigError(f"{group}.{name} is not one of this run's {what} (it has no _target_){fix}; the run's "
                           f"{what}: {', '.join(present)}")
